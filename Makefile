@@ -1,0 +1,39 @@
+# Two commands do all set-up: `make demo` and `make test` (both create .venv first).
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+# Python 3.12: python3.12 on PATH if it runs, else pyenv's 3.12.x.
+PYTHON312 := $(shell \
+  if python3.12 -c 'import sys' >/dev/null 2>&1; then command -v python3.12; \
+  else root=$$(pyenv root 2>/dev/null || echo $$HOME/.pyenv); \
+       ls -d $$root/versions/3.12.*/bin/python3.12 2>/dev/null | sort -V | tail -n 1; fi)
+
+.PHONY: demo test lint bench-cpu clean
+
+$(PY):
+	@if [ -z "$(PYTHON312)" ]; then \
+	  echo "error: Python 3.12 not found (no working python3.12 on PATH and none under \$$(pyenv root)/versions/3.12.*)."; \
+	  echo "       Install it, e.g. 'pyenv install 3.12', then re-run make."; exit 1; fi
+	$(PYTHON312) -m venv $(VENV)
+
+$(STAMP): $(PY) pyproject.toml
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/kernels_demo.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+bench-cpu: $(STAMP)
+	$(PY) benchmarks/cpu_kernels.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,25 @@
+"""Batch-invariant kernels: no model knowledge, one file per op.
+
+Each op: Pallas kernel (GPU) -> pallas_call wrapper -> fixed-shape CPU
+formulation -> public entry (keyword-only static args) -> ``*_reference``
+(plain XLA, batch-variant: the negative control and the speed baseline).
+"""
+
+from pallas_kernels.matmul import MatmulPlan, matmul, matmul_partial, matmul_reference, plan_matmul, tree_sum
+from pallas_kernels.rms_norm import rms_norm, rms_norm_reference
+from pallas_kernels.softmax import log_softmax, log_softmax_reference, logsumexp, logsumexp_reference
+
+__all__ = [
+    "MatmulPlan",
+    "log_softmax",
+    "log_softmax_reference",
+    "logsumexp",
+    "logsumexp_reference",
+    "matmul",
+    "matmul_partial",
+    "matmul_reference",
+    "plan_matmul",
+    "rms_norm",
+    "rms_norm_reference",
+    "tree_sum",
+]

@@ -1,0 +1,53 @@
+"""Input checks shared by the ops: clear errors before anything is traced."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+
+FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+def _dtype(op: str, name: str, a):
+    dtype = getattr(a, "dtype", None)
+    if dtype is None:
+        raise TypeError(f"{op}: {name} must be an array, got {type(a).__name__}")
+    return jnp.dtype(dtype)
+
+
+def check_float_dtype(op: str, **arrays) -> None:
+    for name, a in arrays.items():
+        dtype = _dtype(op, name, a)
+        if dtype not in FLOAT_DTYPES:
+            raise TypeError(
+                f"{op}: {name} has dtype {dtype}; supported: bfloat16, float16, float32"
+            )
+
+
+def check_same_dtype(op: str, **arrays) -> None:
+    dtypes = {name: _dtype(op, name, a) for name, a in arrays.items()}
+    if len(set(dtypes.values())) > 1:
+        listed = ", ".join(f"{n}={d}" for n, d in dtypes.items())
+        raise TypeError(f"{op}: mixed dtypes ({listed}); cast them to one dtype first")
+
+
+def check_rank(op: str, name: str, a, rank: int) -> None:
+    shape = getattr(a, "shape", None)
+    if shape is None or len(shape) != rank:
+        raise ValueError(f"{op}: {name} must be {rank}-D, got shape {shape}")
+
+
+def check_rows(op: str, name: str, a) -> None:
+    if a.shape[0] == 0:
+        raise ValueError(f"{op}: {name} has no rows")
+    if a.shape[-1] == 0:
+        raise ValueError(f"{op}: {name} has no columns")
+
+
+def check_eps(op: str, eps) -> float:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"{op}: eps must be a Python float, got {type(eps).__name__}")
+    if not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"{op}: eps must be finite and >= 0, got {eps}")
+    return float(eps)

@@ -1,0 +1,128 @@
+"""Batch-invariant RMSNorm: ``x * rsqrt(mean(x**2) + eps) * weight`` per row, in fp32.
+
+One row per program, the whole row in one block (GPU); fixed 16-row tiles of a
+jnp formulation (CPU). The sum of squares over H has one order, fixed by H.
+With ``residual`` the op is the fused pre-norm block: ``s = x + residual`` (in
+x's dtype), returns ``(rms_norm(s), s)``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels import _platform
+from pallas_kernels._validate import check_eps, check_float_dtype, check_rank, check_rows, check_same_dtype
+
+CPU_TILE_T = 16
+
+
+def _rms_norm_kernel(*refs, eps: float, h: int, has_residual: bool):
+    if has_residual:
+        x_ref, r_ref, w_ref, o_ref, s_ref = refs
+    else:
+        x_ref, w_ref, o_ref = refs
+    cols = jnp.arange(pl.next_power_of_2(h))
+    mask = cols < h
+    x = pltriton.load(x_ref.at[cols], mask=mask, other=0.0)
+    if has_residual:
+        x = x + pltriton.load(r_ref.at[cols], mask=mask, other=0.0)
+        pltriton.store(s_ref.at[cols], x, mask=mask)
+    xf = x.astype(jnp.float32)
+    rstd = lax.rsqrt(jnp.sum(xf * xf) / h + eps)
+    w = pltriton.load(w_ref.at[cols], mask=mask, other=0.0).astype(jnp.float32)
+    pltriton.store(o_ref.at[cols], (xf * rstd * w).astype(o_ref.dtype), mask=mask)
+
+
+def _rms_norm_pallas(x, weight, residual, *, eps: float, interpret: bool):
+    t, h = x.shape
+    has_residual = residual is not None
+    row = pl.BlockSpec((pl.squeezed, h), lambda i: (i, 0))
+    vec = pl.BlockSpec((h,), lambda i: (0,))
+    in_specs = [row, row, vec] if has_residual else [row, vec]
+    out_shape = jax.ShapeDtypeStruct((t, h), x.dtype)
+    out = pl.pallas_call(
+        functools.partial(_rms_norm_kernel, eps=eps, h=h, has_residual=has_residual),
+        grid=(t,),
+        in_specs=in_specs,
+        out_specs=[row, row] if has_residual else row,
+        out_shape=[out_shape, out_shape] if has_residual else out_shape,
+        compiler_params=pltriton.CompilerParams(num_warps=4 if h <= 2048 else 8, num_stages=1),
+        interpret=interpret,
+        name="bijax_rms_norm",
+    )(*((x, residual, weight) if has_residual else (x, weight)))
+    return tuple(out) if has_residual else out
+
+
+def _rms_norm_jnp(x, weight, residual, *, eps: float):
+    t, h = x.shape
+    tp = -(-t // CPU_TILE_T) * CPU_TILE_T
+    wf = weight.astype(jnp.float32)
+
+    def tile(args):
+        xt = args[0] if residual is None else args[0] + args[1]
+        xf = xt.astype(jnp.float32)
+        rstd = lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) / h + eps)
+        return (xf * rstd * wf).astype(x.dtype), xt
+
+    def tiles(a):
+        return jnp.pad(a, ((0, tp - t), (0, 0))).reshape(tp // CPU_TILE_T, CPU_TILE_T, h)
+
+    args = (tiles(x),) if residual is None else (tiles(x), tiles(residual))
+    out, summed = tile(tuple(a[0] for a in args)) if tp == CPU_TILE_T else lax.map(tile, args)
+    out, summed = out.reshape(tp, h)[:t], summed.reshape(tp, h)[:t]
+    return out if residual is None else (out, summed)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "backend", "interpret"))
+def _rms_norm(x, weight, residual, *, eps, backend, interpret):
+    return _platform.dispatch(
+        backend,
+        lambda x, w, r: _rms_norm_jnp(x, w, r, eps=eps),
+        lambda x, w, r: _rms_norm_pallas(x, w, r, eps=eps, interpret=interpret),
+        x,
+        weight,
+        residual,
+    )
+
+
+def rms_norm(
+    x: jax.Array,
+    weight: jax.Array,
+    *,
+    eps: float,
+    residual: jax.Array | None = None,
+    backend: str = "auto",
+    interpret: bool = False,
+):
+    """Batch-invariant RMSNorm of x[T, H] with weight[H]; fp32 math, output in x's dtype.
+
+    With ``residual`` (same shape and dtype as x) returns ``(normed, x + residual)``.
+    """
+    check_rank("rms_norm", "x", x, 2)
+    check_rows("rms_norm", "x", x)
+    arrays = {"x": x, "weight": weight} if residual is None else {"x": x, "weight": weight, "residual": residual}
+    check_float_dtype("rms_norm", **arrays)
+    check_same_dtype("rms_norm", **arrays)
+    if tuple(weight.shape) != (x.shape[1],):
+        raise ValueError(f"rms_norm: weight shape {tuple(weight.shape)} != ({x.shape[1]},)")
+    if residual is not None and tuple(residual.shape) != tuple(x.shape):
+        raise ValueError(f"rms_norm: residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+    eps = check_eps("rms_norm", eps)
+    _platform.check_backend(backend, interpret)
+    return _rms_norm(x, weight, residual, eps=eps, backend=backend, interpret=interpret)
+
+
+def rms_norm_reference(x, weight, *, eps: float, residual=None):
+    """Plain XLA RMSNorm (same math, batch-variant reductions)."""
+    if residual is not None:
+        x = x + residual
+    xf = x.astype(jnp.float32)
+    rstd = lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    out = (xf * rstd * weight.astype(jnp.float32)).astype(x.dtype)
+    return out if residual is None else (out, x)
