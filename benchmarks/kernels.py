@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import math
 import statistics
 import sys
@@ -19,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels as pk
-from pallas_kernels import matmul as mm_mod
 
+mm_mod = importlib.import_module("pallas_kernels.matmul")
 FAILURES: list[str] = []
 
 LLAMA3_8B = {  # name: (K, N)
@@ -31,10 +32,40 @@ LLAMA3_8B = {  # name: (K, N)
     "lm_head": (4096, 128256),
 }
 TIMED = [  # the GPU.md baseline cells
-    ("qkv", 1), ("qkv", 256), ("qkv", 4096), ("o", 1), ("gate_up", 64), ("gate_up", 4096),
-    ("down", 1), ("down", 256), ("down", 4096), ("lm_head", 64),
+    ("qkv", 1),
+    ("qkv", 256),
+    ("qkv", 4096),
+    ("o", 1),
+    ("gate_up", 64),
+    ("gate_up", 4096),
+    ("down", 1),
+    ("down", 256),
+    ("down", 4096),
+    ("lm_head", 64),
 ]
 INVARIANCE_M = (1, 7, 16, 64, 255, 256, 1024, 4096)
+T = mm_mod.GpuTiles
+TILE_VARIANTS = [
+    T(16, 128, 4, 3),
+    T(32, 128, 4, 3),
+    T(64, 128, 4, 3),
+    T(128, 128, 8, 3),
+    T(128, 256, 8, 3),
+    T(128, 256, 8, 4),
+    T(64, 256, 8, 3),
+    T(64, 64, 4, 3),
+    T(16, 32, 4, 3),
+    T(16, 64, 2, 4),
+    T(128, 64, 4, 3),
+    T(128, 32, 4, 3),
+    T(16, 32, 2, 4),
+]
+SWEEP_CELLS = [  # (weight, M, launch shapes to time besides the default)
+    ("o", 1, [T(16, 64, 2, 4), T(16, 32, 4, 4)]),
+    ("qkv", 1, [T(16, 64, 2, 4)]),
+    ("qkv", 64, [T(64, 64, 4, 3), T(64, 32, 2, 4)]),
+    ("down", 64, [T(64, 64, 4, 3), T(64, 32, 2, 4)]),
+]
 
 
 def check(name: str, ok: bool, detail: str = "") -> None:
@@ -80,7 +111,11 @@ def check_correctness():
             for ks in (1, 8):
                 out = np.asarray(pk.matmul(x, w, k_shards=ks), np.float64)
                 err = np.abs(out - ref).max() / np.abs(ref).max()
-                check(f"matmul accuracy {jnp.dtype(dtype).name} {m}x{k}x{n} k_shards={ks}", err <= tol, f"{err:.2e}")
+                check(
+                    f"matmul accuracy {jnp.dtype(dtype).name} {m}x{k}x{n} k_shards={ks}",
+                    err <= tol,
+                    f"{err:.2e}",
+                )
         x = rand(3, (300, 4096), dtype)
         g = rand(4, (4096,), dtype)
         ref64 = np.asarray(x, np.float64)
@@ -104,23 +139,42 @@ def check_matmul_invariance(quick: bool):
             full = bits(pk.matmul(x, w, k_shards=ks))
             ok = all(np.array_equal(bits(pk.matmul(x[:m], w, k_shards=ks)), full[:m]) for m in INVARIANCE_M)
             check(f"matmul invariance {name} k_shards={ks} M={INVARIANCE_M}", ok)
-            # every tile_m the kernel may pick gives the same rows
-            ref = bits(pk.matmul(x[:256], w, k_shards=ks, tile_m=16))
-            same = {t: np.array_equal(bits(pk.matmul(x[:256], w, k_shards=ks, tile_m=t)), ref) for t in mm_mod.GPU_TILE_M}
-            check(f"matmul tile_m {name} k_shards={ks}", all(same.values()), str(same))
+            # every launch shape the kernel may pick (and some it does not) gives the same rows
+            ref = full[:256]
+            same = {
+                t: np.array_equal(bits(pk.matmul(x[:256], w, k_shards=ks, tiles=t)), ref)
+                for t in TILE_VARIANTS
+            }
+            bad = [t for t, ok in same.items() if not ok]
+            check(
+                f"matmul launch shapes {name} k_shards={ks} ({len(same)} variants)", not bad, f"differ: {bad}"
+            )
             # slot position: rows moved inside the batch keep their bits
             rolled = bits(pk.matmul(jnp.roll(x[:255], 5, axis=0), w, k_shards=ks))
-            check(f"matmul row position {name} k_shards={ks}", np.array_equal(np.roll(rolled, -5, axis=0), full[:255]))
+            check(
+                f"matmul row position {name} k_shards={ks}",
+                np.array_equal(np.roll(rolled, -5, axis=0), full[:255]),
+            )
         # k_shards=8 through per-rank partials (TP 2, 4, 8) reproduces the full result
         plan = pk.plan_matmul(k, n, dtype, k_shards=8, platform="gpu")
         full8 = bits(pk.matmul(x[:64], w, k_shards=8))
         for p in (2, 4, 8):
             kr = k // p
-            parts = [pk.matmul_partial(x[:64, r * kr:(r + 1) * kr], w[r * kr:(r + 1) * kr], plan=plan, backend="triton") for r in range(p)]
-            check(f"matmul tp-partials {name} P={p}", np.array_equal(bits(pk.tree_sum(parts).astype(dtype)), full8))
+            parts = [
+                pk.matmul_partial(
+                    x[:64, r * kr : (r + 1) * kr], w[r * kr : (r + 1) * kr], plan=plan, backend="triton"
+                )
+                for r in range(p)
+            ]
+            check(
+                f"matmul tp-partials {name} P={p}",
+                np.array_equal(bits(pk.tree_sum(parts).astype(dtype)), full8),
+            )
         # negative control: XLA's dot changes row 0 somewhere
         ref_full = bits(pk.matmul_reference(x, w))
-        differs = [m for m in INVARIANCE_M if not np.array_equal(bits(pk.matmul_reference(x[:m], w))[0], ref_full[0])]
+        differs = [
+            m for m in INVARIANCE_M if not np.array_equal(bits(pk.matmul_reference(x[:m], w))[0], ref_full[0])
+        ]
         print(f"INFO negative control {name}: XLA x@w row 0 differs from M=4096 at M={differs}")
         if quick:
             break
@@ -144,12 +198,15 @@ def check_row_invariance():
         lg = rand(23, (1024, v), jnp.float32, 4.0)
         full, flse = bits(pk.log_softmax(lg)), bits(pk.logsumexp(lg))
         ok = all(
-            np.array_equal(bits(pk.log_softmax(lg[:t])), full[:t]) and np.array_equal(bits(pk.logsumexp(lg[:t])), flse[:t])
+            np.array_equal(bits(pk.log_softmax(lg[:t])), full[:t])
+            and np.array_equal(bits(pk.logsumexp(lg[:t])), flse[:t])
             for t in (1, 7, 65, 255)
         )
         check(f"log_softmax/logsumexp invariance V={v}", ok)
         ref0 = bits(pk.log_softmax_reference(lg))[0]
-        differs = [t for t in (1, 7, 65, 255) if not np.array_equal(bits(pk.log_softmax_reference(lg[:t]))[0], ref0)]
+        differs = [
+            t for t in (1, 7, 65, 255) if not np.array_equal(bits(pk.log_softmax_reference(lg[:t]))[0], ref0)
+        ]
         print(f"INFO negative control log_softmax V={v}: XLA row 0 differs from T=1024 at T={differs}")
 
 
@@ -164,11 +221,33 @@ def time_matmul(quick: bool):
         ws = [rand(31 + i, (k, n), jnp.bfloat16, 1 / math.sqrt(k)) for i in range(copies_for(k * n * 2))]
         t_xla = rotated_us(lambda x, w: x @ w, x, ws)
         t_1 = rotated_us(lambda x, w: pk.matmul(x, w), x, ws)
-        t_8 = rotated_us(lambda x, w: pk.matmul(x, w, k_shards=8), x, ws) if name in ("o", "down") else float("nan")
+        t_8 = (
+            rotated_us(lambda x, w: pk.matmul(x, w, k_shards=8), x, ws)
+            if name in ("o", "down")
+            else float("nan")
+        )
         rows.append((f"{name} {k}x{n}", m, t_xla, t_1, t_1 / t_xla, t_8))
-        print(f"TIME matmul {name} M={m}: xla {t_xla:.1f} us, bijax {t_1:.1f} us ({t_1 / t_xla:.2f}x), k_shards=8 {t_8:.1f} us", flush=True)
+        print(
+            f"TIME matmul {name} M={m}: xla {t_xla:.1f} us, bijax {t_1:.1f} us ({t_1 / t_xla:.2f}x), k_shards=8 {t_8:.1f} us",
+            flush=True,
+        )
         del ws
     return rows
+
+
+def sweep():
+    """Kernel time of other launch shapes on some cells (bits are the same for all; see the checks)."""
+    for name, m, cfgs in SWEEP_CELLS:
+        k, n = LLAMA3_8B[name]
+        x = rand(30, (m, k), jnp.bfloat16)
+        ws = [rand(31 + i, (k, n), jnp.bfloat16, 1 / math.sqrt(k)) for i in range(copies_for(k * n * 2))]
+        t_xla = rotated_us(lambda x, w: x @ w, x, ws)
+        default = mm_mod.gpu_tiles(mm_mod.plan_matmul(k, n, jnp.bfloat16), m)
+        for cfg in [default] + cfgs:
+            t = rotated_us(lambda x, w, cfg=cfg: pk.matmul(x, w, tiles=cfg), x, ws)
+            tag = "default " if cfg == default else ""
+            print(f"SWEEP {name} M={m} {tag}{cfg}: {t:.1f} us ({t / t_xla:.2f}x XLA {t_xla:.1f})", flush=True)
+        del ws
 
 
 def time_rows():
@@ -191,6 +270,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="one weight, three timed cells")
     ap.add_argument("--skip-checks", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="also time alternative launch shapes")
     args = ap.parse_args()
     dev = jax.devices()[0]
     print(f"# {datetime.date.today()} {dev.device_kind} jax {jax.__version__}")
@@ -198,6 +278,8 @@ def main():
         check_correctness()
         check_matmul_invariance(args.quick)
         check_row_invariance()
+    if args.sweep:
+        sweep()
     mrows = time_matmul(args.quick)
     rrows = time_rows()
     print("\n| weight (K x N) | M | XLA us | bijax us | ratio | bijax k_shards=8 us |")

@@ -20,9 +20,7 @@ def check_float_dtype(op: str, **arrays) -> None:
     for name, a in arrays.items():
         dtype = _dtype(op, name, a)
         if dtype not in FLOAT_DTYPES:
-            raise TypeError(
-                f"{op}: {name} has dtype {dtype}; supported: bfloat16, float16, float32"
-            )
+            raise TypeError(f"{op}: {name} has dtype {dtype}; supported: bfloat16, float16, float32")
 
 
 def check_same_dtype(op: str, **arrays) -> None:

@@ -11,8 +11,8 @@ never from M, so a row's bits cannot depend on how many other rows share the cal
   ascending order; on CPU by XLA's dot on a fixed [cpu_tile_m, leaf_k] x
   [leaf_k, N] shape (XLA's CPU dot changes a row's bits with the row count, so
   rows always go through in fixed tiles).
-* The ``k_shards * split_k`` leaf partials are combined by a balanced binary
-  tree of fp32 adds (no atomics). With tensor parallelism over P ranks (P
+* A shard's split-K leaves are left-folded in order (fp32); the ``k_shards``
+  shard sums are combined by a balanced binary tree of fp32 adds (no atomics). With tensor parallelism over P ranks (P
   divides k_shards), rank r holds shards r*k_shards/P ..., reduces them with the
   lower levels of that tree (``matmul_partial``), and a fixed-order collective
   does the upper levels (``tree_sum``) - every P gives the same bits.
@@ -37,8 +37,12 @@ from pallas_kernels._validate import check_float_dtype, check_same_dtype
 
 K_SHARDS = (1, 2, 4, 8)
 TILE_K = 64
-# Output tiles that keep the SMs of a Hopper GPU busy without split-K.
-_GPU_BUSY_TILES = 264
+# Programs that keep the 132 SMs of an H200 busy.
+_GPU_BUSY = 132
+# Narrowest output tile the GPU kernel uses; split-K is planned for what is left.
+_GPU_MIN_TILE_N = 32
+# Row tiles that share column tiles in consecutive programs (L2 reuse at large M).
+_GPU_GROUP_M = 8
 # Below this many K elements per leaf a further split costs more than it gains.
 _MIN_LEAF_K = 1024
 # GPU row tiles chosen from M (rows are bit-identical across these; proven on
@@ -101,10 +105,11 @@ def plan_matmul(k: int, n: int, dtype, *, k_shards: int = 1, platform: str = "gp
         big = k * n * dtype.itemsize > _CPU_BIG_WEIGHT_BYTES
         tile_m = (32 if dtype.itemsize < 4 else 64) if big else 16
         return MatmulPlan(k, n, dtype.name, k_shards, 1, shard_k, TILE_K, tile_n, tile_m)
-    # GPU: enough leaves that narrow-N weights still fill the machine at small M.
+    # GPU: narrow-N weights get enough leaves that one row tile of the narrowest
+    # column tiles still fills the machine (M = 1 decode).
     leaves = 1
-    col_tiles = -(-n // tile_n)
-    while col_tiles * leaves * 2 <= _GPU_BUSY_TILES and k // (leaves * 2) >= _MIN_LEAF_K:
+    col_tiles = -(-n // _GPU_MIN_TILE_N)
+    while col_tiles * leaves * 2 <= 2 * _GPU_BUSY and k // (leaves * 2) >= _MIN_LEAF_K:
         leaves *= 2
     split_k = max(1, leaves // k_shards)
     chunks = -(-shard_k // TILE_K)
@@ -138,20 +143,29 @@ def tree_sum(parts):
     return parts[0]
 
 
+def _combine(parts, fold: int):
+    """Left-folds each run of ``fold`` consecutive leaf partials (one shard's splits), then tree_sum."""
+    shards = []
+    for i in range(0, len(parts), fold):
+        total = parts[i]
+        for p in parts[i + 1 : i + fold]:
+            total = total + p
+        shards.append(total)
+    return tree_sum(shards)
+
+
 # --------------------------------------------------------------------------- GPU kernel
 
 
-def _matmul_kernel(x_ref, w_ref, o_ref, *, tile_k: int, num_chunks: int):
-    """One (leaf, row tile, column tile): fp32 sum over the leaf in tile_k chunks, in order."""
-    tile_m, tile_n = o_ref.shape[-2:]
+@dataclasses.dataclass(frozen=True)
+class GpuTiles:
+    """Launch shape of the GPU kernel. It may depend on M: a row's bits do not depend on
+    it (benchmarks/kernels.py checks a dozen shapes bit for bit on the GPU)."""
 
-    def body(c, acc):
-        xk = x_ref[:, pl.ds(c * tile_k, tile_k)]
-        wk = w_ref[pl.ds(c * tile_k, tile_k), :]
-        return acc + jnp.dot(xk, wk, preferred_element_type=jnp.float32)
-
-    acc = lax.fori_loop(0, num_chunks, body, jnp.zeros((tile_m, tile_n), jnp.float32))
-    o_ref[...] = acc.astype(o_ref.dtype)
+    tile_m: int
+    tile_n: int
+    num_warps: int
+    num_stages: int
 
 
 def gpu_tile_m(m: int) -> int:
@@ -162,52 +176,113 @@ def gpu_tile_m(m: int) -> int:
     return GPU_TILE_M[-1]
 
 
-def _matmul_pallas(x, w, *, plan: MatmulPlan, num_leaves: int, out_dtype, tile_m: int, interpret: bool):
-    """x[M, L*leaf_k], w[L*leaf_k, N] (leaf layout) -> [L, M, N] fp32 partials, or [M, N] if L == 1."""
+def gpu_tiles(plan: MatmulPlan, m: int) -> GpuTiles:
+    """Widest column tile that still gives the GPU enough programs at this M.
+
+    Measured on the H200 (benchmarks/RESULTS.md): 128-row tiles are heavy enough
+    that ~96 programs fill it; decode-sized tiles want 2 warps and a deeper pipeline.
+    """
+    tile_m = gpu_tile_m(m)
+    programs = -(-m // tile_m) * plan.num_leaves
+    enough = 96 if tile_m >= 128 else _GPU_BUSY
+    for tile_n in (256, 128, 64, _GPU_MIN_TILE_N):
+        if tile_n == 256 and tile_m < 128:
+            continue
+        if programs * -(-plan.n // tile_n) >= enough:
+            break
+    if tile_m <= 32 and tile_n <= 64:
+        return GpuTiles(tile_m, tile_n, 2, 4)
+    return GpuTiles(tile_m, tile_n, 8 if tile_m * tile_n >= 128 * 128 else 4, 3)
+
+
+def _matmul_kernel(x_ref, w_ref, o_ref, *, tile_k: int, leaf_k: int):
+    """One (leaf, row tile, column tile): fp32 sum over the leaf in tile_k chunks, in ascending order."""
+    tile_m, tile_n = o_ref.shape[-2:]
+
+    def body(c, acc):
+        xk = x_ref[:, pl.ds(c * tile_k, tile_k)]
+        wk = w_ref[pl.ds(c * tile_k, tile_k), :]
+        # HIGHEST: float32 inputs use full-precision IEEE products, never TF32.
+        return acc + jnp.dot(xk, wk, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+    acc = lax.fori_loop(0, leaf_k // tile_k, body, jnp.zeros((tile_m, tile_n), jnp.float32))
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+
+def _swizzle(pid, row_tiles: int, col_tiles: int):
+    """Program id -> (leaf, row tile, column tile); groups of _GPU_GROUP_M row tiles walk the
+    column tiles together so consecutive programs share weight tiles in L2."""
+    tiles = row_tiles * col_tiles
+    leaf, t = pid // tiles, pid % tiles
+    width = _GPU_GROUP_M * col_tiles
+    first = (t // width) * _GPU_GROUP_M
+    size = jnp.minimum(row_tiles - first, _GPU_GROUP_M)
+    return leaf, first + (t % width) % size, (t % width) // size
+
+
+def _matmul_pallas(x, w, *, plan: MatmulPlan, num_leaves: int, out_dtype, tiles: GpuTiles, interpret: bool):
+    """x[M, L*leaf_k], w[L*leaf_k, N] (leaf layout) -> combined result in out_dtype."""
     m, n = x.shape[0], w.shape[1]
-    mp, np_ = -(-m // tile_m) * tile_m, plan.padded_n
+    tm, tn = tiles.tile_m, tiles.tile_n
+    mp, np_ = -(-m // tm) * tm, -(-n // tn) * tn
     if mp != m:
         x = jnp.pad(x, ((0, mp - m), (0, 0)))
     if np_ != n:
         w = jnp.pad(w, ((0, 0), (0, np_ - n)))
-    tn, lk = plan.tile_n, plan.leaf_k
-    grid = (np_ // tn, mp // tile_m, num_leaves)
-    kernel = functools.partial(_matmul_kernel, tile_k=plan.tile_k, num_chunks=lk // plan.tile_k)
-    in_specs = [
-        pl.BlockSpec((tile_m, lk), lambda j, i, leaf: (i, leaf)),
-        pl.BlockSpec((lk, tn), lambda j, i, leaf: (leaf, j)),
-    ]
+    lk = plan.leaf_k
+    rt, ct = mp // tm, np_ // tn
+    ids = functools.partial(_swizzle, row_tiles=rt, col_tiles=ct)
+
+    def x_map(pid):
+        leaf, i, _ = ids(pid)
+        return i, leaf
+
+    def w_map(pid):
+        leaf, _, j = ids(pid)
+        return leaf, j
+
+    def o_map(pid):
+        leaf, i, j = ids(pid)
+        return (i, j) if num_leaves == 1 else (leaf, i, j)
+
     if num_leaves == 1:
-        out_spec = pl.BlockSpec((tile_m, tn), lambda j, i, leaf: (i, j))
+        out_spec = pl.BlockSpec((tm, tn), o_map)
         out_shape = jax.ShapeDtypeStruct((mp, np_), out_dtype)
     else:
-        out_spec = pl.BlockSpec((pl.squeezed, tile_m, tn), lambda j, i, leaf: (leaf, i, j))
+        out_spec = pl.BlockSpec((pl.squeezed, tm, tn), o_map)
         out_shape = jax.ShapeDtypeStruct((num_leaves, mp, np_), jnp.float32)
     out = pl.pallas_call(
-        kernel,
-        grid=grid,
-        in_specs=in_specs,
+        functools.partial(_matmul_kernel, tile_k=plan.tile_k, leaf_k=lk),
+        grid=(num_leaves * rt * ct,),
+        in_specs=[pl.BlockSpec((tm, lk), x_map), pl.BlockSpec((lk, tn), w_map)],
         out_specs=out_spec,
         out_shape=out_shape,
-        compiler_params=pltriton.CompilerParams(num_warps=8 if tile_m >= 128 else 4, num_stages=3),
+        compiler_params=pltriton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
         name="bijax_matmul",
     )(x, w)
-    return out[..., :m, :n]
-
-
-def _triton_partial(x, w, *, plan, num_shards, out_dtype, tile_m, interpret):
-    xl = _to_leaves(x, plan, num_shards, axis=1)
-    wl = _to_leaves(w, plan, num_shards, axis=0)
-    num_leaves = num_shards * plan.split_k
-    if tile_m is None:
-        tile_m = 16 if interpret else gpu_tile_m(x.shape[0])
-    out = _matmul_pallas(
-        xl, wl, plan=plan, num_leaves=num_leaves, out_dtype=out_dtype, tile_m=tile_m, interpret=interpret
-    )
+    out = out[..., :m, :n]
     if num_leaves == 1:
         return out
-    return tree_sum([out[i] for i in range(num_leaves)]).astype(out_dtype)
+    return _combine([out[g] for g in range(num_leaves)], plan.split_k).astype(out_dtype)
+
+
+def _triton_partial(x, w, *, plan, num_shards, out_dtype, tiles, interpret):
+    xl = _to_leaves(x, plan, num_shards, axis=1)
+    wl = _to_leaves(w, plan, num_shards, axis=0)
+    if tiles is None:
+        # Interpret mode computes each block with the CPU's dot, whose bits depend on
+        # the block shape: keep one fixed tile there.
+        tiles = GpuTiles(16, plan.tile_n, 4, 3) if interpret else gpu_tiles(plan, x.shape[0])
+    return _matmul_pallas(
+        xl,
+        wl,
+        plan=plan,
+        num_leaves=num_shards * plan.split_k,
+        out_dtype=out_dtype,
+        tiles=tiles,
+        interpret=interpret,
+    )
 
 
 # --------------------------------------------------------------------------- CPU formulation
@@ -225,7 +300,7 @@ def _jnp_partial(x, w, *, plan, num_shards, out_dtype):
 
     def tile(t):
         parts = [jnp.dot(t[:, i], wl[i], preferred_element_type=jnp.float32) for i in range(num_leaves)]
-        return tree_sum(parts).astype(out_dtype)
+        return _combine(parts, plan.split_k).astype(out_dtype)
 
     if mp == tm:  # one tile: same dot shapes, no loop
         y = tile(xl[0])[None]
@@ -255,10 +330,8 @@ def _check_operands(x, w, out_dtype):
     return out_dtype
 
 
-@functools.partial(
-    jax.jit, static_argnames=("out_dtype", "k_shards", "backend", "interpret", "tile_m")
-)
-def _matmul(x, w, *, out_dtype, k_shards, backend, interpret, tile_m):
+@functools.partial(jax.jit, static_argnames=("out_dtype", "k_shards", "backend", "interpret", "tiles"))
+def _matmul(x, w, *, out_dtype, k_shards, backend, interpret, tiles):
     k, n = w.shape
 
     def cpu(x, w):
@@ -268,7 +341,7 @@ def _matmul(x, w, *, out_dtype, k_shards, backend, interpret, tile_m):
     def gpu(x, w):
         plan = plan_matmul(k, n, w.dtype, k_shards=k_shards, platform="gpu")
         return _triton_partial(
-            x, w, plan=plan, num_shards=k_shards, out_dtype=out_dtype, tile_m=tile_m, interpret=interpret
+            x, w, plan=plan, num_shards=k_shards, out_dtype=out_dtype, tiles=tiles, interpret=interpret
         )
 
     return _platform.dispatch(backend, cpu, gpu, x, w)
@@ -282,7 +355,7 @@ def matmul(
     k_shards: int = 1,
     backend: str = "auto",
     interpret: bool = False,
-    tile_m: int | None = None,
+    tiles: GpuTiles | None = None,
 ) -> jax.Array:
     """Batch-invariant ``x[M, K] @ w[K, N]``: each row's bits depend on that row and ``w`` only.
 
@@ -293,16 +366,17 @@ def matmul(
         same value gives the same bits at every tensor-parallel degree dividing it.
       backend: "auto" (CPU: fixed-shape jnp; CUDA: Pallas Triton), "jnp" or "triton".
       interpret: run the Pallas kernel in interpret mode (CPU tests, small shapes).
-      tile_m: GPU row tile override (default: chosen from M among GPU_TILE_M).
+      tiles: GPU launch-shape override (default ``gpu_tiles(plan, M)``); rows are
+        bit-identical across launch shapes (benchmarks/kernels.py proves it on GPU).
     """
     out_dtype = _check_operands(x, w, out_dtype)
     if k_shards not in K_SHARDS:
         raise ValueError(f"matmul: k_shards must be one of {K_SHARDS}, got {k_shards!r}")
     _platform.check_backend(backend, interpret)
-    if tile_m is not None and tile_m not in GPU_TILE_M:
-        raise ValueError(f"matmul: tile_m must be one of {GPU_TILE_M}, got {tile_m!r}")
+    if tiles is not None and not isinstance(tiles, GpuTiles):
+        raise TypeError(f"matmul: tiles must be a GpuTiles, got {type(tiles).__name__}")
     return _matmul(
-        x, w, out_dtype=out_dtype, k_shards=k_shards, backend=backend, interpret=interpret, tile_m=tile_m
+        x, w, out_dtype=out_dtype, k_shards=k_shards, backend=backend, interpret=interpret, tiles=tiles
     )
 
 
@@ -328,9 +402,7 @@ def matmul_partial(
         raise ValueError(f"matmul_partial: shapes {x.shape} @ {w.shape} do not fit plan N={plan.n}")
     kr = w.shape[0]
     if kr % plan.shard_k or (kr // plan.shard_k) & (kr // plan.shard_k - 1):
-        raise ValueError(
-            f"matmul_partial: K={kr} is not a power-of-two number of shards of {plan.shard_k}"
-        )
+        raise ValueError(f"matmul_partial: K={kr} is not a power-of-two number of shards of {plan.shard_k}")
     _platform.check_backend(backend, interpret)
     if backend == "auto":
         raise ValueError("matmul_partial: the plan is platform specific; pass backend='jnp' or 'triton'")
@@ -338,7 +410,7 @@ def matmul_partial(
     if backend == "jnp":
         return _jnp_partial(x, w, plan=plan, num_shards=num_shards, out_dtype=jnp.float32)
     return _triton_partial(
-        x, w, plan=plan, num_shards=num_shards, out_dtype=jnp.float32, tile_m=None, interpret=interpret
+        x, w, plan=plan, num_shards=num_shards, out_dtype=jnp.float32, tiles=None, interpret=interpret
     )
 
 
@@ -349,6 +421,7 @@ def matmul_reference(x: jax.Array, w: jax.Array, *, out_dtype=None) -> jax.Array
 
 
 __all__ = [
+    "GpuTiles",
     "MatmulPlan",
     "matmul",
     "matmul_partial",

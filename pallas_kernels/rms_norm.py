@@ -106,7 +106,9 @@ def rms_norm(
     """
     check_rank("rms_norm", "x", x, 2)
     check_rows("rms_norm", "x", x)
-    arrays = {"x": x, "weight": weight} if residual is None else {"x": x, "weight": weight, "residual": residual}
+    arrays = (
+        {"x": x, "weight": weight} if residual is None else {"x": x, "weight": weight, "residual": residual}
+    )
     check_float_dtype("rms_norm", **arrays)
     check_same_dtype("rms_norm", **arrays)
     if tuple(weight.shape) != (x.shape[1],):

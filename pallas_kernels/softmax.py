@@ -1,8 +1,9 @@
 """Batch-invariant log_softmax / logsumexp over the vocabulary, in fp32.
 
-One row per program (GPU): a lane-wise max over fixed chunks of the row (exact,
-order-free), then a lane-wise sum of ``exp(x - max)`` over the chunks in
-ascending order, then one fixed tree over the lanes. CPU: fixed 16-row tiles of
+GPU: each row is cut into fixed segments (sizes from V alone); one program per
+(row, segment) takes a lane-wise max over fixed chunks (exact, order-free), then
+a lane-wise sum of ``exp(x - max)`` over the chunks in ascending order and one
+fixed tree over the lanes; the segments are merged in ascending order. CPU: fixed 16-row tiles of
 the jnp formulation, so XLA's reduction always sees the same shape.
 ``log_softmax = (x - max) - log(sum)``, ``logsumexp = max + log(sum)``.
 """
@@ -20,62 +21,77 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels import _platform
 from pallas_kernels._validate import check_float_dtype, check_rank, check_rows
 
-CHUNK = 2048
+CHUNK = 1024  # lanes per step inside a segment
+SEGMENT = 4096  # columns per program; a row is cut into fixed segments from V alone
 CPU_TILE_T = 16
 
 
-def _softmax_kernel(x_ref, *out_refs, v: int, chunk: int, log_probs: bool):
-    num_chunks = -(-v // chunk)
+def _segments(v: int) -> tuple[int, int, int]:
+    """(chunk, segment, num_segments) for a vocabulary of v: a function of v only."""
+    chunk = min(CHUNK, pl.next_power_of_2(v))
+    segment = min(SEGMENT, -(-v // chunk) * chunk)
+    return chunk, segment, -(-v // segment)
+
+
+def _stats_kernel(x_ref, m_ref, s_ref, *, v: int, chunk: int, segment: int):
+    """One (row, segment): the segment's max and sum(exp(x - max)), lanes then a fixed tree."""
+    start = pl.program_id(1) * segment
     lanes = jnp.arange(chunk)
 
     def load(c):
-        cols = c * chunk + lanes
-        x = pltriton.load(x_ref.at[cols], mask=cols < v, other=-jnp.inf)
-        return cols, x.astype(jnp.float32)
+        cols = start + c * chunk + lanes
+        ok = (cols < v) & (c * chunk + lanes < segment)
+        return ok, pltriton.load(x_ref.at[cols], mask=ok, other=-jnp.inf).astype(jnp.float32)
 
-    def max_body(c, m):
-        return jnp.maximum(m, load(c)[1])
+    num_chunks = segment // chunk
+    m = jnp.max(
+        lax.fori_loop(
+            0, num_chunks, lambda c, m: jnp.maximum(m, load(c)[1]), jnp.full((chunk,), -jnp.inf, jnp.float32)
+        )
+    )
+    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
 
-    m = jnp.max(lax.fori_loop(0, num_chunks, max_body, jnp.full((chunk,), -jnp.inf, jnp.float32)))
-    m = jnp.where(m == -jnp.inf, 0.0, m)
+    def sum_body(c, acc):
+        ok, x = load(c)
+        return acc + jnp.where(ok, jnp.exp(x - m_safe), 0.0)
 
-    def sum_body(c, s):
-        cols, x = load(c)
-        return s + jnp.where(cols < v, jnp.exp(x - m), 0.0)
+    total = jnp.sum(lax.fori_loop(0, num_chunks, sum_body, jnp.zeros((chunk,), jnp.float32)))
+    m_ref[...] = jnp.full(m_ref.shape, m, jnp.float32)
+    s_ref[...] = jnp.full(s_ref.shape, total, jnp.float32)
 
-    log_s = jnp.log(jnp.sum(lax.fori_loop(0, num_chunks, sum_body, jnp.zeros((chunk,), jnp.float32))))
-    if not log_probs:
-        (o_ref,) = out_refs
-        o_ref[...] = jnp.full(o_ref.shape, m + log_s, jnp.float32)
-        return
-    (o_ref,) = out_refs
 
-    @pl.loop(0, num_chunks)
-    def _(c):
-        cols, x = load(c)
-        pltriton.store(o_ref.at[cols], (x - m) - log_s, mask=cols < v)
+def _row_stats_pallas(x, *, interpret: bool):
+    """Per-row (max, log(sum(exp(x - max)))) in fp32; segments merged in ascending order."""
+    t, v = x.shape
+    chunk, segment, num_segments = _segments(v)
+    one = pl.BlockSpec((pl.squeezed, 1), lambda i, j: (i, j))
+    stat = jax.ShapeDtypeStruct((t, num_segments), jnp.float32)
+    m, s = pl.pallas_call(
+        functools.partial(_stats_kernel, v=v, chunk=chunk, segment=segment),
+        grid=(t, num_segments),
+        in_specs=[pl.BlockSpec((pl.squeezed, v), lambda i, j: (i, 0))],
+        out_specs=[one, one],
+        out_shape=[stat, stat],
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="bijax_softmax_stats",
+    )(x)
+    # Merge the segments: exact max, then a left fold of rescaled sums (elementwise ops only).
+    mx = m[:, 0]
+    for j in range(1, num_segments):
+        mx = jnp.maximum(mx, m[:, j])
+    mx_safe = jnp.where(mx == -jnp.inf, 0.0, mx)
+    total = s[:, 0] * jnp.exp(m[:, 0] - mx_safe)
+    for j in range(1, num_segments):
+        total = total + s[:, j] * jnp.exp(m[:, j] - mx_safe)
+    return mx_safe, jnp.log(total)
 
 
 def _softmax_pallas(x, *, log_probs: bool, interpret: bool):
-    t, v = x.shape
-    chunk = min(CHUNK, pl.next_power_of_2(v))
-    row = pl.BlockSpec((pl.squeezed, v), lambda i: (i, 0))
+    m, log_s = _row_stats_pallas(x, interpret=interpret)
     if log_probs:
-        out_spec, out_shape = row, jax.ShapeDtypeStruct((t, v), jnp.float32)
-    else:
-        out_spec = pl.BlockSpec((pl.squeezed, 1), lambda i: (i, 0))
-        out_shape = jax.ShapeDtypeStruct((t, 1), jnp.float32)
-    out = pl.pallas_call(
-        functools.partial(_softmax_kernel, v=v, chunk=chunk, log_probs=log_probs),
-        grid=(t,),
-        in_specs=[row],
-        out_specs=out_spec,
-        out_shape=out_shape,
-        compiler_params=pltriton.CompilerParams(num_warps=8 if chunk >= 2048 else 4, num_stages=1),
-        interpret=interpret,
-        name="bijax_log_softmax" if log_probs else "bijax_logsumexp",
-    )(x)
-    return out if log_probs else out[:, 0]
+        return (x.astype(jnp.float32) - m[:, None]) - log_s[:, None]
+    return m + log_s
 
 
 def _softmax_jnp(x, *, log_probs: bool):
