@@ -194,6 +194,11 @@ def check_row_invariance():
             a, s = pk.rms_norm(x[:t], g, eps=1e-5, residual=r[:t])
             ok &= np.array_equal(bits(a), fr[:t]) and np.array_equal(bits(s), fs[:t])
         check(f"rms_norm invariance H={h}", ok)
+        check(
+            f"rms_norm fused residual == unfused H={h}",
+            np.array_equal(fr, bits(pk.rms_norm(fs.view(jnp.bfloat16), g, eps=1e-5))),
+        )
+        check(f"rms_norm residual sum == XLA bf16 add H={h}", np.array_equal(fs, bits(x + r)))
     for v in (49152, 128256):
         lg = rand(23, (1024, v), jnp.float32, 4.0)
         full, flse = bits(pk.log_softmax(lg)), bits(pk.logsumexp(lg))
@@ -271,9 +276,17 @@ def main():
     ap.add_argument("--quick", action="store_true", help="one weight, three timed cells")
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="also time alternative launch shapes")
+    ap.add_argument("--rows-only", action="store_true", help="only rms_norm / softmax checks and times")
     args = ap.parse_args()
     dev = jax.devices()[0]
     print(f"# {datetime.date.today()} {dev.device_kind} jax {jax.__version__}")
+    if args.rows_only:
+        check_row_invariance()
+        rrows = time_rows()
+        for r in rrows:
+            print(f"| {r[0]} | {r[1]} | {r[2]:.1f} | {r[3]:.1f} | {r[4]:.2f} |")
+        print(f"\nchecks failed: {len(FAILURES)} {FAILURES}")
+        sys.exit(1 if FAILURES else 0)
     if not args.skip_checks:
         check_correctness()
         check_matmul_invariance(args.quick)

@@ -22,6 +22,19 @@ from pallas_kernels._validate import check_eps, check_float_dtype, check_rank, c
 CPU_TILE_T = 16
 
 
+def _round_like(xf, dtype):
+    """Rounds fp32 values to ``dtype``'s precision (kept in fp32), in a way no compiler elides.
+
+    bfloat16: round-to-nearest-even on the bits (XLA CPU, and so Pallas interpret
+    mode, may otherwise skip an fp32 -> bf16 -> fp32 round trip). Others: a cast.
+    """
+    if jnp.dtype(dtype) == jnp.bfloat16:
+        u = lax.bitcast_convert_type(xf, jnp.uint32)
+        u = (u + jnp.uint32(0x7FFF) + ((u >> 16) & jnp.uint32(1))) & jnp.uint32(0xFFFF0000)
+        return lax.bitcast_convert_type(u, jnp.float32)
+    return xf.astype(dtype).astype(jnp.float32)
+
+
 def _rms_norm_kernel(*refs, eps: float, h: int, has_residual: bool):
     if has_residual:
         x_ref, r_ref, w_ref, o_ref, s_ref = refs
@@ -29,11 +42,12 @@ def _rms_norm_kernel(*refs, eps: float, h: int, has_residual: bool):
         x_ref, w_ref, o_ref = refs
     cols = jnp.arange(pl.next_power_of_2(h))
     mask = cols < h
-    x = pltriton.load(x_ref.at[cols], mask=mask, other=0.0)
+    xf = pltriton.load(x_ref.at[cols], mask=mask, other=0.0).astype(jnp.float32)
     if has_residual:
-        x = x + pltriton.load(r_ref.at[cols], mask=mask, other=0.0)
-        pltriton.store(s_ref.at[cols], x, mask=mask)
-    xf = x.astype(jnp.float32)
+        xf = _round_like(
+            xf + pltriton.load(r_ref.at[cols], mask=mask, other=0.0).astype(jnp.float32), s_ref.dtype
+        )
+        pltriton.store(s_ref.at[cols], xf.astype(s_ref.dtype), mask=mask)
     rstd = lax.rsqrt(jnp.sum(xf * xf) / h + eps)
     w = pltriton.load(w_ref.at[cols], mask=mask, other=0.0).astype(jnp.float32)
     pltriton.store(o_ref.at[cols], (xf * rstd * w).astype(o_ref.dtype), mask=mask)
@@ -65,10 +79,14 @@ def _rms_norm_jnp(x, weight, residual, *, eps: float):
     wf = weight.astype(jnp.float32)
 
     def tile(args):
-        xt = args[0] if residual is None else args[0] + args[1]
-        xf = xt.astype(jnp.float32)
+        xf = args[0].astype(jnp.float32)
+        if residual is not None:
+            # Round the sum to x's dtype explicitly: XLA may otherwise keep the fp32
+            # sum ("excess precision") and the fused op would differ from the unfused one.
+            info = jnp.finfo(x.dtype)
+            xf = lax.reduce_precision(xf + args[1].astype(jnp.float32), info.nexp, info.nmant)
         rstd = lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) / h + eps)
-        return (xf * rstd * wf).astype(x.dtype), xt
+        return (xf * rstd * wf).astype(x.dtype), xf.astype(x.dtype)
 
     def tiles(a):
         return jnp.pad(a, ((0, tp - t), (0, 0))).reshape(tp // CPU_TILE_T, CPU_TILE_T, h)

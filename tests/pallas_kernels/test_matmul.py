@@ -1,0 +1,191 @@
+"""matmul: accuracy, bitwise batch invariance, the k_shards tree, negative control, bad input."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels as pk
+from pallas_kernels.matmul import GpuTiles, gpu_tiles, plan_matmul
+from tests.conftest import TOL, bits, position_mismatch, prefix_mismatches, rand, rel_err
+
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+PREFIXES = (1, 2, 7, 16, 17, 64, 255)
+
+
+def f64(x, w):
+    return np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "m,k,n", [(1, 576, 1536), (7, 1536, 576), (255, 576, 1000), (3, 100, 70), (33, 4096, 64)]
+)
+@pytest.mark.parametrize("k_shards", [1, 2, 8])
+def test_accuracy_cpu(dtype, m, k, n, k_shards):
+    x, w = rand((m, k), dtype), rand((k, n), dtype, k**-0.5)
+    out = pk.matmul(x, w, k_shards=k_shards)
+    assert out.dtype == jnp.dtype(dtype) and out.shape == (m, n)
+    assert rel_err(out, f64(x, w)) <= TOL[jnp.dtype(dtype)]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize(
+    "m,k,n,k_shards", [(5, 192, 96, 1), (20, 200, 130, 2), (3, 2048, 64, 1), (9, 512, 64, 8)]
+)
+def test_accuracy_pallas_interpret(dtype, m, k, n, k_shards):
+    x, w = rand((m, k), dtype), rand((k, n), dtype, k**-0.5)
+    out = pk.matmul(x, w, k_shards=k_shards, backend="triton", interpret=True)
+    assert out.shape == (m, n)
+    assert rel_err(out, f64(x, w)) <= TOL[jnp.dtype(dtype)]
+
+
+def test_out_dtype_and_fp32_accumulation():
+    x, w = rand((4, 4096), jnp.bfloat16), rand((4096, 32), jnp.bfloat16)
+    out = pk.matmul(x, w, out_dtype=jnp.float32)
+    assert out.dtype == jnp.float32
+    # fp32 accumulation: far closer to float64 than bf16 accumulation could be
+    assert rel_err(out, f64(x, w)) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("k,n", [(576, 1536), (1536, 576), (100, 70), (4096, 64)])
+@pytest.mark.parametrize("k_shards", [1, 2, 4, 8])
+def test_batch_invariance_cpu(dtype, k, n, k_shards):
+    x, w = rand((300, k), dtype), rand((k, n), dtype, k**-0.5)
+    fn = lambda xs: pk.matmul(xs, w, k_shards=k_shards)
+    assert prefix_mismatches(fn, x, PREFIXES + (299,)) == []
+    assert not position_mismatch(fn, x, 5)
+
+
+def test_batch_invariance_lm_head_cpu():
+    """The large-weight plan (taller CPU row tiles) is invariant too."""
+    x, w = rand((70, 576), jnp.float32), rand((576, 49152), jnp.float32, 0.04)
+    assert plan_matmul(576, 49152, jnp.float32, platform="cpu").cpu_tile_m > 16
+    assert prefix_mismatches(lambda xs: pk.matmul(xs, w), x, (1, 8, 65)) == []
+
+
+@pytest.mark.parametrize("k_shards", [1, 8])
+def test_batch_invariance_pallas_interpret(k_shards):
+    x, w = rand((40, 256), jnp.float32), rand((256, 64), jnp.float32)
+    fn = lambda xs: pk.matmul(xs, w, k_shards=k_shards, backend="triton", interpret=True)
+    assert prefix_mismatches(fn, x, (1, 7, 17)) == []
+    assert not position_mismatch(fn, x, 3)
+
+
+def test_negative_control_xla_dot_is_not_invariant_here():
+    """The same check on XLA's plain x @ w finds a difference on this CPU: the check can fail."""
+    found = []
+    for k, n in [(576, 1536), (1536, 576), (100, 70)]:
+        x, w = rand((300, k)), rand((k, n))
+        found += prefix_mismatches(lambda xs, w=w: pk.matmul_reference(xs, w), x, PREFIXES)
+    assert found, "XLA's dot was batch invariant on every shape: the negative control cannot fail"
+
+
+@pytest.mark.parametrize("backend,interpret", [("jnp", False), ("triton", True)])
+@pytest.mark.parametrize("k,n", [(512, 96), (200, 64)])
+def test_k_shards_partials_reproduce_full_result(backend, interpret, k, n):
+    """Each TP rank's share (lower tree levels) + tree_sum across ranks == matmul(k_shards=8)."""
+    platform = "cpu" if backend == "jnp" else "gpu"
+    plan = plan_matmul(k, n, jnp.float32, k_shards=8, platform=platform)
+    x, w = rand((9, k)), rand((k, n))
+    full = bits(pk.matmul(x, w, k_shards=8, backend=backend, interpret=interpret))
+    if k % 8:  # uneven K: the caller lays out the zero-padded shards
+        pad = 8 * plan.shard_k - k
+        x, w = jnp.pad(x, ((0, 0), (0, pad))), jnp.pad(w, ((0, pad), (0, 0)))
+    for p in (1, 2, 4, 8):
+        kr = x.shape[1] // p
+        parts = [
+            pk.matmul_partial(
+                x[:, r * kr : (r + 1) * kr],
+                w[r * kr : (r + 1) * kr],
+                plan=plan,
+                backend=backend,
+                interpret=interpret,
+            )
+            for r in range(p)
+        ]
+        assert all(part.dtype == jnp.float32 for part in parts)
+        np.testing.assert_array_equal(bits(pk.tree_sum(parts).astype(jnp.float32)), full, err_msg=f"P={p}")
+
+
+def test_k_shards_change_bits_only_through_the_tree():
+    """Different k_shards are different (documented) reduction orders; each is self-consistent."""
+    x, w = rand((64, 4096)), rand((4096, 128))
+    a, b = bits(pk.matmul(x, w, k_shards=1)), bits(pk.matmul(x, w, k_shards=8))
+    assert not np.array_equal(a, b)  # the tree is real: it changes the sum's order
+    np.testing.assert_array_equal(bits(pk.matmul(x, w, k_shards=8)), b)
+
+
+def test_tree_sum_is_a_balanced_neighbour_tree():
+    parts = [jnp.float32(v) for v in (1e8, 1.0, -1e8, 1.0)]
+    # ((1e8 + 1) + (-1e8 + 1)) in fp32 = 0 + ... : order matters, and it is this one
+    expect = (np.float32(1e8) + np.float32(1.0)) + (np.float32(-1e8) + np.float32(1.0))
+    assert float(pk.tree_sum(parts)) == float(expect)
+    with pytest.raises(ValueError, match="power-of-two"):
+        pk.tree_sum(parts[:3])
+
+
+def test_plan_depends_on_the_weight_only():
+    narrow = plan_matmul(14336, 4096, jnp.bfloat16)
+    wide = plan_matmul(4096, 28672, jnp.bfloat16)
+    assert narrow.split_k > 1, "narrow-N weights get a fixed split-K"
+    assert wide.split_k == 1
+    assert plan_matmul(14336, 4096, jnp.bfloat16, k_shards=8).num_leaves >= 8
+    assert plan_matmul(576, 49152, jnp.float32, platform="cpu").split_k == 1
+    # the launch shape may follow M on GPU; the reduction plan never does
+    assert gpu_tiles(narrow, 1) != gpu_tiles(narrow, 4096)
+    assert isinstance(gpu_tiles(narrow, 1), GpuTiles)
+
+
+def test_tiles_override_is_checked():
+    x, w = rand((4, 64)), rand((64, 64))
+    with pytest.raises(TypeError, match="GpuTiles"):
+        pk.matmul(x, w, tiles=(16, 64, 4, 3))
+
+
+@pytest.mark.parametrize(
+    "x,w,kwargs,exc,match",
+    [
+        (np.ones((2, 3, 4), np.float32), np.ones((4, 5), np.float32), {}, ValueError, "2-D"),
+        (np.ones((2, 4), np.float32), np.ones((5, 6), np.float32), {}, ValueError, "K mismatch"),
+        (np.ones((2, 4), np.float32), np.ones((4, 6), jnp.bfloat16), {}, TypeError, "mixed dtypes"),
+        (np.ones((2, 4), np.int32), np.ones((4, 6), np.int32), {}, TypeError, "int32"),
+        (np.ones((0, 4), np.float32), np.ones((4, 6), np.float32), {}, ValueError, "M == 0"),
+        (np.ones((2, 4), np.float32), np.ones((4, 6), np.float32), {"k_shards": 3}, ValueError, "k_shards"),
+        (
+            np.ones((2, 4), np.float32),
+            np.ones((4, 6), np.float32),
+            {"backend": "cuda"},
+            ValueError,
+            "backend",
+        ),
+        (
+            np.ones((2, 4), np.float32),
+            np.ones((4, 6), np.float32),
+            {"out_dtype": jnp.int8},
+            TypeError,
+            "out_dtype",
+        ),
+        ([[1.0]], np.ones((1, 6), np.float32), {}, ValueError, "2-D"),
+    ],
+)
+def test_bad_input(x, w, kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        pk.matmul(x, w, **kwargs)
+
+
+def test_matmul_partial_rejects_a_slice_that_is_not_whole_shards():
+    plan = plan_matmul(512, 64, jnp.float32, k_shards=8, platform="cpu")
+    x, w = rand((2, 100)), rand((100, 64))
+    with pytest.raises(ValueError, match="shards"):
+        pk.matmul_partial(x, w, plan=plan)
+
+
+def test_runs_under_jit_and_vmap_free_tracing():
+    w = rand((576, 96))
+    f = jax.jit(lambda x: pk.matmul(x, w) * 2)
+    x = rand((5, 576))
+    np.testing.assert_array_equal(bits(f(x)), bits(pk.matmul(x, w) * 2))
