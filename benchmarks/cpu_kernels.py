@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels as pk
+from pallas_kernels.attention import attention, attention_reference
 
 SHAPES = [(576, 1536), (1536, 576), (576, 49152)]
 
@@ -60,6 +61,21 @@ def main():
         x = jax.random.normal(jax.random.key(4), (t, 49152), jnp.float32)
         a, b = wall_ms(lsm_ref, x), wall_ms(lsm, x)
         print(f"| log_softmax | float32 | V=49152 | {t} | {a:.2f} | {b:.2f} | {b / a:.2f} |")
+    # paged attention, SmolLM2-135M shapes (9 query / 3 KV heads, D=64), one layer
+    bs, max_blocks, seqs = 16, 128, 8  # max_model_len 2048
+    kc = jax.random.normal(jax.random.key(5), (seqs * max_blocks + 1, bs, 3, 64), jnp.float32)
+    vc = jax.random.normal(jax.random.key(6), kc.shape, jnp.float32)
+    bt = (1 + jnp.arange(seqs * max_blocks, dtype=jnp.int32)).reshape(seqs, max_blocks)
+    cl = jnp.full((seqs,), 512, jnp.int32)
+    attn, attn_ref = jax.jit(attention), jax.jit(attention_reference)
+    for name, seq, pos in (
+        ("decode 8 seqs @ 512", jnp.arange(8, dtype=jnp.int32), jnp.full((8,), 511, jnp.int32)),
+        ("prefill chunk 256", jnp.zeros((256,), jnp.int32), jnp.arange(256, 512, dtype=jnp.int32)),
+    ):
+        q = jax.random.normal(jax.random.key(7), (seq.shape[0], 9, 64), jnp.float32)
+        a = wall_ms(attn_ref, q, kc, vc, bt, cl, seq, pos)
+        b = wall_ms(attn, q, kc, vc, bt, cl, seq, pos)
+        print(f"| attention | float32 | {name} | {seq.shape[0]} | {a:.2f} | {b:.2f} | {b / a:.2f} |")
     print(
         f"\nmatmul: worst ratio {max(ratios):.2f}, geometric mean {math.exp(sum(map(math.log, ratios)) / len(ratios)):.2f}"
     )

@@ -67,8 +67,23 @@ def _key_mask(j, pos, ctx, window: int | None):
 
 
 def _attention_kernel(
-    seq_ref, pos_ref, ctx_ref, bt_ref, q_ref, k_ref, v_ref, m_out, l_out, acc_out, *,
-    scale, softcap, window, split_size, block_size, max_blocks,
+    seq_ref,
+    pos_ref,
+    ctx_ref,
+    bt_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    m_out,
+    l_out,
+    acc_out,
+    *,
+    scale,
+    softcap,
+    window,
+    split_size,
+    block_size,
+    max_blocks,
 ):
     """One (token, KV head, split): fp32 softmax state of the split, online over KV tiles."""
     t, split = pl.program_id(0), pl.program_id(2)
@@ -103,25 +118,37 @@ def _attention_kernel(
         alpha = jnp.exp(m - m_safe)
         p = jnp.where(ok[None, :], jnp.exp(s - m_safe[:, None]), 0.0)
         v = jnp.where(ok[:, None], v, 0.0)
-        pv = jnp.dot(p.astype(v.dtype), v, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+        pv = jnp.dot(
+            p.astype(v.dtype), v, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32
+        )
         return m_new, l * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + pv
 
-    init = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32), jnp.zeros((rows, d), jnp.float32))
+    init = (
+        jnp.full((rows,), -jnp.inf, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+        jnp.zeros((rows, d), jnp.float32),
+    )
     m, l, acc = lax.fori_loop(first, num_tiles, body, init)
     m_out[...] = m
     l_out[...] = l
     acc_out[...] = acc
 
 
-def _attention_pallas(q, k_cache, v_cache, block_tables, context_lens, token_seq, token_pos, *, cfg, interpret):
-    """q[T, Hkv, R, D] (R = padded head group) -> per-split states m, l [T, Hkv, S, R], acc [T, Hkv, S, R, D]."""
-    t, hkv, rows, d = q.shape
+def _attention_pallas(
+    q, k_cache, v_cache, block_tables, context_lens, token_seq, token_pos, *, cfg, interpret
+):
+    """q[T, Hkv, G, D] -> per-split states m, l [T, Hkv, S, R], acc [T, Hkv, S, R, D] (R: G padded)."""
+    t, hkv, group, d = q.shape
+    rows = max(_MIN_ROWS, pl.next_power_of_2(group))
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
     num_blocks, block_size = k_cache.shape[:2]
     max_blocks = block_tables.shape[1]
     splits = cfg["num_splits"]
     smem = lambda shape: pl.BlockSpec(shape, lambda i, h, s: (0,) * len(shape))
     cache = pl.BlockSpec((num_blocks, block_size, pl.squeezed, d), lambda i, h, s: (0, 0, h, 0))
-    state = lambda *shape: pl.BlockSpec((pl.squeezed, pl.squeezed, pl.squeezed) + shape, lambda i, h, s: (i, h, s) + (0,) * len(shape))
+    state = lambda *shape: pl.BlockSpec(
+        (pl.squeezed, pl.squeezed, pl.squeezed) + shape, lambda i, h, s: (i, h, s) + (0,) * len(shape)
+    )
     kernel = functools.partial(
         _attention_kernel,
         scale=cfg["scale"],
@@ -192,17 +219,15 @@ def _attention_jnp(q, k_cache, v_cache, block_tables, context_lens, token_seq, t
     def tile(args):
         qt, seq, pos = args
         ctx = context_lens[seq]
+        empty = (
+            jnp.full((CPU_TILE_T, hkv, rows), -jnp.inf, jnp.float32),
+            jnp.zeros((CPU_TILE_T, hkv, rows), jnp.float32),
+            jnp.zeros((CPU_TILE_T, hkv, rows, d), jnp.float32),
+        )
         states = []
-        for split in range(splits):
+        for split in range(splits):  # splits past every token of the tile are skipped
             needed = jnp.max(pos) >= split * split_size
-            empty = (
-                jnp.full((CPU_TILE_T, hkv, rows), -jnp.inf, jnp.float32),
-                jnp.zeros((CPU_TILE_T, hkv, rows), jnp.float32),
-                jnp.zeros((CPU_TILE_T, hkv, rows, d), jnp.float32),
-            )
-            states.append(
-                lax.cond(needed, lambda s=split: one_split(qt, seq, pos, ctx, s), lambda: empty)
-            )
+            states.append(lax.cond(needed, lambda s=split: one_split(qt, seq, pos, ctx, s), lambda: empty))
         return tuple(jnp.stack(x, axis=2) for x in zip(*states, strict=True))
 
     m, l, acc = lax.map(tile, xs) if tp > CPU_TILE_T else (x[None] for x in tile(tuple(x[0] for x in xs)))
@@ -234,26 +259,42 @@ def _fold_splits(m, l, acc):
 @functools.partial(
     jax.jit, static_argnames=("scale", "softcap", "window", "split_size", "backend", "interpret")
 )
-def _attention(q, k_cache, v_cache, block_tables, context_lens, token_seq, token_pos, *,
-               scale, softcap, window, split_size, backend, interpret):
+def _attention(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    context_lens,
+    token_seq,
+    token_pos,
+    *,
+    scale,
+    softcap,
+    window,
+    split_size,
+    backend,
+    interpret,
+):
     t, hq, d = q.shape
     hkv = k_cache.shape[2]
     group = hq // hkv
-    rows = max(_MIN_ROWS, pl.next_power_of_2(group))
-    qg = jnp.pad(q.reshape(t, hkv, group, d), ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+    qg = q.reshape(t, hkv, group, d)
     cfg = dict(
-        scale=scale, softcap=softcap, window=window, split_size=split_size,
+        scale=scale,
+        softcap=softcap,
+        window=window,
+        split_size=split_size,
         num_splits=-(-block_tables.shape[1] * k_cache.shape[1] // split_size),
     )
     args = (qg, k_cache, v_cache, block_tables, context_lens, token_seq, token_pos)
-    m, l, acc = _platform.dispatch(
+    # Both branches fold their split states themselves (platform_dependent needs equal output types).
+    out = _platform.dispatch(
         backend,
-        lambda *a: _attention_jnp(*a, cfg=cfg),
-        lambda *a: _attention_pallas(*a, cfg=cfg, interpret=interpret),
+        lambda *a: _fold_splits(*_attention_jnp(*a, cfg=cfg)),
+        lambda *a: _fold_splits(*_attention_pallas(*a, cfg=cfg, interpret=interpret))[:, :, :group],
         *args,
-    )
-    out = _fold_splits(m, l, acc)  # [T, Hkv, R, D]
-    return out[:, :, :group].reshape(t, hq, d).astype(q.dtype)
+    )  # [T, Hkv, G, D]
+    return out.reshape(t, hq, d).astype(q.dtype)
 
 
 def _concrete(a):
@@ -269,7 +310,9 @@ def _check_attention(q, k_cache, v_cache, block_tables, context_lens, token_seq,
             raise ValueError(f"attention: {name} must be {nd}-D, got shape {getattr(a, 'shape', None)}")
     check_float_dtype("attention", q=q, k_cache=k_cache, v_cache=v_cache)
     if not (q.dtype == k_cache.dtype == v_cache.dtype):
-        raise TypeError(f"attention: dtype mismatch q={q.dtype}, k_cache={k_cache.dtype}, v_cache={v_cache.dtype}")
+        raise TypeError(
+            f"attention: dtype mismatch q={q.dtype}, k_cache={k_cache.dtype}, v_cache={v_cache.dtype}"
+        )
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"attention: k_cache {k_cache.shape} and v_cache {v_cache.shape} differ")
     t, hq, d = q.shape
@@ -361,10 +404,19 @@ def attention(
     if logit_softcap is not None and not (isinstance(logit_softcap, (int, float)) and logit_softcap > 0):
         raise ValueError(f"attention: logit_softcap must be a positive number, got {logit_softcap!r}")
     return _attention(
-        q, k_cache, v_cache, jnp.asarray(block_tables, jnp.int32), jnp.asarray(context_lens, jnp.int32),
-        jnp.asarray(token_seq, jnp.int32), jnp.asarray(token_pos, jnp.int32),
-        scale=scale, softcap=None if logit_softcap is None else float(logit_softcap), window=sliding_window,
-        split_size=split_size, backend=backend, interpret=interpret,
+        q,
+        k_cache,
+        v_cache,
+        jnp.asarray(block_tables, jnp.int32),
+        jnp.asarray(context_lens, jnp.int32),
+        jnp.asarray(token_seq, jnp.int32),
+        jnp.asarray(token_pos, jnp.int32),
+        scale=scale,
+        softcap=None if logit_softcap is None else float(logit_softcap),
+        window=sliding_window,
+        split_size=split_size,
+        backend=backend,
+        interpret=interpret,
     )
 
 
@@ -388,12 +440,25 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping):
     if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
         raise TypeError(f"write_kv: dtype mismatch k={k.dtype}, cache={k_cache.dtype}")
     if tuple(slot_mapping.shape) != (k.shape[0],):
-        raise ValueError(f"write_kv: slot_mapping must have shape ({k.shape[0]},), got {tuple(slot_mapping.shape)}")
+        raise ValueError(
+            f"write_kv: slot_mapping must have shape ({k.shape[0]},), got {tuple(slot_mapping.shape)}"
+        )
     return _write_kv(k_cache, v_cache, k, v, jnp.asarray(slot_mapping, jnp.int32))
 
 
-def attention_reference(q, k_cache, v_cache, block_tables, context_lens, token_seq, token_pos, *, scale=None,
-                        sliding_window=None, logit_softcap=None):
+def attention_reference(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    context_lens,
+    token_seq,
+    token_pos,
+    *,
+    scale=None,
+    sliding_window=None,
+    logit_softcap=None,
+):
     """Plain XLA attention over each token's densely gathered KV (batch-VARIANT negative control).
 
     The dense KV length is the longest context in the batch, so a token's reduction length
@@ -402,7 +467,11 @@ def attention_reference(q, k_cache, v_cache, block_tables, context_lens, token_s
     t, hq, d = q.shape
     block_size, hkv = k_cache.shape[1], k_cache.shape[2]
     scale = d**-0.5 if scale is None else scale
-    longest = int(np.max(np.asarray(context_lens))) if _concrete(context_lens) is not None else block_tables.shape[1] * block_size
+    longest = (
+        int(np.max(np.asarray(context_lens)))
+        if _concrete(context_lens) is not None
+        else block_tables.shape[1] * block_size
+    )
     nblk = max(1, -(-longest // block_size))
     phys = block_tables[token_seq][:, :nblk]  # [T, nblk]
     k = k_cache[phys].reshape(t, nblk * block_size, hkv, d)
@@ -416,6 +485,7 @@ def attention_reference(q, k_cache, v_cache, block_tables, context_lens, token_s
     s = jnp.where(ok[:, None, None, :], s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1)
     p = jnp.where(ok[:, None, None, :], p, 0.0)
-    out = jnp.einsum("thgk,tkhd->thgd", p, v.astype(jnp.float32))
+    v = jnp.where(ok[:, :, None, None], v.astype(jnp.float32), 0.0)
+    out = jnp.einsum("thgk,tkhd->thgd", p, v)
     out = jnp.where((token_pos >= 0)[:, None, None, None], out, 0.0)
     return out.reshape(t, hq, d).astype(q.dtype)

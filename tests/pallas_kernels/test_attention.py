@@ -1,0 +1,272 @@
+"""Paged attention: accuracy vs float64, bitwise invariance across batching/chunking/block
+placement, negative control, write_kv, bad input, and the CUDA lowering."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels._platform import TRITON_CUSTOM_CALL, cuda_export
+from pallas_kernels.attention import attention, attention_reference, write_kv
+from tests.conftest import bits, rand
+
+BACKENDS = [("jnp", False), ("triton", True)]
+
+
+class Paged:
+    """Sequences of given lengths with random K/V, stored in randomly placed cache blocks."""
+
+    def __init__(self, lens, *, hq=8, hkv=2, d=64, bs=16, max_blocks=None, dtype=jnp.float32, seed=0):
+        rng = np.random.default_rng(seed)
+        self.lens, self.hq, self.hkv, self.d, self.bs, self.dtype = list(lens), hq, hkv, d, bs, dtype
+        per = [-(-n // bs) for n in lens]
+        self.max_blocks = max_blocks or max(per)
+        self.num_blocks = sum(per) + 1 + 3  # block 0 is the null block; a few spare
+        order = 1 + rng.permutation(self.num_blocks - 1)
+        self.bt = np.zeros((len(lens), self.max_blocks), np.int32)
+        c = 0
+        for s, n in enumerate(per):
+            self.bt[s, :n] = order[c : c + n]
+            c += n
+        self.k = [rand((n, hkv, d), dtype) for n in lens]  # per-sequence dense K/V
+        self.v = [rand((n, hkv, d), dtype) for n in lens]
+        self.q = [rand((n, hq, d), dtype) for n in lens]  # one query per position
+        self.fill()
+
+    def slots(self, s, positions):
+        positions = np.asarray(positions)
+        return self.bt[s, positions // self.bs] * self.bs + positions % self.bs
+
+    def fill(self):
+        shape = (self.num_blocks, self.bs, self.hkv, self.d)
+        # stale garbage everywhere (NaN too), so masking must not rely on a clean cache
+        kc = jnp.full(shape, jnp.nan, self.dtype)
+        vc = jnp.full(shape, jnp.nan, self.dtype)
+        slots = np.concatenate([self.slots(s, np.arange(n)) for s, n in enumerate(self.lens)])
+        self.kc, self.vc = write_kv(
+            kc, vc, jnp.concatenate(self.k), jnp.concatenate(self.v), jnp.asarray(slots, jnp.int32)
+        )
+
+    def run(self, tokens, *, backend="jnp", interpret=False, **kw):
+        """tokens: list of (seq, pos); pos -1 = padding. Returns [T, Hq, D]."""
+        seq = np.array([s for s, _ in tokens], np.int32)
+        pos = np.array([p for _, p in tokens], np.int32)
+        if not hasattr(self, "_qpad"):  # one gather instead of T slices
+            self._qpad = jnp.concatenate(
+                [jnp.concatenate(self.q), jnp.zeros((1, self.hq, self.d), self.dtype)]
+            )
+            self._start = np.concatenate([[0], np.cumsum(self.lens)])
+        rows = np.array([self._start[s] + p if p >= 0 else len(self._qpad) - 1 for s, p in tokens])
+        q = self._qpad[rows]
+        args = (q, self.kc, self.vc, self.bt, np.array(self.lens, np.int32), seq, pos)
+        return attention(*args, backend=backend, interpret=interpret, **kw)
+
+    def f64(self, s, p, *, window=None, softcap=None):
+        if not hasattr(self, "_np"):
+            self._np = [[np.asarray(a, np.float64) for a in arrs] for arrs in (self.q, self.k, self.v)]
+        q, k, v = self._np[0][s][p], self._np[1][s][: p + 1], self._np[2][s][: p + 1]
+        g = self.hq // self.hkv
+        out = np.zeros((self.hq, self.d))
+        for h in range(self.hq):
+            sc = k[:, h // g] @ q[h] / np.sqrt(self.d)
+            if softcap is not None:
+                sc = softcap * np.tanh(sc / softcap)
+            if window is not None:
+                sc[: max(0, p + 1 - window)] = -np.inf
+            e = np.exp(sc - sc.max())
+            out[h] = (e / e.sum()) @ v[:, h // g]
+        return out
+
+
+def all_tokens(paged):
+    return [(s, p) for s, n in enumerate(paged.lens) for p in range(n)]
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+@pytest.mark.parametrize("backend,interpret", BACKENDS)
+@pytest.mark.parametrize("d", [64, 128])
+def test_accuracy(dtype, tol, backend, interpret, d):
+    # lengths 1, bs - 1, bs, bs + 1 and several 64-token splits
+    paged = Paged([1, 15, 16, 17, 150], d=d, dtype=dtype)
+    tokens = all_tokens(paged)
+    out = np.asarray(paged.run(tokens, backend=backend, interpret=interpret, split_size=64), np.float64)
+    ref = np.stack([paged.f64(s, p) for s, p in tokens])
+    assert np.abs(out - ref).max() / np.abs(ref).max() <= tol
+
+
+@pytest.mark.parametrize("backend,interpret", BACKENDS)
+def test_sliding_window_and_softcap(backend, interpret):
+    paged = Paged([130, 40], hq=4, hkv=4)
+    tokens = all_tokens(paged)
+    out = np.asarray(
+        paged.run(
+            tokens, backend=backend, interpret=interpret, split_size=64, sliding_window=37, logit_softcap=5.0
+        )
+    )
+    ref = np.stack([paged.f64(s, p, window=37, softcap=5.0) for s, p in tokens])
+    assert np.abs(out - ref).max() / np.abs(ref).max() <= 1e-5
+
+
+@pytest.mark.parametrize("backend,interpret", BACKENDS)
+def test_padding_tokens_give_zeros_and_touch_nothing(backend, interpret):
+    paged = Paged([20, 5])
+    real = paged.run([(0, 19), (1, 4)], backend=backend, interpret=interpret)
+    padded = paged.run([(0, -1), (0, 19), (0, -1), (1, 4), (0, -1)], backend=backend, interpret=interpret)
+    assert np.all(np.asarray(padded)[[0, 2, 4]] == 0)
+    np.testing.assert_array_equal(bits(padded[np.array([1, 3])]), bits(real))
+
+
+def _chunked_rows(paged, s, p, chunk, backend, interpret, others):
+    """Token (s, p) inside a prefill chunk of `chunk` tokens ending at p, among other tokens."""
+    chunk_tokens = [(s, q) for q in range(p - chunk + 1, p + 1)]
+    tokens = others[:2] + chunk_tokens + others[2:]
+    out = paged.run(tokens, backend=backend, interpret=interpret, split_size=64)
+    return bits(out[2 + chunk - 1])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_invariance_decode_vs_prefill_chunks_cpu(dtype):
+    paged = Paged([600, 70, 9, 300], dtype=dtype)
+    others = [(1, 69), (3, 200), (2, 8), (3, 299)]
+    for p in (599, 520, 64, 0):
+        decode = bits(paged.run([(0, p)], split_size=64))[0]
+        for chunk in (1, 3, 17, 512):
+            if chunk > p + 1:
+                continue
+            got = _chunked_rows(paged, 0, p, chunk, "jnp", False, others)
+            np.testing.assert_array_equal(got, decode, err_msg=f"p={p} chunk={chunk}")
+
+
+def test_invariance_decode_vs_prefill_chunks_pallas_interpret():
+    paged = Paged([150, 30], hq=4, hkv=2)
+    others = [(1, 29), (1, 3)]
+    for p in (149, 70):
+        decode = bits(paged.run([(0, p)], backend="triton", interpret=True, split_size=64))[0]
+        for chunk in (1, 3, 17):
+            got = _chunked_rows(paged, 0, p, chunk, "triton", True, others)
+            np.testing.assert_array_equal(got, decode, err_msg=f"p={p} chunk={chunk}")
+
+
+@pytest.mark.parametrize("backend,interpret", BACKENDS)
+def test_invariance_batch_composition_and_slots(backend, interpret):
+    paged = Paged([90, 33, 64, 7, 120], seed=3)
+    rng = np.random.default_rng(1)
+    target = (0, 89)
+    alone = bits(paged.run([target], backend=backend, interpret=interpret, split_size=64))[0]
+    pool = all_tokens(paged)
+    for trial in range(3):
+        picks = [pool[i] for i in rng.choice(len(pool), size=int(rng.integers(1, 12)), replace=False)]
+        slot = int(rng.integers(0, len(picks) + 1))
+        tokens = picks[:slot] + [target] + picks[slot:]
+        out = bits(paged.run(tokens, backend=backend, interpret=interpret, split_size=64))
+        np.testing.assert_array_equal(out[slot], alone, err_msg=f"trial {trial}")
+
+
+@pytest.mark.parametrize("backend,interpret", BACKENDS)
+def test_invariance_kv_in_other_physical_blocks(backend, interpret):
+    """Prefix caching and preemption move a sequence's KV: its results must not change."""
+    a = Paged([100, 50], seed=5)
+    ref = bits(a.run([(0, 99), (0, 40), (1, 49)], backend=backend, interpret=interpret, split_size=64))
+    b = Paged([100, 50], seed=5)  # same data ...
+    b.k, b.v, b.q = a.k, a.v, a.q
+    b.num_blocks = a.num_blocks + 10  # ... in other physical blocks
+    remap = 1 + np.random.default_rng(9).permutation(b.num_blocks - 1)
+    b.bt = np.where(np.arange(a.bt.shape[1]) < np.array([[7], [4]]), remap[a.bt], 0).astype(np.int32)
+    b.fill()
+    assert not np.array_equal(a.bt[0], b.bt[0])
+    got = bits(b.run([(0, 99), (0, 40), (1, 49)], backend=backend, interpret=interpret, split_size=64))
+    np.testing.assert_array_equal(got, ref)
+
+
+def test_negative_control_xla_reference_is_not_invariant():
+    """The invariant=False path (XLA, dense over the batch's longest context) changes the same row."""
+    paged = Paged([100, 640, 50], seed=7)
+    diffs = 0
+    for p in (99, 37):
+        args = lambda tokens: (
+            jnp.stack([paged.q[s][q] for s, q in tokens]),
+            paged.kc,
+            paged.vc,
+            jnp.asarray(paged.bt),
+            jnp.asarray(paged.lens, jnp.int32),
+            jnp.asarray([s for s, _ in tokens], jnp.int32),
+            jnp.asarray([q for _, q in tokens], jnp.int32),
+        )
+        alone_lens = jnp.asarray([100, 1, 1], jnp.int32)
+        a = args([(0, p)])
+        alone = attention_reference(*a[:4], alone_lens, *a[5:])
+        batched = attention_reference(*args([(0, p), (1, 639), (2, 49)]))
+        diffs += int(np.sum(bits(alone)[0] != bits(batched)[0]))
+    assert diffs > 0, "XLA's attention gave the same bits alone and batched: the control cannot fail"
+
+
+def test_write_kv_places_rows_and_sends_padding_to_the_null_block():
+    kc = jnp.zeros((4, 8, 2, 64), jnp.float32)
+    vc = jnp.zeros((4, 8, 2, 64), jnp.float32)
+    k, v = rand((3, 2, 64)), rand((3, 2, 64))
+    kc, vc = write_kv(kc, vc, k, v, jnp.asarray([13, -1, 30], jnp.int32))
+    np.testing.assert_array_equal(bits(kc[1, 5]), bits(k[0]))
+    np.testing.assert_array_equal(bits(vc[3, 6]), bits(v[2]))
+    np.testing.assert_array_equal(bits(kc[0, 1]), bits(k[1]))  # padding -> null block 0
+    assert float(jnp.abs(kc[2]).max()) == 0.0
+
+
+def _base_args(**over):
+    a = dict(
+        q=jnp.ones((3, 8, 64), jnp.float32),
+        k=jnp.ones((5, 16, 2, 64), jnp.float32),
+        v=jnp.ones((5, 16, 2, 64), jnp.float32),
+        bt=np.ones((2, 2), np.int32),
+        cl=np.array([20, 3], np.int32),
+        seq=np.array([0, 0, 1], np.int32),
+        pos=np.array([18, 19, 2], np.int32),
+    )
+    a.update(over)
+    return a
+
+
+@pytest.mark.parametrize(
+    "over,kw,exc,match",
+    [
+        ({"q": jnp.ones((3, 7, 64), jnp.float32)}, {}, ValueError, "not a multiple"),
+        ({"cl": np.array([40, 3], np.int32)}, {}, ValueError, "block table"),
+        (
+            {"cl": np.array([-1, 3], np.int32), "pos": np.array([-1, -1, 2], np.int32)},
+            {},
+            ValueError,
+            "negative",
+        ),
+        ({"q": jnp.ones((3, 8, 64), jnp.bfloat16)}, {}, TypeError, "dtype mismatch"),
+        ({"q": jnp.ones((3, 8, 32), jnp.float32)}, {}, ValueError, "head dim"),
+        ({"pos": np.array([18, 20, 2], np.int32)}, {}, ValueError, "position"),
+        ({"bt": np.array([[1, 9], [1, 1]], np.int32)}, {}, ValueError, "block_tables entries"),
+        ({"seq": np.array([0, 0, 1, 1], np.int32)}, {}, ValueError, "token_seq"),
+        ({"pos": np.array([1.0, 2.0, 2.0], np.float32)}, {}, TypeError, "token_pos"),
+        ({}, {"sliding_window": 0}, ValueError, "sliding_window"),
+        ({}, {"logit_softcap": -1.0}, ValueError, "logit_softcap"),
+        ({}, {"split_size": 100}, ValueError, "split_size"),
+    ],
+)
+def test_bad_input(over, kw, exc, match):
+    a = _base_args(**over)
+    with pytest.raises(exc, match=match):
+        attention(a["q"], a["k"], a["v"], a["bt"], a["cl"], a["seq"], a["pos"], **kw)
+
+
+def test_cuda_lowering_has_the_kernel_and_cpu_does_not():
+    S, i32 = jax.ShapeDtypeStruct, jnp.int32
+    shapes = (
+        S((64, 32, 128), jnp.bfloat16),
+        S((4097, 16, 8, 128), jnp.bfloat16),
+        S((4097, 16, 8, 128), jnp.bfloat16),
+        S((64, 256), i32),
+        S((64,), i32),
+        S((64,), i32),
+        S((64,), i32),
+    )
+    text = cuda_export(attention, *shapes)
+    assert 'name = "bijax_attention"' in text
+    cpu = jax.jit(attention).lower(*shapes).as_text()
+    assert TRITON_CUSTOM_CALL not in cpu and "bijax_attention" not in cpu
