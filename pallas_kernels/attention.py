@@ -238,22 +238,39 @@ def _attention_jnp(q, k_cache, v_cache, block_tables, context_lens, token_seq, t
 # --------------------------------------------------------------------------- fold and entry points
 
 
-def _fold_splits(m, l, acc):
-    """Left fold of the per-split states in split order; empty splits (l == 0) are skipped."""
+def _split_used(split: int, pos, *, split_size: int, window: int | None):
+    """Whether a token at ``pos`` has any visible key in ``split`` (False for padding)."""
+    used = (pos >= 0) & (split * split_size <= pos)
+    if window is not None:
+        used &= (split + 1) * split_size > pos - window + 1
+    return used
+
+
+def _fold_splits(m, l, acc, pos, *, split_size: int, window: int | None):
+    """Left fold of the per-split states in split order, over the splits the token uses.
+
+    Which splits are used follows from the position alone (not from the values, so a NaN
+    in the data propagates instead of being dropped); the first used split starts the fold
+    as it is. Returns the normalised output [T, Hkv, R, D] (zeros for padding tokens).
+    """
+    started = jnp.zeros(pos.shape, bool)
     fm, fl, facc = m[:, :, 0], l[:, :, 0], acc[:, :, 0]
-    for s in range(1, m.shape[2]):
+    for s in range(m.shape[2]):
         sm, sl, sacc = m[:, :, s], l[:, :, s], acc[:, :, s]
-        mx = jnp.maximum(fm, sm)
-        mx_safe = jnp.where(mx == -jnp.inf, 0.0, mx)
-        a, b = jnp.exp(fm - mx_safe), jnp.exp(sm - mx_safe)
-        merged = (mx, fl * a + sl * b, facc * a[..., None] + sacc * b[..., None])
-        take_new = fl == 0  # nothing folded yet: start from this split's state as it is
-        use = sl > 0
-        fm = jnp.where(use, jnp.where(take_new, sm, merged[0]), fm)
-        fl = jnp.where(use, jnp.where(take_new, sl, merged[1]), fl)
-        facc = jnp.where(use[..., None], jnp.where(take_new[..., None], sacc, merged[2]), facc)
-    safe_l = jnp.where(fl > 0, fl, 1.0)
-    return jnp.where(fl[..., None] > 0, facc / safe_l[..., None], 0.0)
+        if s:
+            mx = jnp.maximum(fm, sm)
+            mx_safe = jnp.where(mx == -jnp.inf, 0.0, mx)
+            a, b = jnp.exp(fm - mx_safe), jnp.exp(sm - mx_safe)
+            st = started[:, None, None]
+            sm = jnp.where(st, mx, sm)
+            sl = jnp.where(st, fl * a + sl * b, sl)
+            sacc = jnp.where(st[..., None], facc * a[..., None] + sacc * b[..., None], sacc)
+        use = _split_used(s, pos, split_size=split_size, window=window)
+        u = use[:, None, None]
+        fm, fl, facc = jnp.where(u, sm, fm), jnp.where(u, sl, fl), jnp.where(u[..., None], sacc, facc)
+        started |= use
+    st = started[:, None, None]
+    return jnp.where(st[..., None], facc / jnp.where(st, fl, 1.0)[..., None], 0.0)
 
 
 @functools.partial(
@@ -286,12 +303,15 @@ def _attention(
         split_size=split_size,
         num_splits=-(-block_tables.shape[1] * k_cache.shape[1] // split_size),
     )
+    # Padding tokens may carry any sequence index: clamp it so no read goes out of bounds.
+    token_seq = jnp.clip(token_seq, 0, block_tables.shape[0] - 1)
     args = (qg, k_cache, v_cache, block_tables, context_lens, token_seq, token_pos)
+    fold = functools.partial(_fold_splits, pos=token_pos, split_size=split_size, window=window)
     # Both branches fold their split states themselves (platform_dependent needs equal output types).
     out = _platform.dispatch(
         backend,
-        lambda *a: _fold_splits(*_attention_jnp(*a, cfg=cfg)),
-        lambda *a: _fold_splits(*_attention_pallas(*a, cfg=cfg, interpret=interpret))[:, :, :group],
+        lambda *a: fold(*_attention_jnp(*a, cfg=cfg)),
+        lambda *a: fold(*_attention_pallas(*a, cfg=cfg, interpret=interpret))[:, :, :group],
         *args,
     )  # [T, Hkv, G, D]
     return out.reshape(t, hq, d).astype(q.dtype)
@@ -317,6 +337,10 @@ def _check_attention(q, k_cache, v_cache, block_tables, context_lens, token_seq,
         raise ValueError(f"attention: k_cache {k_cache.shape} and v_cache {v_cache.shape} differ")
     t, hq, d = q.shape
     num_blocks, block_size, hkv, dk = k_cache.shape
+    if t == 0:
+        raise ValueError("attention: q has no tokens (T == 0)")
+    if isinstance(split_size, bool) or not isinstance(split_size, (int, np.integer)) or split_size < 1:
+        raise ValueError(f"attention: split_size must be a positive int, got {split_size!r}")
     if d != dk:
         raise ValueError(f"attention: head dim of q ({d}) != cache's ({dk})")
     if d not in HEAD_DIMS:
@@ -399,10 +423,22 @@ def attention(
     _platform.check_backend(backend, interpret)
     _check_attention(q, k_cache, v_cache, block_tables, context_lens, token_seq, token_pos, split_size)
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
-    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
-        raise ValueError(f"attention: sliding_window must be a positive int, got {sliding_window!r}")
-    if logit_softcap is not None and not (isinstance(logit_softcap, (int, float)) and logit_softcap > 0):
-        raise ValueError(f"attention: logit_softcap must be a positive number, got {logit_softcap!r}")
+    if not (np.isfinite(scale) and scale > 0):
+        raise ValueError(f"attention: scale must be a finite positive number, got {scale!r}")
+    if sliding_window is not None:
+        if (
+            isinstance(sliding_window, bool)
+            or not isinstance(sliding_window, (int, np.integer))
+            or sliding_window < 1
+        ):
+            raise ValueError(f"attention: sliding_window must be a positive int, got {sliding_window!r}")
+        sliding_window = int(sliding_window)
+    if logit_softcap is not None:
+        ok = isinstance(logit_softcap, (int, float, np.floating)) and not isinstance(logit_softcap, bool)
+        if not ok or not (np.isfinite(logit_softcap) and logit_softcap > 0):
+            raise ValueError(
+                f"attention: logit_softcap must be a finite positive number, got {logit_softcap!r}"
+            )
     return _attention(
         q,
         k_cache,
@@ -414,7 +450,7 @@ def attention(
         scale=scale,
         softcap=None if logit_softcap is None else float(logit_softcap),
         window=sliding_window,
-        split_size=split_size,
+        split_size=int(split_size),
         backend=backend,
         interpret=interpret,
     )
@@ -439,10 +475,20 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping):
         raise ValueError(f"write_kv: k {k.shape} / v {v.shape} do not fit cache rows {k_cache.shape[2:]}")
     if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
         raise TypeError(f"write_kv: dtype mismatch k={k.dtype}, cache={k_cache.dtype}")
-    if tuple(slot_mapping.shape) != (k.shape[0],):
+    if tuple(getattr(slot_mapping, "shape", ())) != (k.shape[0],):
         raise ValueError(
-            f"write_kv: slot_mapping must have shape ({k.shape[0]},), got {tuple(slot_mapping.shape)}"
+            f"write_kv: slot_mapping must have shape ({k.shape[0]},), got {getattr(slot_mapping, 'shape', None)}"
         )
+    if not jnp.issubdtype(slot_mapping.dtype, jnp.integer):
+        raise TypeError(f"write_kv: slot_mapping must be an integer array, got {slot_mapping.dtype}")
+    slots = _concrete(slot_mapping)
+    capacity = k_cache.shape[0] * k_cache.shape[1]
+    if slots is not None:
+        if (slots >= capacity).any():
+            raise ValueError(f"write_kv: slot {int(slots.max())} is outside the cache's {capacity} slots")
+        real = slots[slots >= 0]
+        if len(np.unique(real)) != len(real):
+            raise ValueError("write_kv: two tokens write the same cache slot")
     return _write_kv(k_cache, v_cache, k, v, jnp.asarray(slot_mapping, jnp.int32))
 
 

@@ -65,6 +65,7 @@ class MatmulPlan:
       tile_k: reduction chunk inside a leaf (GPU).
       tile_n: output columns per program (GPU).
       cpu_tile_m: rows per fixed tile on CPU.
+      platform: "gpu" or "cpu" - the implementation the plan is for.
     """
 
     k: int
@@ -76,6 +77,7 @@ class MatmulPlan:
     tile_k: int
     tile_n: int
     cpu_tile_m: int
+    platform: str = "gpu"
 
     @property
     def shard_k(self) -> int:
@@ -90,8 +92,13 @@ class MatmulPlan:
         return -(-self.n // self.tile_n) * self.tile_n
 
 
-def plan_matmul(k: int, n: int, dtype, *, k_shards: int = 1, platform: str = "gpu") -> MatmulPlan:
-    """Plans the reduction for a [k, n] weight. Give the FULL (unsharded) shape under TP."""
+def plan_matmul(k: int, n: int, dtype, *, k_shards: int = 1, platform: str | None = None) -> MatmulPlan:
+    """Plans the reduction for a [k, n] weight. Give the FULL (unsharded) shape under TP.
+
+    ``platform``: "gpu" or "cpu"; default: this process's default JAX backend.
+    """
+    if platform is None:
+        platform = "cpu" if jax.default_backend() == "cpu" else "gpu"
     if k_shards not in K_SHARDS:
         raise ValueError(f"k_shards must be one of {K_SHARDS}, got {k_shards!r}")
     if platform not in ("gpu", "cpu"):
@@ -104,7 +111,7 @@ def plan_matmul(k: int, n: int, dtype, *, k_shards: int = 1, platform: str = "gp
     if platform == "cpu":
         big = k * n * dtype.itemsize > _CPU_BIG_WEIGHT_BYTES
         tile_m = (32 if dtype.itemsize < 4 else 64) if big else 16
-        return MatmulPlan(k, n, dtype.name, k_shards, 1, shard_k, TILE_K, tile_n, tile_m)
+        return MatmulPlan(k, n, dtype.name, k_shards, 1, shard_k, TILE_K, tile_n, tile_m, "cpu")
     # GPU: narrow-N weights get enough leaves that one row tile of the narrowest
     # column tiles still fills the machine (M = 1 decode).
     leaves = 1
@@ -114,7 +121,7 @@ def plan_matmul(k: int, n: int, dtype, *, k_shards: int = 1, platform: str = "gp
     split_k = max(1, leaves // k_shards)
     chunks = -(-shard_k // TILE_K)
     leaf_k = -(-chunks // split_k) * TILE_K
-    return MatmulPlan(k, n, dtype.name, k_shards, split_k, leaf_k, TILE_K, tile_n, 16)
+    return MatmulPlan(k, n, dtype.name, k_shards, split_k, leaf_k, TILE_K, tile_n, 16, "gpu")
 
 
 def _to_leaves(a: jax.Array, plan: MatmulPlan, num_shards: int, axis: int) -> jax.Array:
@@ -385,27 +392,35 @@ def matmul_partial(
     w: jax.Array,
     *,
     plan: MatmulPlan,
-    backend: str = "jnp",
+    backend: str | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """One tensor-parallel rank's fp32 share of a row-parallel matmul.
 
     ``x[M, Kr]`` and ``w[Kr, N]`` hold ``Kr / plan.shard_k`` consecutive whole
     shards of the weight that ``plan`` was made for (``plan_matmul`` on the FULL
-    shape). Returns their fp32 sum through the lower levels of the k_shards tree;
-    ``tree_sum`` over the ranks' results, in rank order, then a cast, equals
-    ``matmul(x_full, w_full, k_shards=plan.k_shards)`` bit for bit.
+    shape, for the platform that runs it). Returns their fp32 sum through the lower
+    levels of the k_shards tree; ``tree_sum`` over the ranks' results, in rank order,
+    then a cast, equals ``matmul(x_full, w_full, k_shards=plan.k_shards)`` bit for bit.
+    ``backend`` defaults to the plan's platform ("jnp" for a CPU plan, "triton" for GPU).
     """
     check_float_dtype("matmul_partial", x=x, w=w)
     check_same_dtype("matmul_partial", x=x, w=w)
+    if jnp.dtype(w.dtype).name != plan.dtype:
+        raise TypeError(f"matmul_partial: operands are {w.dtype} but the plan is for {plan.dtype}")
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0] or w.shape[1] != plan.n:
         raise ValueError(f"matmul_partial: shapes {x.shape} @ {w.shape} do not fit plan N={plan.n}")
     kr = w.shape[0]
     if kr % plan.shard_k or (kr // plan.shard_k) & (kr // plan.shard_k - 1):
         raise ValueError(f"matmul_partial: K={kr} is not a power-of-two number of shards of {plan.shard_k}")
+    expected = "jnp" if plan.platform == "cpu" else "triton"
+    backend = expected if backend is None else backend
     _platform.check_backend(backend, interpret)
-    if backend == "auto":
-        raise ValueError("matmul_partial: the plan is platform specific; pass backend='jnp' or 'triton'")
+    if backend != expected:
+        raise ValueError(
+            f"matmul_partial: a {plan.platform} plan runs on backend={expected!r}, not {backend!r} "
+            f"(make the plan with plan_matmul(..., platform=...) for the backend you run)"
+        )
     num_shards = kr // plan.shard_k
     if backend == "jnp":
         return _jnp_partial(x, w, plan=plan, num_shards=num_shards, out_dtype=jnp.float32)

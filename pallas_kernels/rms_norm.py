@@ -81,10 +81,10 @@ def _rms_norm_jnp(x, weight, residual, *, eps: float):
     def tile(args):
         xf = args[0].astype(jnp.float32)
         if residual is not None:
-            # Round the sum to x's dtype explicitly: XLA may otherwise keep the fp32
+            # Round the sum to x's dtype for real: without the barrier XLA may keep the fp32
             # sum ("excess precision") and the fused op would differ from the unfused one.
-            info = jnp.finfo(x.dtype)
-            xf = lax.reduce_precision(xf + args[1].astype(jnp.float32), info.nexp, info.nmant)
+            summed = xf + args[1].astype(jnp.float32)
+            xf = lax.optimization_barrier(summed.astype(x.dtype)).astype(jnp.float32)
         rstd = lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) / h + eps)
         return (xf * rstd * wf).astype(x.dtype), xf.astype(x.dtype)
 

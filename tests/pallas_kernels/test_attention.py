@@ -213,6 +213,34 @@ def test_write_kv_places_rows_and_sends_padding_to_the_null_block():
     assert float(jnp.abs(kc[2]).max()) == 0.0
 
 
+@pytest.mark.parametrize("backend,interpret", BACKENDS)
+def test_nan_in_a_visible_key_propagates(backend, interpret):
+    """Bad data must show, not be dropped: a NaN key the token can see makes its output NaN."""
+    paged = Paged([100], hq=4, hkv=2)
+    paged.k[0] = paged.k[0].at[80].set(jnp.nan)
+    paged.fill()
+    out = np.asarray(paged.run([(0, 99), (0, 50)], backend=backend, interpret=interpret, split_size=64))
+    assert np.isnan(out[0]).all()  # sees key 80
+    assert np.isfinite(out[1]).all()  # position 50 does not
+
+
+def test_sliding_window_accepts_numpy_ints():
+    paged = Paged([70], hq=4, hkv=2)
+    a = paged.run([(0, 69)], sliding_window=np.int64(8))
+    np.testing.assert_array_equal(bits(a), bits(paged.run([(0, 69)], sliding_window=8)))
+
+
+def test_write_kv_rejects_bad_slots():
+    kc = jnp.zeros((4, 8, 1, 64), jnp.float32)
+    k = jnp.ones((2, 1, 64), jnp.float32)
+    with pytest.raises(ValueError, match="outside the cache"):
+        write_kv(kc, jnp.zeros_like(kc), k, k, jnp.asarray([5, 35], jnp.int32))
+    with pytest.raises(TypeError, match="integer"):
+        write_kv(jnp.zeros_like(kc), jnp.zeros_like(kc), k, k, np.array([5.7, 9.2], np.float32))
+    with pytest.raises(ValueError, match="same cache slot"):
+        write_kv(jnp.zeros_like(kc), jnp.zeros_like(kc), k, k, jnp.asarray([5, 5], jnp.int32))
+
+
 def _base_args(**over):
     a = dict(
         q=jnp.ones((3, 8, 64), jnp.float32),
@@ -247,6 +275,20 @@ def _base_args(**over):
         ({}, {"sliding_window": 0}, ValueError, "sliding_window"),
         ({}, {"logit_softcap": -1.0}, ValueError, "logit_softcap"),
         ({}, {"split_size": 100}, ValueError, "split_size"),
+        ({}, {"split_size": 0}, ValueError, "split_size"),
+        ({}, {"sliding_window": True}, ValueError, "sliding_window"),
+        ({}, {"logit_softcap": float("inf")}, ValueError, "logit_softcap"),
+        ({}, {"scale": float("nan")}, ValueError, "scale"),
+        (
+            {
+                "q": jnp.ones((0, 8, 64), jnp.float32),
+                "seq": np.zeros(0, np.int32),
+                "pos": np.zeros(0, np.int32),
+            },
+            {},
+            ValueError,
+            "no tokens",
+        ),
     ],
 )
 def test_bad_input(over, kw, exc, match):

@@ -129,11 +129,12 @@ def test_tree_sum_is_a_balanced_neighbour_tree():
 
 
 def test_plan_depends_on_the_weight_only():
-    narrow = plan_matmul(14336, 4096, jnp.bfloat16)
-    wide = plan_matmul(4096, 28672, jnp.bfloat16)
+    narrow = plan_matmul(14336, 4096, jnp.bfloat16, platform="gpu")
+    wide = plan_matmul(4096, 28672, jnp.bfloat16, platform="gpu")
     assert narrow.split_k > 1, "narrow-N weights get a fixed split-K"
     assert wide.split_k == 1
-    assert plan_matmul(14336, 4096, jnp.bfloat16, k_shards=8).num_leaves >= 8
+    assert plan_matmul(14336, 4096, jnp.bfloat16, k_shards=8, platform="gpu").num_leaves >= 8
+    assert plan_matmul(100, 64, jnp.float32).platform == "cpu"  # default: this machine
     assert plan_matmul(576, 49152, jnp.float32, platform="cpu").split_k == 1
     # the launch shape may follow M on GPU; the reduction plan never does
     assert gpu_tiles(narrow, 1) != gpu_tiles(narrow, 4096)
@@ -182,6 +183,27 @@ def test_matmul_partial_rejects_a_slice_that_is_not_whole_shards():
     x, w = rand((2, 100)), rand((100, 64))
     with pytest.raises(ValueError, match="shards"):
         pk.matmul_partial(x, w, plan=plan)
+
+
+def test_matmul_partial_defaults_reproduce_the_full_result():
+    """plan_matmul's and matmul_partial's defaults agree with matmul on this machine."""
+    x, w = rand((4, 4096)), rand((4096, 64))
+    full = bits(pk.matmul(x, w, k_shards=2))
+    plan = pk.plan_matmul(4096, 64, jnp.float32, k_shards=2)
+    parts = [
+        pk.matmul_partial(x[:, r * 2048 : (r + 1) * 2048], w[r * 2048 : (r + 1) * 2048], plan=plan)
+        for r in range(2)
+    ]
+    np.testing.assert_array_equal(bits(pk.tree_sum(parts).astype(jnp.float32)), full)
+
+
+def test_matmul_partial_refuses_a_plan_for_another_platform_or_dtype():
+    x, w = rand((2, 200)), rand((200, 64))
+    cpu_plan = plan_matmul(200, 64, jnp.float32, platform="cpu")
+    with pytest.raises(ValueError, match="cpu plan runs on backend='jnp'"):
+        pk.matmul_partial(x, w, plan=cpu_plan, backend="triton", interpret=True)
+    with pytest.raises(TypeError, match="plan is for float32"):
+        pk.matmul_partial(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), plan=cpu_plan)
 
 
 def test_runs_under_jit_and_vmap_free_tracing():

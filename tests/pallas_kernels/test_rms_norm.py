@@ -41,6 +41,23 @@ def test_fused_residual(backend, interpret):
     )
 
 
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("backend,interpret", BACKENDS)
+def test_fused_residual_keeps_subnormal_sums(dtype, backend, interpret):
+    """x + residual is rounded to x's dtype like XLA's add - subnormals included, none flushed."""
+    tiny = float(jnp.finfo(dtype).smallest_normal) / 2
+    x = jnp.full((2, 64), 3 * tiny, dtype)
+    r = jnp.full((2, 64), -2 * tiny, dtype)
+    g = jnp.ones((64,), dtype)
+    out, summed = pk.rms_norm(x, g, eps=0.0, residual=r, backend=backend, interpret=interpret)
+    np.testing.assert_array_equal(bits(summed), bits(x + r))
+    if dtype == jnp.float16:  # f16 subnormals are normal fp32 numbers: they must survive
+        assert float(summed[0, 0]) != 0.0
+    np.testing.assert_array_equal(
+        bits(out), bits(pk.rms_norm(summed, g, eps=0.0, backend=backend, interpret=interpret))
+    )
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("h", [576, 1536, 4096])
 def test_batch_invariance_cpu(dtype, h):
