@@ -1,0 +1,251 @@
+"""Model configs: a small frozen dataclass per model, built from HF ``config.json`` or a preset.
+
+Presets without a checkpoint (``tiny``, ``llama3-8b``) get random weights drawn from a seed
+(``models.llama.init_random``), identical in every process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+# HF model_type values whose decoder is the Llama block (RMSNorm, RoPE, SwiGLU, GQA).
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 RoPE frequency scaling (HF ``rope_type: "llama3"``)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Shape and numerics of a Llama-family decoder (Llama 2/3, SmolLM2, Qwen2).
+
+    Attributes:
+      vocab_size, hidden_size, intermediate_size, num_layers: model size.
+      num_heads, num_kv_heads, head_dim: grouped-query attention shape.
+      rms_norm_eps: RMSNorm epsilon.
+      rope_theta, rope_scaling: rotary embedding base and optional Llama-3 scaling.
+      max_position_embeddings: the model's context length.
+      tie_word_embeddings: the LM head is the embedding matrix (SmolLM2).
+      attention_bias: q/k/v projections carry a bias (Qwen2).
+      bos_token_id, eos_token_ids: special tokens from config.json (may be empty).
+      model_type: HF's model_type, for messages.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    model_type: str = "llama"
+
+    def __post_init__(self):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"LlamaConfig: {name} must be a positive int, got {v!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"LlamaConfig: num_heads ({self.num_heads}) is not a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"LlamaConfig: head_dim must be even for RoPE, got {self.head_dim}")
+        if not (self.rms_norm_eps > 0 and math.isfinite(self.rms_norm_eps)):
+            raise ValueError(f"LlamaConfig: rms_norm_eps must be positive, got {self.rms_norm_eps!r}")
+        if not (self.rope_theta > 1 and math.isfinite(self.rope_theta)):
+            raise ValueError(f"LlamaConfig: rope_theta must be > 1, got {self.rope_theta!r}")
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def num_params(self) -> int:
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        attn = h * (self.q_dim + 2 * self.kv_dim) + self.q_dim * h
+        if self.attention_bias:
+            attn += self.q_dim + 2 * self.kv_dim
+        layer = attn + 3 * h * i + 2 * h
+        return v * h * (1 if self.tie_word_embeddings else 2) + self.num_layers * layer + h
+
+    def inv_freq(self) -> np.ndarray:
+        """RoPE inverse frequencies [head_dim // 2] in float64 (Llama-3 scaling applied)."""
+        d = self.head_dim
+        inv = 1.0 / (self.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+        s = self.rope_scaling
+        if s is None:
+            return inv
+        low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+        high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+        wavelen = 2 * np.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / s.factor, inv)
+        smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+            s.high_freq_factor - s.low_freq_factor
+        )
+        blended = (1 - smooth) * scaled / s.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return np.where(medium, blended, scaled)
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any] | str | os.PathLike) -> LlamaConfig:
+        """From a HF ``config.json`` dict, the file, or the checkpoint directory holding it."""
+        if not isinstance(hf, dict):
+            path = os.fspath(hf)
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"no HF config.json at {path}")
+            with open(path) as f:
+                try:
+                    hf = json.load(f)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path} is not valid JSON: {e}") from None
+        return _from_hf_dict(hf)
+
+
+def _from_hf_dict(hf: dict[str, Any]) -> LlamaConfig:
+    model_type = hf.get("model_type", "llama")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"unsupported model_type {model_type!r}; bijax supports the Llama family {SUPPORTED_MODEL_TYPES}"
+        )
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r} (Llama-family models use 'silu')")
+    if hf.get("mlp_bias"):
+        raise ValueError("unsupported: mlp_bias=True")
+    if model_type == "qwen2" and hf.get("use_sliding_window"):
+        raise ValueError("unsupported: Qwen2 with use_sliding_window=True")
+    if model_type == "mistral" and hf.get("sliding_window"):
+        raise ValueError("unsupported: Mistral with a sliding window")
+    missing = [
+        k
+        for k in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+        )
+        if k not in hf
+    ]
+    if missing:
+        raise ValueError(f"config.json lacks {', '.join(missing)}")
+    heads = hf["num_attention_heads"]
+    scaling = None
+    # transformers >= 5 keeps theta and scaling together in "rope_parameters".
+    rp = hf.get("rope_parameters") or {}
+    theta = hf.get("rope_theta", rp.get("rope_theta", 10000.0))
+    rs = hf.get("rope_scaling") or (rp if rp.get("rope_type", "default") != "default" else None)
+    if rs:
+        kind = rs.get("rope_type", rs.get("type"))
+        if kind == "llama3":
+            scaling = RopeScaling(
+                float(rs["factor"]),
+                float(rs["low_freq_factor"]),
+                float(rs["high_freq_factor"]),
+                int(rs["original_max_position_embeddings"]),
+            )
+        elif kind not in (None, "default"):
+            raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: llama3)")
+    eos = hf.get("eos_token_id")
+    eos_ids = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+    bos = hf.get("bos_token_id")
+    return LlamaConfig(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6 if model_type == "qwen2" else 1e-5)),
+        rope_theta=float(theta),
+        rope_scaling=scaling,
+        max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=eos_ids,
+        model_type=model_type,
+    )
+
+
+PRESETS: dict[str, LlamaConfig] = {
+    # For tests and tensor parallelism: 16 query / 8 KV heads, so TP 1, 2, 4, 8 all divide it.
+    "tiny": LlamaConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=768,
+        num_layers=2,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+        model_type="llama",
+    ),
+    # Meta-Llama-3-8B's shape (random weights: shape and speed only).
+    "llama3-8b": LlamaConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192),
+        max_position_embeddings=131072,
+        bos_token_id=128000,
+        eos_token_ids=(128001, 128009),
+        model_type="llama",
+    ),
+}
+
+
+def preset(name: str) -> LlamaConfig:
+    """The named preset config; ValueError naming the known ones otherwise."""
+    try:
+        return PRESETS[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(sorted(PRESETS))}") from None

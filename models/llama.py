@@ -1,0 +1,377 @@
+"""Flax NNX Llama-family decoder (Llama 2/3, SmolLM2, Qwen2) on the batch-invariant kernels.
+
+Two entry points:
+
+* ``Llama.forward(tokens[B, L])`` - the plain full-sequence forward (positions 0..L-1);
+* ``Llama.forward_paged(...)`` - the engine's forward over a flat, ragged batch of tokens
+  (prefill chunks and decode tokens mixed) against a paged KV cache.
+
+With ``invariant=True`` (the default) every matmul (the LM head included), norm and
+attention goes through ``pallas_kernels``; the rest is per-token gathers and elementwise
+math in float32, so a token's logits depend only on its sequence, never on the batch. The
+full-sequence forward runs the same attention kernel over a paged view of its own KV, so
+it gives the same bits as the paged forward. ``invariant=False`` uses plain XLA ops - the
+negative control and the speed baseline, never a fallback.
+
+Weights are stored [in, out] (HF's [out, in] is transposed once at load). Row-parallel
+weights (o, down) use the model's ``k_shards`` (DESIGN.md). Logits are float32.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import pallas_kernels as pk
+from models.configs import LlamaConfig
+from pallas_kernels.attention import attention, attention_reference
+from pallas_kernels.matmul import K_SHARDS
+
+# Block size of the paged view the full-sequence forward builds of its own KV. The
+# attention kernel's bits do not depend on the block size (<= 64), so this matches the
+# engine's paged cache.
+FULL_FORWARD_BLOCK = 64
+
+KVCache = list  # per layer: (k [num_blocks, block_size, Hkv, D], v [same])
+
+
+class RopeTable(nnx.Variable):
+    """cos/sin of every position: a constant, not a parameter (never saved or trained)."""
+
+
+def rope_table(config: LlamaConfig, length: int | None = None) -> np.ndarray:
+    """[length, 2, head_dim // 2] float32 (cos, sin), computed on the host.
+
+    The angle is rounded to float32 as HF/vLLM do (position * inv_freq in float32); cos
+    and sin are then taken in float64 and rounded once, so the table is the same on
+    every machine and backend.
+    """
+    length = config.max_position_embeddings if length is None else length
+    inv = config.inv_freq().astype(np.float32)
+    ang = np.arange(length, dtype=np.float32)[:, None] * inv[None, :]
+    ang = ang.astype(np.float64)
+    return np.stack([np.cos(ang), np.sin(ang)], axis=1).astype(np.float32)
+
+
+def _seed_key(seed: int, name: str) -> jax.Array:
+    # One key per tensor name: the draw is the same in every process and does not
+    # depend on the order tensors are built in.
+    return jax.random.fold_in(jax.random.PRNGKey(seed), zlib.crc32(name.encode()) & 0x7FFFFFFF)
+
+
+def _normal(seed: int, name: str, shape, std: float, dtype) -> nnx.Param:
+    x = jax.random.normal(_seed_key(seed, name), shape, jnp.float32) * np.float32(std)
+    return nnx.Param(x.astype(dtype))
+
+
+def _ones(shape, dtype) -> nnx.Param:
+    return nnx.Param(jnp.ones(shape, dtype))
+
+
+def _zeros(shape, dtype) -> nnx.Param:
+    return nnx.Param(jnp.zeros(shape, dtype))
+
+
+# --------------------------------------------------------------------------- ops by path
+
+
+def _mm(x, w, *, invariant: bool, out_dtype=None, k_shards: int = 1, tp_parts: int = 1):
+    """x[M, K] @ w[K, N]. ``tp_parts`` > 1 runs a row-parallel weight as that many separate
+    shard partials combined by the k_shards tree, as tensor parallelism does."""
+    if not invariant:
+        return pk.matmul_reference(x, w, out_dtype=out_dtype)
+    if tp_parts == 1:
+        return pk.matmul(x, w, out_dtype=out_dtype, k_shards=k_shards)
+    k, n = w.shape
+    plan = pk.plan_matmul(k, n, w.dtype, k_shards=k_shards)
+    per = plan.shard_k * (k_shards // tp_parts)
+    parts = [
+        pk.matmul_partial(x[:, r * per : (r + 1) * per], w[r * per : (r + 1) * per], plan=plan)
+        for r in range(tp_parts)
+    ]
+    return pk.tree_sum(parts).astype(x.dtype if out_dtype is None else out_dtype)
+
+
+def _norm(x, w, eps, *, invariant: bool, residual=None):
+    if invariant:
+        return pk.rms_norm(x, w, eps=eps, residual=residual)
+    return pk.rms_norm_reference(x, w, eps=eps, residual=residual)
+
+
+def _rope(x, cos_sin):
+    """x [T, H, D] rotated by the half-split convention (HF's rotate_half), in float32."""
+    cos, sin = cos_sin[:, None, 0], cos_sin[:, None, 1]  # [T, 1, D/2]
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+# --------------------------------------------------------------------------- modules
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: LlamaConfig, *, dtype, seed: int, prefix: str):
+        c = config
+        h, std = c.hidden_size, c.hidden_size**-0.5
+        self.wq = _normal(seed, prefix + "wq", (h, c.q_dim), std, dtype)  # [H, Hq*D]
+        self.wk = _normal(seed, prefix + "wk", (h, c.kv_dim), std, dtype)  # [H, Hkv*D]
+        self.wv = _normal(seed, prefix + "wv", (h, c.kv_dim), std, dtype)  # [H, Hkv*D]
+        self.wo = _normal(seed, prefix + "wo", (c.q_dim, h), c.q_dim**-0.5, dtype)  # [Hq*D, H]
+        if c.attention_bias:
+            self.bq = _zeros((c.q_dim,), dtype)
+            self.bk = _zeros((c.kv_dim,), dtype)
+            self.bv = _zeros((c.kv_dim,), dtype)
+
+
+class MLP(nnx.Module):
+    def __init__(self, config: LlamaConfig, *, dtype, seed: int, prefix: str):
+        h, i = config.hidden_size, config.intermediate_size
+        self.w_gate = _normal(seed, prefix + "w_gate", (h, i), h**-0.5, dtype)  # [H, I]
+        self.w_up = _normal(seed, prefix + "w_up", (h, i), h**-0.5, dtype)  # [H, I]
+        self.w_down = _normal(seed, prefix + "w_down", (i, h), i**-0.5, dtype)  # [I, H]
+
+
+class Block(nnx.Module):
+    def __init__(self, config: LlamaConfig, *, dtype, seed: int, index: int):
+        prefix = f"layers.{index}."
+        self.attn_norm = _ones((config.hidden_size,), dtype)
+        self.attn = Attention(config, dtype=dtype, seed=seed, prefix=prefix + "attn.")
+        self.mlp_norm = _ones((config.hidden_size,), dtype)
+        self.mlp = MLP(config, dtype=dtype, seed=seed, prefix=prefix + "mlp.")
+
+
+class Llama(nnx.Module):
+    """A Llama-family decoder.
+
+    Args:
+      config: the model's ``LlamaConfig``.
+      dtype: parameter and activation dtype (bfloat16, float16 or float32).
+      k_shards: virtual K shards of the row-parallel weights (o, down): 1, 2, 4 or 8; the
+        same value gives the same bits at every tensor-parallel degree dividing it.
+      seed: random weights are drawn from it (presets without a checkpoint), the same in
+        every process. A checkpoint loader overwrites them (``models.loading``).
+      tp_parts: run o/down as this many separate shard partials combined by the tree
+        (what a tensor-parallel rank does); for checking k_shards on one device.
+    """
+
+    def __init__(
+        self,
+        config: LlamaConfig,
+        *,
+        dtype=jnp.bfloat16,
+        k_shards: int = 1,
+        seed: int = 0,
+        tp_parts: int = 1,
+    ):
+        if not isinstance(config, LlamaConfig):
+            raise TypeError(f"config must be a LlamaConfig, got {type(config).__name__}")
+        dtype = jnp.dtype(dtype)
+        if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
+            raise TypeError(f"dtype must be bfloat16, float16 or float32, got {dtype}")
+        if k_shards not in K_SHARDS:
+            raise ValueError(f"k_shards must be one of {K_SHARDS}, got {k_shards!r}")
+        if tp_parts < 1 or k_shards % tp_parts:
+            raise ValueError(f"tp_parts ({tp_parts}) must divide k_shards ({k_shards})")
+        c = config
+        self.config = c
+        self.dtype = dtype
+        self.k_shards = k_shards
+        self.tp_parts = tp_parts
+        self.embed = _normal(seed, "embed", (c.vocab_size, c.hidden_size), 1.0, dtype)  # [V, H]
+        self.layers = nnx.List([Block(c, dtype=dtype, seed=seed, index=i) for i in range(c.num_layers)])
+        self.final_norm = _ones((c.hidden_size,), dtype)
+        if not c.tie_word_embeddings:
+            self.lm_head = _normal(seed, "lm_head", (c.hidden_size, c.vocab_size), c.hidden_size**-0.5, dtype)
+        self.rope = RopeTable(jnp.asarray(rope_table(c)))
+
+    # ------------------------------------------------------------------ shared pieces
+
+    def _lm_head(self, x, *, invariant: bool):
+        w = self.embed[...].T if self.config.tie_word_embeddings else self.lm_head[...]
+        return _mm(x, w, invariant=invariant, out_dtype=jnp.float32)  # [T, V] f32
+
+    def _qkv(self, layer: Attention, x, pos, *, invariant: bool):
+        """Projections of x [T, H] at positions pos [T] -> q [T, Hq, D], k, v [T, Hkv, D]."""
+        c = self.config
+
+        def proj(w, b, heads):
+            if b is None:
+                y = _mm(x, w[...], invariant=invariant)
+            else:
+                y = _mm(x, w[...], invariant=invariant, out_dtype=jnp.float32) + b[...].astype(jnp.float32)
+                y = y.astype(x.dtype)
+            return y.reshape(x.shape[0], heads, c.head_dim)
+
+        bias = c.attention_bias
+        q = proj(layer.wq, layer.bq if bias else None, c.num_heads)
+        k = proj(layer.wk, layer.bk if bias else None, c.num_kv_heads)
+        v = proj(layer.wv, layer.bv if bias else None, c.num_kv_heads)
+        cos_sin = self.rope[...][jnp.clip(pos, 0, c.max_position_embeddings - 1)]  # [T, 2, D/2]
+        return _rope(q, cos_sin), _rope(k, cos_sin), v
+
+    def _mlp(self, mlp: MLP, x, *, invariant: bool):
+        g = _mm(x, mlp.w_gate[...], invariant=invariant).astype(jnp.float32)
+        u = _mm(x, mlp.w_up[...], invariant=invariant).astype(jnp.float32)
+        h = (g * jax.nn.sigmoid(g) * u).astype(x.dtype)  # SwiGLU in float32, rounded once
+        return _mm(h, mlp.w_down[...], invariant=invariant, k_shards=self.k_shards, tp_parts=self.tp_parts)
+
+    def _layers(self, x, pos, attend, *, invariant: bool):
+        """The decoder stack over flat tokens x [T, H]; ``attend(i, q, k, v)`` -> [T, Hq, D]."""
+        c = self.config
+        eps = c.rms_norm_eps
+        residual = None
+        for i, blk in enumerate(self.layers):
+            if residual is None:
+                h, residual = _norm(x, blk.attn_norm[...], eps, invariant=invariant), x
+            else:
+                h, residual = _norm(x, blk.attn_norm[...], eps, invariant=invariant, residual=residual)
+            q, k, v = self._qkv(blk.attn, h, pos, invariant=invariant)
+            o = attend(i, q, k, v).reshape(x.shape[0], c.q_dim)
+            x = _mm(o, blk.attn.wo[...], invariant=invariant, k_shards=self.k_shards, tp_parts=self.tp_parts)
+            h, residual = _norm(x, blk.mlp_norm[...], eps, invariant=invariant, residual=residual)
+            x = self._mlp(blk.mlp, h, invariant=invariant)
+        out, _ = _norm(x, self.final_norm[...], eps, invariant=invariant, residual=residual)
+        return out
+
+    # ------------------------------------------------------------------ entry points
+
+    def forward(self, tokens: jax.Array, *, invariant: bool = True) -> jax.Array:
+        """Full-sequence causal forward: tokens int [B, L] at positions 0..L-1 -> float32 logits [B, L, V].
+
+        Right padding is harmless (causal: a token never sees later ones).
+        """
+        c = self.config
+        tokens = _check_tokens(tokens, c, ndim=2)
+        b, length = tokens.shape
+        flat = tokens.reshape(-1)
+        pos = jnp.tile(jnp.arange(length, dtype=jnp.int32), b)
+        seq = jnp.repeat(jnp.arange(b, dtype=jnp.int32), length)
+        bs = FULL_FORWARD_BLOCK
+        nb = -(-length // bs)
+        # Paged view of this call's own KV: block 0 is the null block, sequence s owns
+        # blocks 1 + s*nb ... ; the same kernel as the engine's paged forward.
+        tables = 1 + jnp.arange(b * nb, dtype=jnp.int32).reshape(b, nb)
+        lens = jnp.full((b,), length, jnp.int32)
+
+        def paged(k):
+            k = k.reshape(b, length, c.num_kv_heads, c.head_dim)
+            k = jnp.pad(k, ((0, 0), (0, nb * bs - length), (0, 0), (0, 0)))
+            k = k.reshape(b * nb, bs, c.num_kv_heads, c.head_dim)
+            return jnp.concatenate([jnp.zeros_like(k[:1]), k])
+
+        def attend(i, q, k, v):
+            if invariant:
+                return attention(q, paged(k), paged(v), tables, lens, seq, pos)
+            return _dense_causal(q, k, v, b, length)
+
+        x = self.embed[...][flat]
+        h = self._layers(x, pos, attend, invariant=invariant)
+        return self._lm_head(h, invariant=invariant).reshape(b, length, c.vocab_size)
+
+    def forward_paged(
+        self,
+        tokens: jax.Array,
+        token_seq: jax.Array,
+        token_pos: jax.Array,
+        slot_mapping: jax.Array,
+        kv_cache: KVCache,
+        block_tables: jax.Array,
+        context_lens: jax.Array,
+        *,
+        logit_rows: jax.Array | None = None,
+        invariant: bool = True,
+    ) -> tuple[jax.Array, KVCache]:
+        """The engine's forward over a flat, ragged batch of T tokens against a paged KV cache.
+
+        Args:
+          tokens, token_seq, token_pos: int [T] token id, sequence index and absolute
+            position of each token (padding tokens: position -1, slot -1).
+          slot_mapping: int [T] cache slot (block * block_size + offset) where each token's
+            K/V is written before attention.
+          kv_cache: from ``init_kv_cache``; returned updated (donate it under jit).
+          block_tables, context_lens: int [S, max_blocks] and [S] (this step's tokens included).
+          logit_rows: optional int [R]: only these token rows go through the LM head.
+        Returns (float32 logits [T or R, V], updated kv_cache).
+        """
+        c = self.config
+        tokens = _check_tokens(tokens, c, ndim=1)
+        if len(kv_cache) != c.num_layers:
+            raise ValueError(f"kv_cache has {len(kv_cache)} layers, the model {c.num_layers}")
+        new_cache = list(kv_cache)
+
+        def attend(i, q, k, v):
+            kc, vc = new_cache[i]
+            kc, vc = _store_kv(kc, vc, k, v, slot_mapping)
+            new_cache[i] = (kc, vc)
+            fn = attention if invariant else attention_reference
+            return fn(q, kc, vc, block_tables, context_lens, token_seq, token_pos)
+
+        x = self.embed[...][tokens]
+        h = self._layers(x, token_pos, attend, invariant=invariant)
+        if logit_rows is not None:
+            h = h[logit_rows]
+        return self._lm_head(h, invariant=invariant), new_cache
+
+
+def _store_kv(k_cache, v_cache, k, v, slots):
+    """Writes k/v [T, Hkv, D] at their slots; padding (slot < 0) goes to the null block 0."""
+    bs = k_cache.shape[1]
+    null = jnp.arange(slots.shape[0], dtype=jnp.int32) % bs
+    slots = jnp.where(slots < 0, null, slots)
+    blk, off = slots // bs, slots % bs
+    return k_cache.at[blk, off].set(k.astype(k_cache.dtype)), v_cache.at[blk, off].set(
+        v.astype(v_cache.dtype)
+    )
+
+
+def _dense_causal(q, k, v, b, length):
+    """Plain XLA causal attention of B sequences of length L (the batch-variant baseline)."""
+    hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
+    g = hq // hkv
+    q = q.reshape(b, length, hkv, g, d)
+    k = k.reshape(b, length, hkv, d)
+    v = v.reshape(b, length, hkv, d)
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=jnp.float32) * np.float32(d**-0.5)
+    mask = jnp.tril(jnp.ones((length, length), bool))
+    s = jnp.where(mask, s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bhgqk,bkhd->bqhgd", p, v.astype(jnp.float32))
+    return o.reshape(b * length, hq, d).astype(q.dtype)
+
+
+def _check_tokens(tokens, config: LlamaConfig, *, ndim: int):
+    if not hasattr(tokens, "shape") or not hasattr(tokens, "dtype"):
+        tokens = np.asarray(tokens)
+    if tokens.ndim != ndim:
+        raise ValueError(f"tokens must be {ndim}-D, got shape {tuple(tokens.shape)}")
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise TypeError(f"tokens must be integer token ids, got {tokens.dtype}")
+    if tokens.size == 0:
+        raise ValueError("tokens is empty")
+    try:
+        concrete = np.asarray(tokens)
+    except (TypeError, jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        concrete = None
+    if concrete is not None and ((concrete < 0) | (concrete >= config.vocab_size)).any():
+        bad = concrete[(concrete < 0) | (concrete >= config.vocab_size)][0]
+        raise ValueError(f"token id {int(bad)} is outside the vocabulary [0, {config.vocab_size})")
+    return jnp.asarray(tokens, jnp.int32)
+
+
+def init_kv_cache(config: LlamaConfig, num_blocks: int, block_size: int, dtype) -> KVCache:
+    """Zeroed paged KV cache: per layer (k, v) [num_blocks, block_size, Hkv, D]. Block 0 is the
+    reserved null block that padding tokens write to; allocate sequences from block 1."""
+    if num_blocks < 2:
+        raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
+    shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(config.num_layers)]
+
+
+def param_state(model: Llama) -> nnx.State:
+    """The model's parameters (what checkpoints hold; the RoPE table is not among them)."""
+    return nnx.state(model, nnx.Param)

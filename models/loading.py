@@ -1,0 +1,226 @@
+"""Checkpoints: HF safetensors directories (single file or sharded) and orbax save/restore.
+
+Every expected tensor must be present with the right shape; missing, unexpected or
+mis-shaped tensors raise ValueError naming the tensor. A wrong path raises
+FileNotFoundError. No pickle-based formats are read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.configs import LlamaConfig, RopeScaling
+from models.llama import Llama, RopeTable, rope_table
+from models.safetensors import SafetensorsFile
+
+_DTYPE_NAMES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
+# HF tensors that carry no weights (old checkpoints store RoPE buffers).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def param_names(config: LlamaConfig) -> dict[str, tuple[str, tuple[int, ...], bool]]:
+    """HF tensor name -> (our parameter path, HF shape, transpose?) for every expected tensor."""
+    c = config
+    h, i = c.hidden_size, c.intermediate_size
+    out = {"model.embed_tokens.weight": ("embed", (c.vocab_size, h), False)}
+    for n in range(c.num_layers):
+        hf, ours = f"model.layers.{n}.", f"layers.{n}."
+        out[hf + "input_layernorm.weight"] = (ours + "attn_norm", (h,), False)
+        out[hf + "post_attention_layernorm.weight"] = (ours + "mlp_norm", (h,), False)
+        for proj, name, rows in (("q", "wq", c.q_dim), ("k", "wk", c.kv_dim), ("v", "wv", c.kv_dim)):
+            out[hf + f"self_attn.{proj}_proj.weight"] = (ours + "attn." + name, (rows, h), True)
+            if c.attention_bias:
+                out[hf + f"self_attn.{proj}_proj.bias"] = (ours + "attn.b" + proj, (rows,), False)
+        out[hf + "self_attn.o_proj.weight"] = (ours + "attn.wo", (h, c.q_dim), True)
+        out[hf + "mlp.gate_proj.weight"] = (ours + "mlp.w_gate", (i, h), True)
+        out[hf + "mlp.up_proj.weight"] = (ours + "mlp.w_up", (i, h), True)
+        out[hf + "mlp.down_proj.weight"] = (ours + "mlp.w_down", (h, i), True)
+    out["model.norm.weight"] = ("final_norm", (h,), False)
+    if not c.tie_word_embeddings:
+        out["lm_head.weight"] = ("lm_head", (c.vocab_size, h), True)
+    return out
+
+
+def _variable(model: nnx.Module, path: str) -> nnx.Variable:
+    obj = model
+    for part in path.split("."):
+        obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
+    return obj
+
+
+def _abstract_model(config: LlamaConfig, dtype, k_shards: int) -> Llama:
+    """A model with no weights allocated yet (shapes only); the RoPE table filled in."""
+    model = nnx.eval_shape(lambda: Llama(config, dtype=dtype, k_shards=k_shards))
+    model.rope = RopeTable(jnp.asarray(rope_table(config)))
+    return model
+
+
+def _checkpoint_dtype(hf: dict) -> jnp.dtype:
+    name = hf.get("torch_dtype") or hf.get("dtype") or "float32"
+    return jnp.dtype(_DTYPE_NAMES.get(str(name).removeprefix("torch."), jnp.float32))
+
+
+def _tensor_sources(path: str) -> Iterator[tuple[str, SafetensorsFile]]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    single = os.path.join(path, "model.safetensors")
+    if os.path.isfile(index):
+        with open(index) as f:
+            try:
+                weight_map = json.load(f)["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(f"{index}: not a valid safetensors index ({e!r})") from None
+        files = {}
+        for name, fname in weight_map.items():
+            if fname not in files:
+                files[fname] = SafetensorsFile(os.path.join(path, fname))
+            if name not in files[fname].names():
+                raise ValueError(f"tensor {name!r} is listed in {index} but missing from {fname}")
+            yield name, files[fname]
+        return
+    if os.path.isfile(single):
+        f = SafetensorsFile(single)
+        for name in f.names():
+            yield name, f
+        return
+    raise FileNotFoundError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
+
+
+def load_hf(path: str | os.PathLike, *, dtype=None, k_shards: int = 1) -> Llama:
+    """Loads a HF Llama-family checkpoint directory (config.json + safetensors).
+
+    ``dtype`` defaults to the checkpoint's ``torch_dtype``. HF's [out, in] matrices are
+    transposed once here to our [in, out] layout.
+    """
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"no checkpoint directory at {path}")
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise FileNotFoundError(f"{path} has no config.json")
+    with open(cfg_path) as f:
+        try:
+            hf = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{cfg_path} is not valid JSON: {e}") from None
+    config = LlamaConfig.from_hf(hf)
+    dtype = _checkpoint_dtype(hf) if dtype is None else jnp.dtype(dtype)
+    expected = param_names(config)
+    sources = dict(_tensor_sources(path))
+    unexpected = [
+        n
+        for n in sources
+        if n not in expected
+        and not n.endswith(_IGNORED_SUFFIXES)
+        and not (n == "lm_head.weight" and config.tie_word_embeddings)
+    ]
+    if unexpected:
+        raise ValueError(
+            f"unexpected tensor {unexpected[0]!r} in {path} ({len(unexpected)} unexpected in all)"
+        )
+    missing = [n for n in expected if n not in sources]
+    if missing:
+        raise ValueError(f"tensor {missing[0]!r} is missing from {path} ({len(missing)} missing in all)")
+    model = _abstract_model(config, dtype, k_shards)
+    for name, (ours, shape, transpose) in expected.items():
+        src = sources[name]
+        if src.shape(name) != shape:
+            raise ValueError(f"tensor {name!r} has shape {src.shape(name)}, the config expects {shape}")
+        a = src.get(name)
+        if not np.issubdtype(a.dtype, np.floating) and a.dtype != jnp.bfloat16:
+            raise ValueError(f"tensor {name!r} has non-float dtype {a.dtype}")
+        a = np.asarray(a.T if transpose else a).astype(dtype)
+        _variable(model, ours).set_value(jnp.asarray(a))
+    return model
+
+
+# --------------------------------------------------------------------------- orbax
+
+_META = "bijax_model.json"
+
+
+def _config_to_json(config: LlamaConfig) -> dict:
+    d = {f: getattr(config, f) for f in config.__dataclass_fields__}
+    d["rope_scaling"] = None if config.rope_scaling is None else vars(config.rope_scaling)
+    d["eos_token_ids"] = list(config.eos_token_ids)
+    return d
+
+
+def _config_from_json(d: dict) -> LlamaConfig:
+    d = dict(d)
+    if d.get("rope_scaling") is not None:
+        d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+    d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+    return LlamaConfig(**d)
+
+
+def save_orbax(model: Llama, path: str | os.PathLike) -> None:
+    """Saves the model's parameters with orbax, plus its config, to a new directory ``path``."""
+    import orbax.checkpoint as ocp
+
+    path = os.path.abspath(os.fspath(path))
+    if os.path.exists(path):
+        raise FileExistsError(f"{path} already exists")
+    os.makedirs(path)
+    meta = {"config": _config_to_json(model.config), "dtype": jnp.dtype(model.dtype).name}
+    with open(os.path.join(path, _META), "w") as f:
+        json.dump(meta, f, indent=1)
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(os.path.join(path, "params"), nnx.state(model, nnx.Param))
+
+
+def is_orbax_dir(path: str | os.PathLike) -> bool:
+    return os.path.isfile(os.path.join(os.fspath(path), _META))
+
+
+def load_orbax(path: str | os.PathLike, *, k_shards: int = 1) -> Llama:
+    """Restores a model saved by ``save_orbax``."""
+    import orbax.checkpoint as ocp
+
+    path = os.path.abspath(os.fspath(path))
+    meta_path = os.path.join(path, _META)
+    if not os.path.isfile(meta_path):
+        raise FileNotFoundError(f"no bijax orbax checkpoint at {path} (missing {_META})")
+    with open(meta_path) as f:
+        try:
+            meta = json.load(f)
+            config = _config_from_json(meta["config"])
+            dtype = jnp.dtype(meta["dtype"])
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{meta_path} is corrupt ({e!r})") from None
+    model = _abstract_model(config, dtype, k_shards)
+    target = nnx.state(model, nnx.Param)
+    with ocp.StandardCheckpointer() as ckpt:
+        try:
+            restored = ckpt.restore(os.path.join(path, "params"), target)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{path}: orbax parameter directory 'params' is missing") from None
+        except (ValueError, KeyError) as e:
+            raise ValueError(f"{path}: orbax checkpoint does not match the model: {e}") from None
+    nnx.update(model, restored)
+    return model
+
+
+def load_model(name_or_path: str | os.PathLike, *, dtype=None, k_shards: int = 1, seed: int = 0) -> Llama:
+    """A preset name (random weights from ``seed``), a HF checkpoint directory or a bijax orbax directory."""
+    from models.configs import PRESETS, preset
+
+    if isinstance(name_or_path, str) and name_or_path in PRESETS:
+        return Llama(
+            preset(name_or_path), dtype=jnp.bfloat16 if dtype is None else dtype, k_shards=k_shards, seed=seed
+        )
+    path = os.fspath(name_or_path)
+    if is_orbax_dir(path):
+        if dtype is not None:
+            raise ValueError("dtype cannot be changed when restoring an orbax checkpoint")
+        return load_orbax(path, k_shards=k_shards)
+    if os.path.isdir(path):
+        return load_hf(path, dtype=dtype, k_shards=k_shards)
+    raise FileNotFoundError(
+        f"{path!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a checkpoint directory"
+    )

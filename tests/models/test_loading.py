@@ -1,0 +1,215 @@
+"""Checkpoint loading: HF safetensors (single and sharded), orbax round trip, clear errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from models.configs import LlamaConfig, preset
+from models.llama import Llama, param_state
+from models.loading import load_hf, load_model, load_orbax, save_orbax
+from models.safetensors import SafetensorsFile, save_file
+from tests.conftest import bits
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+_FWD = nnx.jit(Llama.forward, static_argnames="invariant")
+
+
+def _copy(name, tmp_path):
+    dst = tmp_path / name
+    shutil.copytree(os.path.join(FIXTURES, name), dst)
+    return dst
+
+
+def _tensors(d):
+    f = SafetensorsFile(os.path.join(d, "model.safetensors"))
+    return {n: np.array(f.get(n)) for n in f.names()}
+
+
+def _params_bits(model):
+    return [bits(x) for x in jax.tree.leaves(param_state(model))]
+
+
+def _same_params(a, b):
+    pa, pb = _params_bits(a), _params_bits(b)
+    return len(pa) == len(pb) and all(np.array_equal(x, y) for x, y in zip(pa, pb, strict=False))
+
+
+def test_hf_layout_is_transposed_once(tmp_path):
+    d = os.path.join(FIXTURES, "llama2")
+    model = load_hf(d)
+    t = _tensors(d)
+    np.testing.assert_array_equal(model.layers[1].attn.wq[...], t["model.layers.1.self_attn.q_proj.weight"].T)
+    np.testing.assert_array_equal(model.layers[0].mlp.w_down[...], t["model.layers.0.mlp.down_proj.weight"].T)
+    np.testing.assert_array_equal(model.embed[...], t["model.embed_tokens.weight"])
+    np.testing.assert_array_equal(model.lm_head[...], t["lm_head.weight"].T)
+
+
+def test_sharded_checkpoint_loads_the_same(tmp_path):
+    d = _copy("qwen2", tmp_path)
+    t = _tensors(d)
+    os.remove(d / "model.safetensors")
+    names = sorted(t)
+    half = len(names) // 2
+    files = {
+        "model-00001-of-00002.safetensors": names[:half],
+        "model-00002-of-00002.safetensors": names[half:],
+    }
+    for fname, part in files.items():
+        save_file({n: t[n] for n in part}, d / fname)
+    index = {"metadata": {}, "weight_map": {n: f for f, part in files.items() for n in part}}
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert _same_params(load_hf(d), load_hf(os.path.join(FIXTURES, "qwen2")))
+
+
+def test_dtype_conversion_at_load():
+    m = load_hf(os.path.join(FIXTURES, "smollm2"), dtype=jnp.bfloat16)
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(param_state(m)))
+    assert m.config.tie_word_embeddings and not hasattr(m, "lm_head")
+
+
+def _rewrite(d, fn):
+    t = _tensors(d)
+    fn(t)
+    save_file(t, d / "model.safetensors")
+
+
+def test_missing_tensor_named(tmp_path):
+    d = _copy("llama2", tmp_path)
+    _rewrite(d, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*missing"):
+        load_hf(d)
+
+
+def test_unexpected_tensor_named(tmp_path):
+    d = _copy("llama2", tmp_path)
+    _rewrite(d, lambda t: t.__setitem__("model.layers.0.extra.weight", np.zeros(3, np.float32)))
+    with pytest.raises(ValueError, match=r"unexpected tensor 'model\.layers\.0\.extra\.weight'"):
+        load_hf(d)
+
+
+def test_misshaped_tensor_named(tmp_path):
+    d = _copy("llama2", tmp_path)
+    _rewrite(d, lambda t: t.__setitem__("model.norm.weight", np.ones(65, np.float32)))
+    with pytest.raises(ValueError, match=r"'model\.norm\.weight' has shape \(65,\)"):
+        load_hf(d)
+
+
+def test_qwen2_bias_is_required(tmp_path):
+    d = _copy("qwen2", tmp_path)
+    _rewrite(d, lambda t: t.pop("model.layers.0.self_attn.k_proj.bias"))
+    with pytest.raises(ValueError, match=r"k_proj\.bias"):
+        load_hf(d)
+
+
+def test_truncated_and_corrupt_files(tmp_path):
+    d = _copy("llama2", tmp_path)
+    f = d / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="truncated"):
+        load_hf(d)
+    f.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    with pytest.raises(ValueError, match="corrupt"):
+        load_hf(d)
+    f.write_bytes(b"abc")
+    with pytest.raises(ValueError, match="not a safetensors file"):
+        load_hf(d)
+
+
+def test_sharded_index_naming_a_missing_file(tmp_path):
+    d = _copy("llama2", tmp_path)
+    t = _tensors(d)
+    os.remove(d / "model.safetensors")
+    (d / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {n: "gone.safetensors" for n in t}})
+    )
+    with pytest.raises(FileNotFoundError, match="gone.safetensors"):
+        load_hf(d)
+
+
+def test_wrong_paths(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        load_hf(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_hf(tmp_path)
+    (tmp_path / "config.json").write_text(open(os.path.join(FIXTURES, "llama2", "config.json")).read())
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        load_hf(tmp_path)
+    with pytest.raises(FileNotFoundError, match="preset"):
+        load_model(str(tmp_path / "nope"))
+    with pytest.raises(FileNotFoundError):
+        load_orbax(tmp_path)
+
+
+def test_orbax_round_trip(tmp_path):
+    model = load_hf(os.path.join(FIXTURES, "qwen2"))
+    save_orbax(model, tmp_path / "ckpt")
+    back = load_model(str(tmp_path / "ckpt"))
+    assert back.config == model.config and back.dtype == model.dtype
+    assert _same_params(back, model)
+    ids = jnp.asarray(np.arange(12, dtype=np.int32)[None])
+    np.testing.assert_array_equal(bits(_FWD(back, ids)), bits(_FWD(model, ids)))
+    with pytest.raises(FileExistsError):
+        save_orbax(model, tmp_path / "ckpt")
+
+
+def test_orbax_round_trip_preset_bf16(tmp_path):
+    model = Llama(preset("tiny"), dtype=jnp.bfloat16, seed=5)
+    save_orbax(model, tmp_path / "tiny")
+    back = load_orbax(tmp_path / "tiny")
+    assert back.dtype == jnp.bfloat16 and _same_params(back, model)
+
+
+def test_orbax_mismatched_checkpoint(tmp_path):
+    save_orbax(Llama(preset("tiny"), dtype=jnp.float32), tmp_path / "ckpt")
+    meta = tmp_path / "ckpt" / "bijax_model.json"
+    m = json.loads(meta.read_text())
+    m["config"]["intermediate_size"] = 512
+    meta.write_text(json.dumps(m))
+    with pytest.raises(ValueError, match="does not match"):
+        load_orbax(tmp_path / "ckpt")
+
+
+def test_config_from_hf_both_rope_formats():
+    new = json.load(open(os.path.join(FIXTURES, "llama3", "config.json")))
+    old = {k: v for k, v in new.items() if k != "rope_parameters"}
+    rp = dict(new["rope_parameters"])
+    old["rope_theta"] = rp.pop("rope_theta")
+    old["rope_scaling"] = rp
+    assert LlamaConfig.from_hf(old) == LlamaConfig.from_hf(new)
+    assert LlamaConfig.from_hf(new).rope_theta == 500000.0
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"model_type": "gpt2"}, "model_type"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "yarn"),
+        ({"num_key_value_heads": 3}, "num_kv_heads"),
+        ({"vocab_size": 0}, "vocab_size"),
+    ],
+)
+def test_bad_configs(change, match):
+    cfg = json.load(open(os.path.join(FIXTURES, "llama2", "config.json")))
+    cfg.update(change)
+    with pytest.raises(ValueError, match=match):
+        LlamaConfig.from_hf(cfg)
+
+
+def test_presets():
+    tiny = preset("tiny")
+    assert (tiny.num_heads, tiny.num_kv_heads) == (16, 8)
+    big = preset("llama3-8b")
+    assert 8.0e9 < big.num_params < 8.1e9
+    with pytest.raises(ValueError, match="tiny"):
+        preset("nope")
+    assert isinstance(load_model("tiny", dtype=jnp.float32), Llama)
