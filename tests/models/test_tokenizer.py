@@ -1,0 +1,120 @@
+"""Tokenizers and chat templates against transformers (fixtures from make_gguf_fixtures.py)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import shutil
+
+import pytest
+
+from models.loading import embedded_model_path
+from models.tokenizer import Tokenizer, load_tokenizer
+
+FIX = os.path.join(os.path.dirname(__file__), "fixtures", "smollm2_gguf")
+REF = json.load(open(os.path.join(FIX, "tokenizer.json"), encoding="utf-8"))
+
+
+@pytest.fixture(scope="module")
+def gguf_tok():
+    return load_tokenizer(embedded_model_path("smollm2-135m"))
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A HF tokenizer directory as transformers saved it (tokenizer.json stored gzipped)."""
+    d = tmp_path_factory.mktemp("hf_tok")
+    with gzip.open(os.path.join(FIX, "hf_tokenizer.json.gz"), "rb") as f:
+        (d / "tokenizer.json").write_bytes(f.read())
+    for name in ("tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(os.path.join(FIX, name), d / name)
+    return d
+
+
+@pytest.fixture(scope="module", params=["gguf", "hf_dir"])
+def tok(request, gguf_tok, hf_dir):
+    return gguf_tok if request.param == "gguf" else load_tokenizer(hf_dir)
+
+
+@pytest.mark.parametrize("i", range(len(REF["strings"])))
+def test_ids_equal_transformers(tok, i):
+    case = REF["strings"][i]
+    assert tok.encode(case["text"]) == case["ids"], repr(case["text"])
+    assert tok.encode(case["text"], add_special_tokens=False) == case["ids_no_special"]
+    assert tok.decode(case["ids"]) == case["decoded"]
+    assert tok.decode(case["ids"], skip_special_tokens=True) == case["decoded_skip_special"]
+
+
+def test_every_string_round_trips(tok):
+    for case in REF["strings"]:
+        assert tok.decode(tok.encode(case["text"])) == case["text"]
+
+
+@pytest.mark.parametrize("i", range(len(REF["chats"])))
+def test_chat_template_equals_transformers(tok, i):
+    chat = REF["chats"][i]
+    assert tok.apply_chat_template(chat["messages"]) == chat["rendered"]
+    assert tok.apply_chat_template(chat["messages"], add_generation_prompt=False) == chat["rendered_no_gen"]
+    assert tok.encode_chat(chat["messages"]) == chat["ids"]
+    assert tok.encode_chat(chat["messages"], add_generation_prompt=False) == chat["ids_no_gen"]
+
+
+def test_special_tokens(tok):
+    s = REF["special"]
+    assert tok.vocab_size == s["vocab_size"]
+    assert tok.bos_token_id == s["bos_token_id"]
+    assert s["eos_token_id"] in tok.eos_token_ids
+    for t in s["added_tokens"]:
+        assert tok.token_to_id(t["content"]) == t["id"]
+        assert tok.encode(t["content"], add_special_tokens=False) == [t["id"]]
+
+
+def test_negative_control_plain_bpe_differs(gguf_tok):
+    """Without the control tokens registered as special, '<|im_start|>' would be cut into
+    pieces: the check above can fail."""
+    backend = gguf_tok._tok
+    assert len(backend.model.tokenize("<|im_start|>")) > 1
+
+
+def test_bad_input(gguf_tok, tmp_path):
+    with pytest.raises(TypeError, match="str"):
+        gguf_tok.encode(b"bytes")
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        gguf_tok.decode([49152])
+    with pytest.raises(ValueError, match="messages"):
+        gguf_tok.apply_chat_template([])
+    with pytest.raises(ValueError, match="'role' and 'content'"):
+        gguf_tok.apply_chat_template([{"text": "hi"}])
+    with pytest.raises(FileNotFoundError):
+        load_tokenizer(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        load_tokenizer(tmp_path)
+    bad = Tokenizer(
+        gguf_tok._tok, bos_token=None, eos_token=None, chat_template="{% raise_exception('no system role') %}"
+    )
+    with pytest.raises(ValueError):
+        bad.apply_chat_template([{"role": "user", "content": "x"}])
+    raising = Tokenizer(
+        gguf_tok._tok, bos_token=None, eos_token=None, chat_template="{{ raise_exception('no system role') }}"
+    )
+    with pytest.raises(ValueError, match="no system role"):
+        raising.apply_chat_template([{"role": "user", "content": "x"}])
+    no_template = Tokenizer(gguf_tok._tok, bos_token=None, eos_token=None, chat_template=None)
+    with pytest.raises(ValueError, match="no chat template"):
+        no_template.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_unsupported_gguf_tokenizer_named():
+    class Fake:
+        metadata = {
+            "tokenizer.ggml.model": "llama",
+            "tokenizer.ggml.tokens": ["a"],
+            "tokenizer.ggml.merges": [],
+        }
+
+    with pytest.raises(ValueError, match="'llama'"):
+        Tokenizer.from_gguf(Fake())
+    Fake.metadata = dict(Fake.metadata, **{"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "mystery"})
+    with pytest.raises(ValueError, match="'mystery'"):
+        Tokenizer.from_gguf(Fake())
