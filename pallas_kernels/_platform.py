@@ -25,8 +25,35 @@ from jax import lax
 
 BACKENDS = ("auto", "jnp", "triton")
 
-# Custom-call target under which XLA embeds Pallas Triton kernels.
+# Custom-call targets under which XLA embeds Pallas Triton and Mosaic GPU kernels.
 TRITON_CUSTOM_CALL = "__gpu$xla.gpu.triton"
+MOSAIC_GPU_CUSTOM_CALL = "mosaic_gpu_v2"
+
+
+def is_hopper() -> bool:
+    """Whether the CUDA target is a Hopper GPU (sm_90): the abstract mesh's device under
+    ``abstract_gpu`` / ``cuda_export``, else the first device."""
+    mesh = jax.sharding.get_abstract_mesh()
+    dev = getattr(mesh, "abstract_device", None) or jax.devices()[0]
+    cc = getattr(dev, "compute_capability", None)
+    if cc is not None:
+        return str(cc) == "9.0"
+    return any(s in str(getattr(dev, "device_kind", "")) for s in ("H100", "H200", "H800", "GH200"))
+
+
+# Jitted kernel entry points are named with this prefix, so a jaxpr walk can tell the
+# reductions that run inside pallas_kernels from any that do not (the invariance audit).
+KERNEL_PREFIX = "bijax_op_"
+
+
+def kernel_op(name: str, **jit_kwargs):
+    """Decorator: ``jax.jit`` under the name ``bijax_op_<name>`` (visible in jaxprs as the pjit name)."""
+
+    def wrap(fn):
+        fn.__name__ = fn.__qualname__ = KERNEL_PREFIX + name
+        return jax.jit(fn, **jit_kwargs)
+
+    return wrap
 
 
 def check_backend(backend: str, interpret: bool) -> None:
@@ -63,6 +90,9 @@ def cuda_export(fn: Callable, *args: Any, device_kind: str = "NVIDIA H200") -> s
         exported = jax.export.export(
             jax.jit(fn),
             platforms=["cuda"],
-            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CUSTOM_CALL)],
+            disabled_checks=[
+                jax.export.DisabledSafetyCheck.custom_call(TRITON_CUSTOM_CALL),
+                jax.export.DisabledSafetyCheck.custom_call(MOSAIC_GPU_CUSTOM_CALL),
+            ],
         )(*args)
     return exported.mlir_module()

@@ -337,7 +337,7 @@ def _check_operands(x, w, out_dtype):
     return out_dtype
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "k_shards", "backend", "interpret", "tiles"))
+@_platform.kernel_op("matmul", static_argnames=("out_dtype", "k_shards", "backend", "interpret", "tiles"))
 def _matmul(x, w, *, out_dtype, k_shards, backend, interpret, tiles):
     k, n = w.shape
 
@@ -347,11 +347,38 @@ def _matmul(x, w, *, out_dtype, k_shards, backend, interpret, tiles):
 
     def gpu(x, w):
         plan = plan_matmul(k, n, w.dtype, k_shards=k_shards, platform="gpu")
-        return _triton_partial(
-            x, w, plan=plan, num_shards=k_shards, out_dtype=out_dtype, tiles=tiles, interpret=interpret
+        return _gpu_partial(
+            x,
+            w,
+            plan=plan,
+            num_shards=k_shards,
+            out_dtype=out_dtype,
+            tiles=tiles,
+            interpret=interpret,
+            allow_mgpu=backend == "auto",
         )
 
     return _platform.dispatch(backend, cpu, gpu, x, w)
+
+
+def _gpu_partial(x, w, *, plan, num_shards, out_dtype, tiles, interpret, allow_mgpu):
+    """Hopper, bf16/f16: the Mosaic GPU kernel where it is faster (``prefer_mgpu``); it gives
+    the Triton kernel's bits (same fp32 chain: one accumulator over 16-wide k-steps in
+    ascending K; benchmarks/mgpu_matmul.py checks 140 shapes bit for bit on the H200), so the
+    choice may follow M. Everything else: the Triton kernel."""
+    from pallas_kernels import _matmul_mgpu
+
+    if (
+        allow_mgpu
+        and tiles is None
+        and not interpret
+        and _platform.is_hopper()
+        and _matmul_mgpu.prefer_mgpu(plan, x.shape[0])
+    ):
+        return _matmul_mgpu.mgpu_partial(x, w, plan=plan, num_shards=num_shards, out_dtype=out_dtype)
+    return _triton_partial(
+        x, w, plan=plan, num_shards=num_shards, out_dtype=out_dtype, tiles=tiles, interpret=interpret
+    )
 
 
 def matmul(
@@ -421,11 +448,22 @@ def matmul_partial(
             f"matmul_partial: a {plan.platform} plan runs on backend={expected!r}, not {backend!r} "
             f"(make the plan with plan_matmul(..., platform=...) for the backend you run)"
         )
-    num_shards = kr // plan.shard_k
+    return _partial(x, w, plan=plan, num_shards=kr // plan.shard_k, backend=backend, interpret=interpret)
+
+
+@_platform.kernel_op("matmul_partial", static_argnames=("plan", "num_shards", "backend", "interpret"))
+def _partial(x, w, *, plan, num_shards, backend, interpret):
     if backend == "jnp":
         return _jnp_partial(x, w, plan=plan, num_shards=num_shards, out_dtype=jnp.float32)
-    return _triton_partial(
-        x, w, plan=plan, num_shards=num_shards, out_dtype=jnp.float32, tiles=None, interpret=interpret
+    return _gpu_partial(
+        x,
+        w,
+        plan=plan,
+        num_shards=num_shards,
+        out_dtype=jnp.float32,
+        tiles=None,
+        interpret=interpret,
+        allow_mgpu=True,
     )
 
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 import pallas_kernels as pk
-from pallas_kernels._platform import TRITON_CUSTOM_CALL, cuda_export
+from pallas_kernels._platform import MOSAIC_GPU_CUSTOM_CALL, TRITON_CUSTOM_CALL, cuda_export
 
 S = jax.ShapeDtypeStruct
 BF16 = jnp.bfloat16
@@ -28,6 +28,11 @@ CASES = {
         (S((7, 1536), jnp.float32), S((1536, 576), jnp.float32)),
         "bijax_matmul",
     ),
+    "matmul_mosaic_gpu_prefill": (
+        lambda x, w: pk.matmul(x, w),
+        (S((512, 4096), BF16), S((4096, 6144), BF16)),
+        "bijax_matmul_mgpu",
+    ),
     "rms_norm_residual": (
         lambda x, g, r: pk.rms_norm(x, g, eps=1e-5, residual=r),
         (S((7, 1536), BF16), S((1536,), BF16), S((7, 1536), BF16)),
@@ -42,6 +47,9 @@ CASES = {
 def test_cuda_export_contains_the_named_kernel(name):
     fn, args, kernel = CASES[name]
     text = cuda_export(fn, *args)
+    if kernel.endswith("_mgpu"):  # Hopper at M >= 512: the Mosaic GPU kernel, no Triton one
+        assert MOSAIC_GPU_CUSTOM_CALL in text and kernel in text and TRITON_CUSTOM_CALL not in text
+        return
     assert TRITON_CUSTOM_CALL in text
     assert f'name = "{kernel}"' in text
 
@@ -57,3 +65,14 @@ def test_negative_control_the_name_check_can_fail():
     """XLA's own dot, exported for CUDA, has no bijax kernel in it."""
     text = cuda_export(pk.matmul_reference, S((1, 64), BF16), S((64, 64), BF16))
     assert "bijax_matmul" not in text
+
+
+def test_mosaic_gpu_path_only_on_hopper():
+    """The same M=512 bf16 matmul lowers to the Triton kernel for a non-Hopper GPU."""
+    args = (S((512, 4096), BF16), S((4096, 6144), BF16))
+    text = cuda_export(lambda x, w: pk.matmul(x, w), *args, device_kind="NVIDIA A100-SXM4-80GB")
+    assert TRITON_CUSTOM_CALL in text and MOSAIC_GPU_CUSTOM_CALL not in text
+    # float32 has no wgmma path: Triton on Hopper too.
+    f32 = (S((512, 4096), jnp.float32), S((4096, 6144), jnp.float32))
+    text = cuda_export(lambda x, w: pk.matmul(x, w), *f32)
+    assert TRITON_CUSTOM_CALL in text and MOSAIC_GPU_CUSTOM_CALL not in text
