@@ -27,6 +27,7 @@ $(STAMP): $(PY) pyproject.toml
 
 demo: $(STAMP)
 	$(PY) examples/kernels_demo.py
+	$(PY) examples/generate_demo.py
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

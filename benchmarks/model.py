@@ -91,7 +91,9 @@ def check_k_shards(cfg):
     one = _FWD(Llama(cfg, dtype=jnp.bfloat16, k_shards=8, seed=0), ids)
     for parts in (2, 8):
         split = _FWD(Llama(cfg, dtype=jnp.bfloat16, k_shards=8, seed=0, tp_parts=parts), ids)
-        check(f"k_shards=8 as {parts} separate partials == one device", np.array_equal(bits(split), bits(one)))
+        check(
+            f"k_shards=8 as {parts} separate partials == one device", np.array_equal(bits(split), bits(one))
+        )
 
 
 def time_steps(name, model, num_seqs, ctx, new_tokens, iters=10):

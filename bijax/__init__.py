@@ -1,10 +1,26 @@
 """bijax: batch-invariant LLM inference for JAX.
 
-The engine and public API (``LLM``, ``SamplingParams``, ...) are built on the
-kernels in ``pallas_kernels``; see DESIGN.md for the invariance contract.
+``LLM`` / ``SamplingParams`` / ``RequestOutput`` / ``Engine`` follow vLLM's names; the
+kernels they run on are in ``pallas_kernels``. See DESIGN.md for the invariance contract.
 """
 
 __version__ = "0.1.0"
 
 # Bumped whenever a change alters output bits (kernels, reduction plans, sampling).
 NUMERICS_VERSION = 1
+
+from bijax.config import EngineConfig  # noqa: E402
+from bijax.llm import LLM  # noqa: E402
+from bijax.llm_engine import Engine  # noqa: E402
+from bijax.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from bijax.sampling_params import SamplingParams  # noqa: E402
+
+__all__ = [
+    "LLM",
+    "NUMERICS_VERSION",
+    "CompletionOutput",
+    "Engine",
+    "EngineConfig",
+    "RequestOutput",
+    "SamplingParams",
+]

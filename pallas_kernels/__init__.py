@@ -7,10 +7,20 @@ formulation -> public entry (keyword-only static args) -> ``*_reference``
 
 from pallas_kernels.matmul import MatmulPlan, matmul, matmul_partial, matmul_reference, plan_matmul, tree_sum
 from pallas_kernels.rms_norm import rms_norm, rms_norm_reference
-from pallas_kernels.softmax import log_softmax, log_softmax_reference, logsumexp, logsumexp_reference
+from pallas_kernels.softmax import (
+    argmax,
+    log_softmax,
+    log_softmax_reference,
+    logsumexp,
+    logsumexp_reference,
+    sample,
+    tempered,
+    top_n,
+)
 
 __all__ = [
     "MatmulPlan",
+    "argmax",
     "log_softmax",
     "log_softmax_reference",
     "logsumexp",
@@ -21,5 +31,8 @@ __all__ = [
     "plan_matmul",
     "rms_norm",
     "rms_norm_reference",
+    "sample",
+    "tempered",
+    "top_n",
     "tree_sum",
 ]

@@ -273,8 +273,8 @@ def _fold_splits(m, l, acc, pos, *, split_size: int, window: int | None):
     return jnp.where(st[..., None], facc / jnp.where(st, fl, 1.0)[..., None], 0.0)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("scale", "softcap", "window", "split_size", "backend", "interpret")
+@_platform.kernel_op(
+    "attention", static_argnames=("scale", "softcap", "window", "split_size", "backend", "interpret")
 )
 def _attention(
     q,
@@ -456,7 +456,7 @@ def attention(
     )
 
 
-@functools.partial(jax.jit, donate_argnums=(0, 1))
+@_platform.kernel_op("write_kv", donate_argnums=(0, 1))
 def _write_kv(k_cache, v_cache, k, v, slots):
     block_size = k_cache.shape[1]
     null = jnp.arange(slots.shape[0], dtype=jnp.int32) % block_size  # padding -> reserved block 0

@@ -97,7 +97,7 @@ def _rms_norm_jnp(x, weight, residual, *, eps: float):
     return out if residual is None else (out, summed)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "backend", "interpret"))
+@_platform.kernel_op("rms_norm", static_argnames=("eps", "backend", "interpret"))
 def _rms_norm(x, weight, residual, *, eps, backend, interpret):
     return _platform.dispatch(
         backend,

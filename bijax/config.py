@@ -1,0 +1,64 @@
+"""Engine configuration (vLLM's engine-argument names), checked once."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+def _pow2_upto(lo: int, hi: int) -> tuple[int, ...]:
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    out.append(hi)
+    return tuple(sorted(set(out)))
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """max_model_len: longest prompt + output; max_num_seqs: sequences per step;
+    max_num_batched_tokens: tokens per step (prefill chunks + decode tokens); block_size: KV
+    block size; num_kv_blocks: KV pool size in blocks (block 0 is reserved); invariant: run the
+    batch-invariant kernels (False: plain XLA, the baseline / negative control); seed: draws the
+    seeds of requests that have none."""
+
+    max_model_len: int
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    block_size: int = 16
+    num_kv_blocks: int = 1024
+    invariant: bool = True
+    seed: int = 0
+
+    def __post_init__(self):
+        for f in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{f} must be a positive int, got {v!r}")
+        if self.block_size & (self.block_size - 1) or self.block_size > 64:
+            raise ValueError(f"block_size must be a power of two <= 64, got {self.block_size}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs})"
+            )
+        if self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be >= 2 (block 0 is reserved), got {self.num_kv_blocks}")
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+    @property
+    def token_buckets(self) -> tuple[int, ...]:
+        return _pow2_upto(min(16, self.max_num_batched_tokens), self.max_num_batched_tokens)
+
+    @property
+    def seq_buckets(self) -> tuple[int, ...]:
+        return _pow2_upto(1, self.max_num_seqs)
+
+
+def bucket(n: int, buckets: tuple[int, ...]) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")

@@ -1,0 +1,172 @@
+"""``LLM``: the offline API (vLLM's names): ``generate``, ``score``, ``tokenizer``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence as Seq
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bijax.config import EngineConfig
+from bijax.llm_engine import Engine
+from bijax.outputs import RequestOutput
+from bijax.sampling_params import SamplingParams
+from models.configs import PRESETS
+from models.llama import Llama
+from models.loading import DEFAULT_MODEL, EMBEDDED, embedded_model_path, load_model
+from models.tokenizer import load_tokenizer
+
+_CPU_KV_BYTES = 1 << 30  # the KV pool on CPU when num_kv_blocks is not given
+
+
+def _kv_blocks(cfg, dtype, block_size, max_blocks_per_seq, max_num_seqs, utilization) -> int:
+    per_block = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+    want = max_num_seqs * max_blocks_per_seq + 1
+    dev = jax.devices()[0]
+    if dev.platform == "cpu":
+        budget = _CPU_KV_BYTES
+    else:
+        stats = dev.memory_stats() or {}
+        free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+        budget = int(free * utilization) - (stats.get("bytes_limit", 0) * (1 - utilization) if free else 0)
+    return int(max(2, min(want, budget // per_block)))
+
+
+class LLM:
+    """A model plus the engine that serves it, batch invariant by default.
+
+    ``model``: a preset (``tiny``, ``llama3-8b``; random weights from ``seed``), the embedded
+    ``smollm2-135m`` (default), a ``.gguf`` file, a HF checkpoint directory, an orbax directory
+    from ``models.save_orbax``, or a ``models.Llama``. ``invariant=False`` runs plain XLA ops
+    (the baseline: bits then depend on the batch). ``num_kv_blocks`` overrides the KV pool size
+    (on CPU it defaults to 1 GiB of blocks; on GPU to ``gpu_memory_utilization`` of free memory).
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike | Llama = DEFAULT_MODEL,
+        *,
+        invariant: bool = True,
+        dtype=None,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 16,
+        max_num_batched_tokens: int = 512,
+        block_size: int = 16,
+        gpu_memory_utilization: float = 0.9,
+        num_kv_blocks: int | None = None,
+        tensor_parallel_size: int = 1,
+        k_shards: int = 1,
+        seed: int = 0,
+        tokenizer=None,
+    ):
+        if tensor_parallel_size != 1:
+            raise ValueError(
+                "tensor_parallel_size > 1 is not supported yet; use 1 (k_shards=8 fixes the bits for later)"
+            )
+        if not isinstance(invariant, bool):
+            raise TypeError(f"invariant must be a bool, got {invariant!r}")
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+        if isinstance(model, Llama):
+            self.model = model
+        else:
+            self.model = load_model(model, dtype=dtype, k_shards=k_shards, seed=seed, progress=True)
+        if (
+            tokenizer is None
+            and not isinstance(model, Llama)
+            and not (isinstance(model, str) and model in PRESETS)
+        ):
+            path = (
+                embedded_model_path(model)
+                if isinstance(model, str) and model in EMBEDDED
+                else os.fspath(model)
+            )
+            if path.endswith(".gguf") or os.path.isfile(os.path.join(path, "tokenizer.json")):
+                tokenizer = load_tokenizer(path)
+        self.tokenizer = tokenizer
+        cfg = self.model.config
+        max_model_len = min(cfg.max_position_embeddings, 8192) if max_model_len is None else max_model_len
+        if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 1:
+            raise ValueError(f"max_model_len must be a positive int, got {max_model_len!r}")
+        if max_model_len > cfg.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len ({max_model_len}) exceeds the model's context ({cfg.max_position_embeddings})"
+            )
+        blocks_per_seq = -(-max_model_len // block_size)
+        if num_kv_blocks is None:
+            num_kv_blocks = _kv_blocks(
+                cfg, self.model.dtype, block_size, blocks_per_seq, max_num_seqs, gpu_memory_utilization
+            )
+        self.config = EngineConfig(
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            invariant=invariant,
+            seed=seed,
+        )
+        self.engine = Engine(self.model, self.tokenizer, self.config)
+        self._counter = 0
+
+    def generate(
+        self,
+        prompts,
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generates for each prompt (a str, a list of token ids, or a list of those); returns
+        one RequestOutput per prompt, in input order. A bad prompt or parameter raises before
+        anything runs, naming it."""
+        single = isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, Seq) and len(prompts) > 0 and isinstance(prompts[0], (int, np.integer))
+        )
+        if single:
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("no prompts given")
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):  # check all before adding any
+            if not isinstance(sp, SamplingParams):
+                raise TypeError(f"sampling_params[{i}] must be a SamplingParams, got {type(sp).__name__}")
+            try:
+                self.engine._check(self.engine.prompt_ids(p)[1], sp)
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"prompt {i}: {e}") from None
+        ids = []
+        for p, sp in zip(prompts, params, strict=True):
+            rid = f"req-{self._counter}"
+            self._counter += 1
+            self.engine.add_request(rid, p, sp)
+            ids.append(rid)
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="generating", unit="req", leave=False)
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        return [done[r] for r in ids]
+
+    def score(self, token_ids, prompt_lens, temperature: float = 1.0) -> list[np.ndarray]:
+        """float32 logprob of each token at index >= prompt_len given the tokens before it;
+        bit-equal to ``generate``'s logprobs for the same tokens and temperature."""
+        return self.engine.score(token_ids, prompt_lens, temperature)

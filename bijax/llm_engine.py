@@ -1,0 +1,222 @@
+"""The engine: requests in, one scheduled step at a time, RequestOutputs out."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from bijax.block_manager import BlockManager
+from bijax.config import EngineConfig
+from bijax.model_runner import ModelRunner
+from bijax.outputs import CompletionOutput, RequestOutput
+from bijax.sampling_params import MAX_LOGPROBS, SamplingParams
+from bijax.scheduler import Scheduler
+from bijax.sequence import Sequence, Status
+
+
+class _Request:
+    def __init__(self, request_id, prompt, prompt_ids, params, seed, seqs):
+        self.request_id, self.prompt, self.prompt_ids = request_id, prompt, prompt_ids
+        self.params, self.seed, self.seqs = params, seed, seqs
+
+
+class Engine:
+    """``add_request`` / ``step`` / ``has_unfinished_requests`` / ``abort`` (vLLM's LLMEngine)."""
+
+    def __init__(self, model, tokenizer, config: EngineConfig):
+        self.config = config
+        self.model_config = model.config
+        self.tokenizer = tokenizer
+        self.runner = ModelRunner(model, config)
+        self.blocks = BlockManager(config.num_kv_blocks, config.block_size)
+        self.scheduler = Scheduler(config, self.blocks)
+        self.eos_ids = set(tokenizer.eos_token_ids if tokenizer is not None else model.config.eos_token_ids)
+        self._seeds = np.random.default_rng(config.seed)
+        self._requests: dict[str, _Request] = {}
+        self._next_seq = 0
+        self._arrivals = 0
+        self._aborted: list[_Request] = []
+
+    # ------------------------------------------------------------------ input checks
+
+    def prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of a prompt: a str, a list of token ids, or
+        {"prompt_token_ids": [...]}."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" not in prompt:
+                raise ValueError("a dict prompt must have 'prompt_token_ids'")
+            prompt = prompt["prompt_token_ids"]
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: give prompts as lists of token ids")
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return prompt, self.tokenizer.encode(prompt)
+        try:
+            ids = [int(t) for t in prompt]
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"a prompt must be a str or a list of int token ids, got {type(prompt).__name__}"
+            ) from None
+        if any(not isinstance(t, (int, np.integer)) or isinstance(t, bool) for t in prompt):
+            raise TypeError("prompt token ids must be ints")
+        return None, ids
+
+    def _check(self, ids: list[int], params: SamplingParams) -> None:
+        v, cfg = self.model_config.vocab_size, self.config
+        if not ids:
+            raise ValueError("prompt is empty")
+        bad = [t for t in ids if not 0 <= t < v]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {v})")
+        total = len(ids) + params.max_tokens
+        if total > cfg.max_model_len:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
+                f"max_model_len ({cfg.max_model_len})"
+            )
+        if -(-total // cfg.block_size) > cfg.num_kv_blocks - 1:
+            raise ValueError(
+                f"a request of {total} tokens needs {-(-total // cfg.block_size)} KV blocks; the pool has "
+                f"{cfg.num_kv_blocks - 1}"
+            )
+
+    # ------------------------------------------------------------------ API
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> int:
+        """Queues a request; returns the seed its samples use."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if not isinstance(request_id, str) or request_id in self._requests:
+            raise ValueError(f"request_id must be a new str, got {request_id!r}")
+        text, ids = self.prompt_ids(prompt)
+        self._check(ids, params)
+        seed = params.seed if params.seed is not None else int(self._seeds.integers(2**32))
+        seqs = []
+        for i in range(params.n):
+            seqs.append(Sequence(self._next_seq, request_id, ids, params, seed, i, self._arrivals))
+            self._next_seq += 1
+            self._arrivals += 1
+        self._requests[request_id] = _Request(request_id, text, ids, params, seed, seqs)
+        for s in seqs:
+            self.scheduler.add(s)
+        return seed
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._aborted)
+
+    def abort(self, request_id: str) -> None:
+        req = self._requests.get(request_id)
+        if req is None:
+            raise ValueError(f"no request {request_id!r}")
+        for s in req.seqs:
+            if s.status != Status.FINISHED:
+                self.scheduler.finish(s, "abort")
+        self._aborted.append(req)
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one scheduled step; returns the outputs of the requests it advanced
+        (``finished`` set on those that are done)."""
+        outputs = [self._output(r) for r in self._aborted]
+        for r in self._aborted:
+            self._requests.pop(r.request_id, None)
+        self._aborted = []
+        if not self.scheduler.has_unfinished():
+            return outputs
+        chunks = self.scheduler.schedule()
+        num_top = MAX_LOGPROBS if any(s.params.logprobs for s, _ in chunks) else 0
+        tok, lp, top = self.runner.step(chunks, num_top)
+        touched = {}
+        for r, (seq, n) in enumerate(chunks):
+            seq.num_computed += n
+            if seq.num_computed < len(seq):
+                continue  # mid-prompt chunk: nothing sampled yet
+            seq.output_ids.append(int(tok[r]))
+            seq.logprobs.append(lp[r])
+            if seq.params.logprobs:
+                k = seq.params.logprobs
+                seq.top_logprobs.append(
+                    [(int(i), float(v)) for i, v in zip(top[0][r, :k], top[1][r, :k], strict=True)]
+                )
+            self._maybe_finish(seq)
+            touched[seq.request_id] = self._requests[seq.request_id]
+        for req in touched.values():
+            out = self._output(req)
+            outputs.append(out)
+            if out.finished:
+                del self._requests[req.request_id]
+        return outputs
+
+    # ------------------------------------------------------------------ internals
+
+    def _maybe_finish(self, seq: Sequence) -> None:
+        p, last = seq.params, seq.output_ids[-1]
+        if (not p.ignore_eos and last in self.eos_ids) or last in p.stop_token_ids:
+            return self.scheduler.finish(seq, "stop")
+        if p.stop and self.tokenizer is not None:
+            text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+            hits = [i for i in (text.find(s) for s in p.stop) if i >= 0]
+            if hits:
+                seq.text = text[: min(hits)]
+                return self.scheduler.finish(seq, "stop")
+        if len(seq.output_ids) >= p.max_tokens or len(seq) >= self.config.max_model_len:
+            return self.scheduler.finish(seq, "length")
+
+    def _output(self, req: _Request) -> RequestOutput:
+        outs = []
+        for s in req.seqs:
+            text = s.text
+            if not (s.finish_reason == "stop" and s.text) and self.tokenizer is not None:
+                text = self.tokenizer.decode(s.output_ids, skip_special_tokens=True)
+            outs.append(
+                CompletionOutput(
+                    index=s.sample_index,
+                    token_ids=list(s.output_ids),
+                    logprobs=np.asarray(s.logprobs, np.float32).reshape(-1),
+                    text=text,
+                    finish_reason=s.finish_reason,
+                    top_logprobs=list(s.top_logprobs) if s.params.logprobs else None,
+                )
+            )
+        done = all(s.status == Status.FINISHED for s in req.seqs)
+        return RequestOutput(req.request_id, req.prompt, list(req.prompt_ids), req.seed, outs, done)
+
+    def score(self, token_ids, prompt_lens, temperature: float = 1.0) -> list[np.ndarray]:
+        """float32 logprob of each token at index >= prompt_len given the tokens before it,
+        under log_softmax(logits / T) (raw for T = 0) - bit-equal to generate's logprobs."""
+        if self.scheduler.has_unfinished():
+            raise RuntimeError("score runs when no generation is in flight")
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0:
+            raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
+        if len(token_ids) != len(prompt_lens):
+            raise ValueError(f"{len(token_ids)} sequences but {len(prompt_lens)} prompt_lens")
+        seqs = []
+        dummy = SamplingParams(max_tokens=1)
+        for i, (ids, pl) in enumerate(zip(token_ids, prompt_lens, strict=True)):
+            _, ids = self.prompt_ids(list(ids))
+            if isinstance(pl, bool) or not isinstance(pl, (int, np.integer)) or not 1 <= pl <= len(ids):
+                raise ValueError(f"prompt_lens[{i}] must be an int in [1, {len(ids)}], got {pl!r}")
+            self._check(ids[:pl], SamplingParams(max_tokens=max(1, len(ids) - pl)))
+            seqs.append(Sequence(-1 - i, f"score-{i}", ids, dummy, 0, 0, i))
+        results = [np.zeros(len(s) - pl, np.float32) for s, pl in zip(seqs, prompt_lens, strict=True)]
+        sched = Scheduler(self.config, self.blocks)
+        for s in seqs:
+            sched.add(s)
+        while sched.has_unfinished():
+            chunks = sched.schedule()
+            targets, where = [], []
+            for seq, n in chunks:
+                i = -1 - seq.seq_id
+                for p in range(seq.num_computed, seq.num_computed + n):
+                    want = prompt_lens[i] <= p + 1 < len(seq)
+                    targets.append(seq.tokens[p + 1] if want else -1)
+                    where.append((i, p + 1 - prompt_lens[i]) if want else None)
+            lp = self.runner.score_step(chunks, np.asarray(targets, np.int32), float(temperature))
+            for v, w in zip(lp, where, strict=True):
+                if w is not None:
+                    results[w[0]][w[1]] = v
+            for seq, n in chunks:
+                seq.num_computed += n
+                if seq.num_computed == len(seq):
+                    sched.finish(seq, "stop")
+        return results

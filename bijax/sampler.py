@@ -1,0 +1,75 @@
+"""Per-row sampling inside the jitted step: keys, Gumbel noise, the invariant sampling kernel.
+
+key = fold_in(fold_in(PRNGKey(request seed), sample_index), position): a token's randomness
+depends on its request alone. With ``invariant=False`` the same math runs on plain XLA ops
+(sort-based top-k/top-p, XLA's log_softmax): the baseline and negative control.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import pallas_kernels as pk
+
+
+def row_keys(seeds, sample_index, positions):
+    def one(s, i, p):
+        return jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(s), i), p)
+
+    return jax.vmap(one)(seeds, sample_index, positions)
+
+
+def scaled(logits, temperature):
+    """logits * (1 / T) per row (T <= 0 rows: the raw logits), float32 - ``pk.tempered``."""
+    return pk.tempered(logits, temperature)
+
+
+def _sample_reference(logits, temperature, top_k, top_p, min_p, gumbel):
+    r, v = logits.shape
+    z = scaled(logits, temperature)
+    lp = jax.nn.log_softmax(z, axis=-1)
+    order = jnp.argsort(-z, axis=-1)
+    zs = jnp.take_along_axis(z, order, axis=-1)
+    k = jnp.where((top_k < 0) | (top_k >= v), v, top_k)
+    keep_sorted = jnp.arange(v)[None, :] < k[:, None]
+    ps = jax.nn.softmax(jnp.where(keep_sorted, zs, -jnp.inf), axis=-1)
+    before = jnp.cumsum(ps, axis=-1) - ps
+    keep_sorted &= (top_p[:, None] >= 1.0) | (before < top_p[:, None])
+    keep = jnp.zeros((r, v), bool).at[jnp.arange(r)[:, None], order].set(keep_sorted)
+    keep &= (min_p <= 0)[:, None] | (lp >= (jnp.log(jnp.maximum(min_p, 1e-30)) + lp.max(-1))[:, None])
+    score = jnp.where((temperature <= 0)[:, None], z, jnp.where(keep, z + gumbel, -jnp.inf))
+    return jnp.argmax(score, axis=-1).astype(jnp.int32), lp
+
+
+def sample_rows(
+    logits, temperature, top_k, top_p, min_p, seeds, sample_index, positions, *, invariant, num_top
+):
+    """-> (tokens int32 [R], their logprobs float32 [R], (top ids [R, n], top logprobs) or None)."""
+    r, v = logits.shape
+    keys = row_keys(seeds, sample_index, positions)
+    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (v,), jnp.float32))(keys)
+    if invariant:
+        tok, lp = pk.sample(
+            logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, gumbel=gumbel
+        )
+    else:
+        tok, lp = _sample_reference(logits, temperature, top_k, top_p, min_p, gumbel)
+    tok_lp = lp[jnp.arange(r), tok]
+    top = None
+    if num_top:
+        if invariant:
+            top = pk.top_n(lp, num_top)
+        else:
+            vals, ids = lax.top_k(lp, num_top)
+            top = (ids.astype(jnp.int32), vals)
+    return tok, tok_lp, top
+
+
+def target_logprobs(logits, targets, temperature, *, invariant):
+    """Logprob of ``targets`` [R] under log_softmax(logits / T) (raw for T <= 0): what ``score``
+    returns; the same kernel and scaling as sampling, so the bits equal generate's."""
+    z = scaled(logits, temperature)
+    lp = pk.log_softmax(z) if invariant else jax.nn.log_softmax(z, axis=-1)
+    return lp[jnp.arange(z.shape[0]), targets]

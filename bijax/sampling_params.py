@@ -1,0 +1,80 @@
+"""``SamplingParams`` (vLLM's names) with validation that names the bad field."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+MAX_LOGPROBS = 20  # top-n logprobs per token at most
+MAX_SEED = 2**32
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request.
+
+    temperature: 0 = greedy; top_p in (0, 1] (1 = off); top_k = -1 (off) or >= 1; min_p in
+    [0, 1] (0 = off); seed: the request's random stream (None: drawn from the engine seed and
+    reported in ``RequestOutput.seed``); n: samples per prompt; max_tokens >= 1; stop: strings
+    that end the output (not included in the text); stop_token_ids; ignore_eos; logprobs: also
+    return the top-n logprobs of each step (0..20; the sampled token's logprob is always returned).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    n: int = 1
+    max_tokens: int = 16
+    stop: str | list[str] | tuple[str, ...] | None = None
+    stop_token_ids: list[int] | tuple[int, ...] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self):
+        def bad(field, why):
+            raise ValueError(f"SamplingParams.{field} {why}, got {getattr(self, field)!r}")
+
+        for f in ("temperature", "top_p", "min_p"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise TypeError(f"SamplingParams.{f} must be a finite number, got {v!r}")
+        if self.temperature < 0:
+            bad("temperature", "must be >= 0 (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            bad("top_p", "must be in (0, 1]")
+        if not 0 <= self.min_p <= 1:
+            bad("min_p", "must be in [0, 1]")
+        for f in ("top_k", "n", "max_tokens"):
+            if not _is_int(getattr(self, f)):
+                raise TypeError(f"SamplingParams.{f} must be an int, got {getattr(self, f)!r}")
+        if self.top_k == 0 or self.top_k < -1:
+            bad("top_k", "must be -1 (off) or >= 1")
+        if self.n < 1:
+            bad("n", "must be >= 1")
+        if self.max_tokens < 1:
+            bad("max_tokens", "must be >= 1")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < MAX_SEED):
+            bad("seed", "must be None or an int in [0, 2**32)")
+        if self.logprobs is not None and (
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            bad("logprobs", f"must be None or an int in [0, {MAX_LOGPROBS}]")
+        stop = self.stop
+        if isinstance(stop, str):
+            stop = (stop,)
+        stop = tuple(stop or ())
+        if any(not isinstance(s, str) or not s for s in stop):
+            bad("stop", "must be a string or a list of non-empty strings")
+        object.__setattr__(self, "stop", stop)
+        ids = tuple(self.stop_token_ids or ())
+        if any(not _is_int(i) or i < 0 for i in ids):
+            bad("stop_token_ids", "must be a list of non-negative ints")
+        object.__setattr__(self, "stop_token_ids", ids)
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")

@@ -1,0 +1,79 @@
+"""Waiting/running queues, chunked prefill under a token budget, preemption by recompute."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from bijax.block_manager import BlockManager
+from bijax.config import EngineConfig
+from bijax.sequence import Sequence, Status
+
+
+class Scheduler:
+    """Each step: running sequences first (a decode token, or the next prefill chunk), then
+    waiting ones in arrival order while sequence slots, the token budget and KV blocks last.
+    A running sequence that needs a block when none is free preempts the latest-arrived
+    running sequence, which later recomputes its tokens (bit-identical: the kernels are
+    batch invariant)."""
+
+    def __init__(self, config: EngineConfig, blocks: BlockManager):
+        self.config = config
+        self.blocks = blocks
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, victim: Sequence) -> None:
+        self.running.remove(victim)
+        self.blocks.release(victim)
+        victim.reset_for_recompute()
+        self.waiting.appendleft(victim)
+        self.num_preemptions += 1
+
+    def schedule(self) -> list[tuple[Sequence, int]]:
+        """The next step: (sequence, number of its pending tokens to compute) pairs."""
+        budget = self.config.max_num_batched_tokens
+        chunks: list[tuple[Sequence, int]] = []
+        for seq in sorted(self.running, key=lambda s: s.arrival):
+            if seq not in self.running or budget == 0:
+                continue
+            n = min(seq.num_pending, budget)
+            while not self.blocks.can_allocate(seq, n):
+                victim = max(self.running, key=lambda s: s.arrival)
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq not in self.running:
+                continue
+            self.blocks.allocate(seq, n)
+            chunks.append((seq, n))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_pending, budget)
+            if not self.blocks.can_allocate(seq, n):
+                break
+            self.waiting.popleft()
+            self.blocks.allocate(seq, n)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            chunks.append((seq, n))
+            budget -= n
+        if not chunks and self.has_unfinished():
+            raise RuntimeError("scheduler made no progress: the KV pool cannot hold the next request")
+        return chunks
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.release(seq)

@@ -1,0 +1,65 @@
+"""Per-sample state of a request as the scheduler and runner see it."""
+
+from __future__ import annotations
+
+import enum
+
+from bijax.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One sample (``sample_index`` of its request): prompt + generated tokens, KV blocks.
+
+    ``num_computed`` tokens have their KV in the cache; the next step feeds tokens from
+    there. Generation samples only once every token so far is computed.
+    """
+
+    def __init__(
+        self,
+        seq_id: int,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        seed: int,
+        sample_index: int,
+        arrival: int,
+    ):
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.prompt_ids = list(prompt_ids)
+        self.output_ids: list[int] = []
+        self.logprobs: list = []  # float32 scalars (numpy), bits preserved
+        self.top_logprobs: list[list[tuple[int, float]]] = []
+        self.params = params
+        self.seed = seed
+        self.sample_index = sample_index
+        self.arrival = arrival
+        self.status = Status.WAITING
+        self.num_computed = 0
+        self.block_table: list[int] = []
+        self.finish_reason: str | None = None
+        self.text = ""
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens whose KV is not yet in the cache."""
+        return len(self) - self.num_computed
+
+    def reset_for_recompute(self) -> None:
+        """Preempted: its blocks are gone; everything so far is recomputed (as a prompt)."""
+        self.num_computed = 0
+        self.block_table = []
+        self.status = Status.WAITING

@@ -1,0 +1,128 @@
+"""The invariance audit: no reduction runs outside pallas_kernels on the invariant path.
+
+Walks the jaxprs of the engine step (model + sampler) and of the scoring step, recursing into
+every sub-jaxpr, and fails on any reduction primitive that is not inside a pallas_kernels
+entry point (pjit named ``bijax_op_*``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.extend import core as jcore
+
+import bijax
+from bijax.model_runner import _score_step, _step
+from models.configs import preset
+from models.llama import Llama
+from pallas_kernels._platform import KERNEL_PREFIX
+
+REDUCTIONS = {
+    "dot_general",
+    "reduce_sum",
+    "reduce_max",
+    "reduce_min",
+    "reduce_prod",
+    "reduce_and",
+    "reduce_or",
+    "reduce_xor",
+    "argmax",
+    "argmin",
+    "cumsum",
+    "cumprod",
+    "cummax",
+    "cummin",
+    "cumlogsumexp",
+    "sort",
+    "top_k",
+    "psum",
+    "psum_scatter",
+    "all_reduce",
+    "reduce_scatter",
+    "conv_general_dilated",
+    "reduce_precision_sum",
+}
+
+
+def _sub_jaxprs(value):
+    if isinstance(value, jcore.ClosedJaxpr):
+        yield value.jaxpr
+    elif isinstance(value, jcore.Jaxpr):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _sub_jaxprs(v)
+
+
+def reductions_outside_kernels(jaxpr) -> list[str]:
+    found = []
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name in ("pjit", "jit") and str(eqn.params.get("name", "")).startswith(KERNEL_PREFIX):
+            continue
+        if name in REDUCTIONS:
+            found.append(name)
+        for v in eqn.params.values():
+            for sub in _sub_jaxprs(v):
+                found += reductions_outside_kernels(sub)
+    return found
+
+
+@pytest.fixture(scope="module")
+def runner_inputs():
+    llm = bijax.LLM(
+        Llama(preset("tiny"), dtype=jnp.bfloat16, seed=0),
+        max_model_len=128,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        num_kv_blocks=16,
+    )
+    r = llm.engine.runner
+    t, s, mb = 32, 4, llm.config.max_blocks_per_seq
+    i32 = lambda *shape: np.zeros(shape, np.int32)
+    batch = dict(
+        tokens=i32(t), seq=i32(t), pos=i32(t), slot=i32(t), tables=i32(s, mb), ctx=i32(s), rows=i32(s)
+    )
+    sampling = dict(
+        temperature=np.ones(s, np.float32),
+        top_k=i32(s),
+        top_p=np.ones(s, np.float32),
+        min_p=np.zeros(s, np.float32),
+        seed=np.zeros(s, np.uint32),
+        sample_index=i32(s),
+        position=i32(s),
+    )
+    return r, batch, sampling
+
+
+def _step_jaxpr(r, batch, sampling, invariant, num_top=0):
+    fn = lambda p, c, b, s: _step(p, c, b, s, graphdef=r.graphdef, invariant=invariant, num_top=num_top)
+    return jax.make_jaxpr(fn)(r.params, r.cache, batch, sampling).jaxpr
+
+
+def _score_jaxpr(r, batch, invariant):
+    t = len(batch["tokens"])
+    fn = lambda p, c, b: _score_step(
+        p, c, b, np.zeros(t, np.int32), np.ones(t, np.float32), graphdef=r.graphdef, invariant=invariant
+    )
+    return jax.make_jaxpr(fn)(r.params, r.cache, batch).jaxpr
+
+
+@pytest.mark.parametrize("num_top", [0, 5])
+def test_engine_step_has_no_reduction_outside_the_kernels(runner_inputs, num_top):
+    assert reductions_outside_kernels(_step_jaxpr(*runner_inputs, invariant=True, num_top=num_top)) == []
+
+
+def test_score_step_has_no_reduction_outside_the_kernels(runner_inputs):
+    r, batch, _ = runner_inputs
+    assert reductions_outside_kernels(_score_jaxpr(r, batch, invariant=True)) == []
+
+
+def test_negative_control_the_audit_finds_xla_reductions(runner_inputs):
+    """The XLA path is full of them: dots, reductions, sorts and cumsums."""
+    found = set(reductions_outside_kernels(_step_jaxpr(*runner_inputs, invariant=False, num_top=5)))
+    assert {"dot_general", "reduce_max", "cumsum", "sort"} <= found
+    r, batch, _ = runner_inputs
+    assert "dot_general" in reductions_outside_kernels(_score_jaxpr(r, batch, invariant=False))
