@@ -135,5 +135,12 @@ def test_invariance(name, check):
 
 @pytest.mark.parametrize("name", ["tiny", "smollm2"])
 def test_negative_control_xla_path_differs(name):
-    results = {c: fn(name, False) for c, fn in CHECKS.items()}
-    assert not all(results.values()), f"the XLA path passed every check: {results}"
+    """The same checks with invariant=False: at least one must fail (cheapest first; stops at
+    the first failure)."""
+    order = ["prefill vs decode", "batch 1 vs N", "chunked prefill", "needle in a batch"]
+    passed = []
+    for check in order:
+        if not CHECKS[check](name, False):
+            return
+        passed.append(check)
+    pytest.fail(f"the XLA path passed every check: {passed}")
