@@ -30,7 +30,8 @@ demo: $(STAMP)
 	$(PY) examples/generate_demo.py
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	@# Two workers, one test file each at a time (files share compiled engines within a worker).
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

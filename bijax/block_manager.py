@@ -1,4 +1,13 @@
-"""Paged KV blocks: a free list with reference counts. Block 0 is the reserved null block."""
+"""Paged KV blocks: a free list with reference counts and a prefix cache.
+
+Block 0 is the reserved null block (padding tokens write there). A full block whose tokens
+are all computed is registered under a key of (its parent block's key, its token ids), so a
+later sequence with the same prefix reuses it instead of recomputing it. A block whose
+reference count drops to zero goes to the back of the free list but keeps its content and
+key until it is handed out again (least recently freed first): the cache evicts lazily.
+Reused KV has the same bits as recomputed KV (the kernels are batch invariant), so a cache
+hit cannot change an output.
+"""
 
 from __future__ import annotations
 
@@ -6,16 +15,28 @@ from collections import deque
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True):
         if num_blocks < 2:
             raise ValueError(f"the KV pool needs at least 2 blocks (block 0 is reserved), got {num_blocks}")
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.free = deque(range(1, num_blocks))
         self.ref = [0] * num_blocks
+        self.key_of: list[tuple | None] = [None] * num_blocks
+        self.cached: dict[tuple, int] = {}
+        self.hit_blocks = 0
 
     @property
     def num_free(self) -> int:
         return len(self.free)
+
+    def _take_free(self) -> int:
+        b = self.free.popleft()
+        key = self.key_of[b]
+        if key is not None:  # evict its cached content
+            del self.cached[key]
+            self.key_of[b] = None
+        return b
 
     def blocks_needed(self, seq, new_tokens: int) -> int:
         """Blocks to add to ``seq`` so it holds num_computed + new_tokens tokens."""
@@ -30,7 +51,7 @@ class BlockManager:
         if n > self.num_free:
             raise RuntimeError("out of KV blocks (the scheduler should have preempted)")
         for _ in range(n):
-            b = self.free.popleft()
+            b = self._take_free()
             self.ref[b] = 1
             seq.block_table.append(b)
 
@@ -40,3 +61,47 @@ class BlockManager:
             if self.ref[b] == 0:
                 self.free.append(b)
         seq.block_table = []
+        seq.block_keys = []
+
+    # ------------------------------------------------------------------ prefix cache
+
+    def _key(self, seq, i: int, parent):
+        bs = self.block_size
+        return (parent, tuple(seq.tokens[i * bs : (i + 1) * bs]))
+
+    def match_prefix(self, seq) -> int:
+        """For a sequence with no blocks: takes the cached blocks of its longest cached prefix
+        (leaving at least one token to compute) and marks their tokens computed. Returns the
+        number of blocks reused."""
+        if not self.enable_prefix_caching or seq.block_table:
+            return 0
+        parent, n = None, 0
+        limit = len(seq) - 1 if seq.prefix_limit is None else min(len(seq) - 1, seq.prefix_limit)
+        for i in range(limit // self.block_size):
+            key = self._key(seq, i, parent)
+            b = self.cached.get(key)
+            if b is None:
+                break
+            if self.ref[b] == 0:
+                self.free.remove(b)
+            self.ref[b] += 1
+            seq.block_table.append(b)
+            seq.block_keys.append(key)
+            parent, n = key, n + 1
+        seq.num_computed = n * self.block_size
+        self.hit_blocks += n
+        return n
+
+    def register(self, seq) -> None:
+        """Registers the sequence's newly completed full blocks in the cache."""
+        if not self.enable_prefix_caching:
+            return
+        full = min(seq.num_computed // self.block_size, len(seq.block_table))
+        for i in range(len(seq.block_keys), full):
+            parent = seq.block_keys[-1] if seq.block_keys else None
+            key = self._key(seq, i, parent)
+            b = seq.block_table[i]
+            if key not in self.cached and self.key_of[b] is None:
+                self.cached[key] = b
+                self.key_of[b] = key
+            seq.block_keys.append(key)

@@ -20,7 +20,8 @@ class EngineConfig:
     max_num_batched_tokens: tokens per step (prefill chunks + decode tokens); block_size: KV
     block size; num_kv_blocks: KV pool size in blocks (block 0 is reserved); invariant: run the
     batch-invariant kernels (False: plain XLA, the baseline / negative control); seed: draws the
-    seeds of requests that have none."""
+    seeds of requests that have none; enable_prefix_caching: reuse the KV blocks of prompts'
+    cached prefixes."""
 
     max_model_len: int
     max_num_seqs: int = 16
@@ -29,6 +30,7 @@ class EngineConfig:
     num_kv_blocks: int = 1024
     invariant: bool = True
     seed: int = 0
+    enable_prefix_caching: bool = True
 
     def __post_init__(self):
         for f in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks"):

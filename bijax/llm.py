@@ -59,6 +59,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         k_shards: int = 1,
         seed: int = 0,
+        enable_prefix_caching: bool = True,
         tokenizer=None,
     ):
         if tensor_parallel_size != 1:
@@ -107,6 +108,7 @@ class LLM:
             num_kv_blocks=num_kv_blocks,
             invariant=invariant,
             seed=seed,
+            enable_prefix_caching=enable_prefix_caching,
         )
         self.engine = Engine(self.model, self.tokenizer, self.config)
         self._counter = 0

@@ -27,7 +27,9 @@ class Engine:
         self.model_config = model.config
         self.tokenizer = tokenizer
         self.runner = ModelRunner(model, config)
-        self.blocks = BlockManager(config.num_kv_blocks, config.block_size)
+        self.blocks = BlockManager(
+            config.num_kv_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(config, self.blocks)
         self.eos_ids = set(tokenizer.eos_token_ids if tokenizer is not None else model.config.eos_token_ids)
         self._seeds = np.random.default_rng(config.seed)
@@ -129,6 +131,7 @@ class Engine:
         touched = {}
         for r, (seq, n) in enumerate(chunks):
             seq.num_computed += n
+            self.blocks.register(seq)
             if seq.num_computed < len(seq):
                 continue  # mid-prompt chunk: nothing sampled yet
             seq.output_ids.append(int(tok[r]))
@@ -197,7 +200,9 @@ class Engine:
             if isinstance(pl, bool) or not isinstance(pl, (int, np.integer)) or not 1 <= pl <= len(ids):
                 raise ValueError(f"prompt_lens[{i}] must be an int in [1, {len(ids)}], got {pl!r}")
             self._check(ids[:pl], SamplingParams(max_tokens=max(1, len(ids) - pl)))
-            seqs.append(Sequence(-1 - i, f"score-{i}", ids, dummy, 0, 0, i))
+            seq = Sequence(-1 - i, f"score-{i}", ids, dummy, 0, 0, i)
+            seq.prefix_limit = pl - 1  # positions from pl - 1 on need their logits
+            seqs.append(seq)
         results = [np.zeros(len(s) - pl, np.float32) for s, pl in zip(seqs, prompt_lens, strict=True)]
         sched = Scheduler(self.config, self.blocks)
         for s in seqs:

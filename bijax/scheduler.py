@@ -56,8 +56,11 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            self.blocks.match_prefix(seq)  # reuse cached KV blocks of its prefix
             n = min(seq.num_pending, budget)
             if not self.blocks.can_allocate(seq, n):
+                self.blocks.release(seq)
+                seq.num_computed = 0
                 break
             self.waiting.popleft()
             self.blocks.allocate(seq, n)

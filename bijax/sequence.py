@@ -43,6 +43,8 @@ class Sequence:
         self.status = Status.WAITING
         self.num_computed = 0
         self.block_table: list[int] = []
+        self.block_keys: list[tuple] = []  # prefix-cache keys of its full blocks
+        self.prefix_limit: int | None = None  # at most this many tokens may come from the cache
         self.finish_reason: str | None = None
         self.text = ""
 
@@ -62,4 +64,5 @@ class Sequence:
         """Preempted: its blocks are gone; everything so far is recomputed (as a prompt)."""
         self.num_computed = 0
         self.block_table = []
+        self.block_keys = []
         self.status = Status.WAITING

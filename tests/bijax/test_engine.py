@@ -80,7 +80,7 @@ def check_needle(name, invariant):
     needle, sp = _needle(name), SP(temperature=0.8, top_p=0.9, max_tokens=6, seed=7)
     solo = _gen(llm, [needle], sp)[0]
     same = []
-    for _ in range(2):
+    for _ in range(2 if name == "tiny" else 1):
         prompts, params = _others(rng, llm.model.config.vocab_size, int(rng.integers(3, 8)))
         slot = int(rng.integers(len(prompts) + 1))
         outs = _gen(llm, prompts[:slot] + [needle] + prompts[slot:], params[:slot] + [sp] + params[slot:])

@@ -1,0 +1,154 @@
+"""Prefix cache hit vs miss, preemption vs none, restart, cross-commit golden bits, soak."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import bijax
+from bijax import SamplingParams as SP
+from tests.bijax import golden
+from tests.conftest import bits
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _llm(**kw):
+    """tests/bijax/test_engine.py's `tiny` engine settings (so the compiled steps are shared)."""
+    from tests.bijax.test_engine import _model
+
+    args = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=160, seed=1)
+    return bijax.LLM(_model("tiny")[0], **(args | kw))
+
+
+def _same(a, b):
+    return all(
+        x.token_ids == y.token_ids and np.array_equal(bits(x.logprobs), bits(y.logprobs))
+        for p, q in zip(a, b, strict=True)
+        for x, y in zip(p.outputs, q.outputs, strict=True)
+    )
+
+
+def _shared_prefix_requests():
+    rng = np.random.default_rng(21)
+    system = list(map(int, rng.integers(3, 500, 53)))  # 3 full blocks + 5 tokens
+    prompts = [system + list(map(int, rng.integers(3, 500, n))) for n in (4, 11, 30)]
+    params = [SP(temperature=0.8, max_tokens=6, seed=i, ignore_eos=True) for i in range(3)]
+    return prompts, params
+
+
+def test_prefix_cache_hit_equals_miss():
+    prompts, params = _shared_prefix_requests()
+    miss = _llm(enable_prefix_caching=False).generate(prompts, params, use_tqdm=False)
+    llm = _llm()
+    first = llm.generate(prompts[:1], params[:1], use_tqdm=False)
+    hits_before = llm.engine.blocks.hit_blocks
+    again = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.blocks.hit_blocks - hits_before >= 3 * 3  # every prompt reused the system prefix
+    assert _same(again, miss) and _same(first, miss[:1])
+    # score over a cached prefix too
+    o = again[1]
+    lp = llm.score([o.prompt_token_ids + o.token_ids], [len(o.prompt_token_ids)], temperature=0.8)[0]
+    np.testing.assert_array_equal(bits(lp), bits(o.logprobs))
+
+
+def test_preemption_equals_no_preemption():
+    rng = np.random.default_rng(22)
+    prompts = [list(map(int, rng.integers(3, 500, int(rng.integers(20, 40))))) for _ in range(6)]
+    params = [SP(temperature=0.9, max_tokens=20, seed=i, ignore_eos=True) for i in range(6)]
+    roomy = _llm().generate(prompts, params, use_tqdm=False)
+    small = _llm(num_kv_blocks=12)  # 11 usable blocks of 16 tokens for 6 requests of up to 60
+    tight = small.generate(prompts, params, use_tqdm=False)
+    assert small.engine.scheduler.num_preemptions > 0
+    assert _same(tight, roomy)
+    assert small.engine.blocks.num_free == 11  # every block back
+    with pytest.raises(ValueError, match="KV blocks"):
+        small.generate([list(range(3, 200))], SP(max_tokens=8), use_tqdm=False)
+
+
+def test_restart_gives_the_same_bits():
+    code = (
+        "from tests.bijax import golden; import bijax; "
+        "llm = bijax.LLM('tiny', **golden.ENGINE); "
+        "p, s = golden._requests(); print(golden.digest(llm.generate(p, s, use_tqdm=False)))"
+    )
+    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True, cwd=REPO
+    )
+    prompts, params = golden._requests()
+    assert out.stdout.strip().splitlines()[-1] == golden.digest(
+        _llm().generate(prompts, params, use_tqdm=False)
+    )
+
+
+def test_golden_bits_unchanged_unless_numerics_version_bumped():
+    with open(golden.GOLDEN) as f:
+        record = json.load(f)
+    assert record["numerics_version"] == bijax.NUMERICS_VERSION, (
+        f"NUMERICS_VERSION is {bijax.NUMERICS_VERSION} but golden.json is for {record['numerics_version']}: "
+        "regenerate it with `python -m tests.bijax.golden --write`"
+    )
+    from tests.bijax.test_engine import _llm as engine_llm  # shares its compiled SmolLM2 steps
+
+    now = golden.current_hashes({"tiny": _llm(), "smollm2-135m": engine_llm("smollm2")})
+    assert now == record["hashes"], (
+        "output bits changed without a NUMERICS_VERSION bump: bump bijax.NUMERICS_VERSION and run "
+        "`python -m tests.bijax.golden --write` if the change is intended"
+    )
+
+
+def test_golden_digest_notices_one_bit():
+    """Negative control: flipping one logprob bit changes the digest."""
+    prompts, params = golden._requests()
+    outs = _llm().generate(prompts[:1], params[:1], use_tqdm=False)
+    before = golden.digest(outs)
+    outs[0].outputs[0].logprobs.view(np.uint32)[0] ^= 1
+    assert golden.digest(outs) != before
+
+
+def test_soak_random_arrivals():
+    """500 requests arriving at random steps with random lengths and sampling parameters,
+    pushed through Engine.step; one bad request among them is rejected alone. Every request
+    finishes, equals its solo run bit for bit, and every KV block is free at the end."""
+    rng = np.random.default_rng(23)
+    n = 500
+    llm = _llm()
+    eng = llm.engine
+    prompts = [list(map(int, rng.integers(3, 500, int(rng.integers(1, 40))))) for _ in range(n)]
+    kinds = [
+        lambda: SP(temperature=0, max_tokens=int(rng.integers(1, 6))),
+        lambda: SP(
+            temperature=0.9, top_p=0.9, max_tokens=int(rng.integers(1, 6)), seed=int(rng.integers(1000))
+        ),
+        lambda: SP(temperature=1.1, top_k=10, max_tokens=int(rng.integers(1, 6))),
+        lambda: SP(temperature=0.7, min_p=0.05, n=2, max_tokens=int(rng.integers(1, 4))),
+    ]
+    params = [kinds[int(rng.integers(len(kinds)))]() for _ in range(n)]
+    arrival = np.sort(rng.integers(0, 400, n))
+    bad_at = 137
+    done, seeds, step, i = {}, {}, 0, 0
+    while i < n or eng.has_unfinished_requests():
+        while i < n and arrival[i] <= step:
+            if i == bad_at:
+                with pytest.raises(ValueError, match="outside the vocabulary"):
+                    eng.add_request(f"soak-{i}", [1, 2, 10**6], params[i])
+            else:
+                seeds[i] = eng.add_request(f"soak-{i}", prompts[i], params[i])
+            i += 1
+        for out in eng.step():
+            if out.finished:
+                done[int(out.request_id.split("-")[1])] = out
+        step += 1
+    assert sorted(done) == [k for k in range(n) if k != bad_at]
+    assert eng.blocks.num_free == eng.config.num_kv_blocks - 1
+    for k, out in done.items():
+        p = params[k]
+        solo_params = SP(**{**{f: getattr(p, f) for f in p.__dataclass_fields__}, "seed": seeds[k]})
+        solo = llm.generate([prompts[k]], solo_params, use_tqdm=False)[0]
+        assert _same([out], [solo]), k
