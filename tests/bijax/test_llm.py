@@ -104,3 +104,12 @@ def test_stop_strings_with_a_real_tokenizer():
         "The capital of France is", SP(temperature=0, max_tokens=12, stop=[word]), use_tqdm=False
     )[0]
     assert o.finish_reason == "stop" and word not in o.text and ref.text.startswith(o.text)
+
+
+def test_unknown_model_name_or_path():
+    import bijax
+
+    with pytest.raises(FileNotFoundError, match="not a known model name"):
+        bijax.LLM("no-such-model")
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        bijax.LLM("tiny", tensor_parallel_size=2)
