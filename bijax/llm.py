@@ -27,10 +27,14 @@ def _kv_blocks(cfg, dtype, block_size, max_blocks_per_seq, max_num_seqs, utiliza
     dev = jax.devices()[0]
     if dev.platform == "cpu":
         budget = _CPU_KV_BYTES
-    else:
+    else:  # vLLM's rule: the KV pool gets what is left of utilization x device memory
         stats = dev.memory_stats() or {}
-        free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
-        budget = int(free * utilization) - (stats.get("bytes_limit", 0) * (1 - utilization) if free else 0)
+        budget = int(stats.get("bytes_limit", 0) * utilization) - stats.get("bytes_in_use", 0)
+        if budget < 2 * per_block:
+            raise ValueError(
+                f"gpu_memory_utilization={utilization} leaves no room for the KV cache "
+                f"({stats.get('bytes_in_use', 0) / 2**30:.1f} GiB in use of {stats.get('bytes_limit', 0) / 2**30:.1f})"
+            )
     return int(max(2, min(want, budget // per_block)))
 
 
