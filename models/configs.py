@@ -134,18 +134,21 @@ class LlamaConfig:
     @classmethod
     def from_hf(cls, hf: dict[str, Any] | str | os.PathLike) -> LlamaConfig:
         """From a HF ``config.json`` dict, the file, or the checkpoint directory holding it."""
-        if not isinstance(hf, dict):
-            path = os.fspath(hf)
-            if os.path.isdir(path):
-                path = os.path.join(path, "config.json")
-            if not os.path.isfile(path):
-                raise FileNotFoundError(f"no HF config.json at {path}")
-            with open(path) as f:
-                try:
-                    hf = json.load(f)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path} is not valid JSON: {e}") from None
-        return _from_hf_dict(hf)
+        return _from_hf_dict(hf if isinstance(hf, dict) else read_hf_config(hf))
+
+
+def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
+    """The dict in a HF ``config.json`` (the file, or the directory holding it)."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no HF config.json at {path}")
+    with open(path) as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from None
 
 
 def _from_hf_dict(hf: dict[str, Any]) -> LlamaConfig:

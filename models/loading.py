@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.configs import LlamaConfig, RopeScaling
+from models.configs import LlamaConfig, RopeScaling, read_hf_config
 from models.llama import Llama, RopeTable, rope_table
 from models.safetensors import SafetensorsFile
 
@@ -100,14 +100,7 @@ def load_hf(path: str | os.PathLike, *, dtype=None, k_shards: int = 1) -> Llama:
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"no checkpoint directory at {path}")
-    cfg_path = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_path):
-        raise FileNotFoundError(f"{path} has no config.json")
-    with open(cfg_path) as f:
-        try:
-            hf = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{cfg_path} is not valid JSON: {e}") from None
+    hf = read_hf_config(path)
     config = LlamaConfig.from_hf(hf)
     dtype = _checkpoint_dtype(hf) if dtype is None else jnp.dtype(dtype)
     expected = param_names(config)
