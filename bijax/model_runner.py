@@ -20,48 +20,29 @@ from bijax.sampler import sample_rows, target_logprobs
 from models.llama import Llama, init_kv_cache
 
 
+def _forward(params, cache, batch, *, graphdef, invariant, rows):
+    """The model's paged forward over one padded batch; ``rows``: the token rows to take logits of."""
+    model = nnx.merge(graphdef, params)
+    return model.forward_paged(
+        batch["tokens"], batch["seq"], batch["pos"], batch["slot"], cache, batch["tables"], batch["ctx"],
+        logit_rows=rows, invariant=invariant,
+    )  # fmt: skip
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "invariant", "num_top"), donate_argnames=("cache",))
 def _step(params, cache, batch, sampling, *, graphdef, invariant, num_top):
-    model = nnx.merge(graphdef, params)
-    logits, cache = model.forward_paged(
-        batch["tokens"],
-        batch["seq"],
-        batch["pos"],
-        batch["slot"],
-        cache,
-        batch["tables"],
-        batch["ctx"],
-        logit_rows=batch["rows"],
-        invariant=invariant,
-    )
+    logits, cache = _forward(params, cache, batch, graphdef=graphdef, invariant=invariant, rows=batch["rows"])
+    s = sampling
     out = sample_rows(
-        logits,
-        sampling["temperature"],
-        sampling["top_k"],
-        sampling["top_p"],
-        sampling["min_p"],
-        sampling["seed"],
-        sampling["sample_index"],
-        sampling["position"],
-        invariant=invariant,
-        num_top=num_top,
-    )
+        logits, s["temperature"], s["top_k"], s["top_p"], s["min_p"], s["seed"], s["sample_index"], s["position"],
+        invariant=invariant, num_top=num_top,
+    )  # fmt: skip
     return out, cache
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "invariant"), donate_argnames=("cache",))
 def _score_step(params, cache, batch, targets, temperature, *, graphdef, invariant):
-    model = nnx.merge(graphdef, params)
-    logits, cache = model.forward_paged(
-        batch["tokens"],
-        batch["seq"],
-        batch["pos"],
-        batch["slot"],
-        cache,
-        batch["tables"],
-        batch["ctx"],
-        invariant=invariant,
-    )
+    logits, cache = _forward(params, cache, batch, graphdef=graphdef, invariant=invariant, rows=None)
     return target_logprobs(logits, targets, temperature, invariant=invariant), cache
 
 

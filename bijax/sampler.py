@@ -21,14 +21,9 @@ def row_keys(seeds, sample_index, positions):
     return jax.vmap(one)(seeds, sample_index, positions)
 
 
-def scaled(logits, temperature):
-    """logits * (1 / T) per row (T <= 0 rows: the raw logits), float32 - ``pk.tempered``."""
-    return pk.tempered(logits, temperature)
-
-
 def _sample_reference(logits, temperature, top_k, top_p, min_p, gumbel):
     r, v = logits.shape
-    z = scaled(logits, temperature)
+    z = pk.tempered(logits, temperature)
     lp = jax.nn.log_softmax(z, axis=-1)
     order = jnp.argsort(-z, axis=-1)
     zs = jnp.take_along_axis(z, order, axis=-1)
@@ -70,6 +65,6 @@ def sample_rows(
 def target_logprobs(logits, targets, temperature, *, invariant):
     """Logprob of ``targets`` [R] under log_softmax(logits / T) (raw for T <= 0): what ``score``
     returns; the same kernel and scaling as sampling, so the bits equal generate's."""
-    z = scaled(logits, temperature)
+    z = pk.tempered(logits, temperature)
     lp = pk.log_softmax(z) if invariant else jax.nn.log_softmax(z, axis=-1)
     return lp[jnp.arange(z.shape[0]), targets]

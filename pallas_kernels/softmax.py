@@ -220,30 +220,37 @@ def _sample(logits, temperature, top_k, top_p, min_p, gumbel):
     greedy = temperature <= 0
     z = _tempered(logits, temperature)
     lp = _softmax(z, log_probs=True, backend="auto", interpret=False)
-    keep = jnp.ones((r, v), bool)
+    all_kept = jnp.ones((r, v), bool)
+    # Each filter runs only when some row uses it, and rows that do not use it keep every
+    # token explicitly - so a row's result never depends on which branch ran.
     # top-k: the k-th largest scaled logit, by counting (exact).
-    k = jnp.where((top_k < 0) | (top_k >= v), v, top_k).astype(jnp.int32)
-    zkey = _order_key(z)
-    kth = _largest_key(lambda t: jnp.sum((zkey >= t[:, None]).astype(jnp.int32), axis=-1) >= k, r)
-    keep = keep & (zkey >= kth[:, None])
+    use_k = (top_k > 0) & (top_k < v) & ~greedy
+
+    def top_k_mask():
+        zkey = _order_key(z)
+        kth = _largest_key(lambda t: jnp.sum((zkey >= t[:, None]).astype(jnp.int32), axis=-1) >= top_k, r)
+        return ~use_k[:, None] | (zkey >= kth[:, None])
+
+    keep = lax.cond(jnp.any(use_k), top_k_mask, lambda: all_kept)
     # top-p over what top-k kept: the largest threshold whose mass still reaches top_p.
-    lp_key = _order_key(lp)
-    kept_lse = _softmax(jnp.where(keep, lp, -jnp.inf), log_probs=False, backend="auto", interpret=False)
-    target = jnp.log(jnp.clip(top_p, 1e-30, 1.0)).astype(jnp.float32) + kept_lse
+    use_p = (top_p < 1.0) & ~greedy
 
-    def mass_reaches(t):
-        sel = keep & (lp_key >= t[:, None])
-        return (
-            _softmax(jnp.where(sel, lp, -jnp.inf), log_probs=False, backend="auto", interpret=False) >= target
-        )
+    def top_p_mask():
+        lp_key = _order_key(lp)
+        kept_lse = _softmax(jnp.where(keep, lp, -jnp.inf), log_probs=False, backend="auto", interpret=False)
+        target = jnp.log(jnp.clip(top_p, 1e-30, 1.0)).astype(jnp.float32) + kept_lse
 
-    use_p = top_p < 1.0
-    thr = lax.cond(
-        jnp.any(use_p & ~greedy),
-        lambda: _largest_key(mass_reaches, r),
-        lambda: jnp.zeros((r,), jnp.uint32),
-    )
-    keep = keep & (~use_p[:, None] | (lp_key >= thr[:, None]))
+        def mass_reaches(t):
+            sel = keep & (lp_key >= t[:, None])
+            return (
+                _softmax(jnp.where(sel, lp, -jnp.inf), log_probs=False, backend="auto", interpret=False)
+                >= target
+            )
+
+        thr = _largest_key(mass_reaches, r)
+        return ~use_p[:, None] | (lp_key >= thr[:, None])
+
+    keep = keep & lax.cond(jnp.any(use_p), top_p_mask, lambda: all_kept)
     # min-p: probability at least min_p times the most likely token's.
     lp_max = jnp.max(lp, axis=-1)
     keep = keep & ((min_p <= 0)[:, None] | (lp >= (jnp.log(jnp.maximum(min_p, 1e-30)) + lp_max)[:, None]))
