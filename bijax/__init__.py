@@ -9,6 +9,10 @@ __version__ = "0.1.0"
 # Bumped whenever a change alters output bits (kernels, reduction plans, sampling).
 NUMERICS_VERSION = 1
 
+from bijax import compile_cache  # noqa: E402
+
+compile_cache.enable()  # before anything compiles: JAX decides once per process
+
 from bijax.config import EngineConfig  # noqa: E402
 from bijax.llm import LLM  # noqa: E402
 from bijax.llm_engine import Engine  # noqa: E402

@@ -12,7 +12,7 @@ import numpy as np
 from bijax.config import EngineConfig
 from bijax.llm_engine import Engine
 from bijax.outputs import RequestOutput
-from bijax.sampling_params import SamplingParams
+from bijax.sampling_params import MAX_LOGPROBS, SamplingParams
 from models.configs import PRESETS
 from models.llama import Llama
 from models.loading import DEFAULT_MODEL, EMBEDDED, embedded_model_path, load_model
@@ -46,6 +46,7 @@ class LLM:
     from ``models.save_orbax``, or a ``models.Llama``. ``invariant=False`` runs plain XLA ops
     (the baseline: bits then depend on the batch). ``num_kv_blocks`` overrides the KV pool size
     (on CPU it defaults to 1 GiB of blocks; on GPU to ``gpu_memory_utilization`` of free memory).
+    ``max_model_len`` defaults to the model's context capped at 8192 (1024 on CPU).
     """
 
     def __init__(
@@ -92,7 +93,8 @@ class LLM:
                 tokenizer = load_tokenizer(path)
         self.tokenizer = tokenizer
         cfg = self.model.config
-        max_model_len = min(cfg.max_position_embeddings, 8192) if max_model_len is None else max_model_len
+        if max_model_len is None:  # CPU: a shorter default keeps the attention splits (and compiles) few
+            max_model_len = min(cfg.max_position_embeddings, 1024 if jax.default_backend() == "cpu" else 8192)
         if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 1:
             raise ValueError(f"max_model_len must be a positive int, got {max_model_len!r}")
         if max_model_len > cfg.max_position_embeddings:
@@ -171,6 +173,70 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [done[r] for r in ids]
+
+    def chat(
+        self,
+        messages,
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generates the assistant's reply to a conversation (a list of {"role", "content"}
+        dicts) or to each of a list of conversations, through the model's chat template;
+        returns one RequestOutput per conversation."""
+        if self.tokenizer is None:
+            raise ValueError(
+                "this model has no tokenizer, so it has no chat template: use generate with token ids"
+            )
+        if isinstance(messages, Seq) and messages and isinstance(messages[0], dict):
+            messages = [messages]
+        if not isinstance(messages, Seq) or not messages:
+            raise ValueError(
+                "messages must be a non-empty list of {'role', 'content'} dicts (or a list of those)"
+            )
+        prompts = []
+        for i, conv in enumerate(messages):
+            if (
+                not isinstance(conv, Seq)
+                or isinstance(conv, str)
+                or not all(isinstance(m, dict) for m in conv)
+            ):
+                raise TypeError(f"conversation {i} must be a list of {{'role', 'content'}} dicts")
+            ids = self.tokenizer.encode_chat(list(conv), add_generation_prompt=add_generation_prompt)
+            prompts.append({"prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def warmup(self, *, logprobs: bool = False, progress: bool = True) -> float:
+        """Compiles the engine step for every (sequences, tokens) bucket now, with a progress
+        bar, so that no request waits on a compile; returns the seconds it took. With JAX's
+        persistent compilation cache on (bijax turns it on at import), a second start loads
+        the compiled steps from disk. ``logprobs``: also the variant that returns top
+        logprobs (requests with ``SamplingParams.logprobs``)."""
+        import time
+
+        runner = self.engine.runner
+        pairs = [p for p in runner.bucket_pairs() if p not in runner.compiled_buckets or logprobs]
+        tops = [0, MAX_LOGPROBS] if logprobs else [0]
+        t0 = time.perf_counter()
+        bar = None
+        if progress and pairs:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(pairs) * len(tops), desc="compiling steps", unit="bucket", leave=False)
+        try:
+            for num_top in tops:
+
+                def tick(s, t, num_top=num_top):
+                    if bar is not None:
+                        bar.set_postfix_str(f"{s} seqs x {t} tokens" + (" +logprobs" if num_top else ""))
+                        bar.update(1)
+
+                runner.warmup(pairs, num_top, tick)
+        finally:
+            if bar is not None:
+                bar.close()
+        return time.perf_counter() - t0
 
     def score(self, token_ids, prompt_lens, temperature: float = 1.0) -> list[np.ndarray]:
         """float32 logprob of each token at index >= prompt_len given the tokens before it;

@@ -134,5 +134,47 @@ class ModelRunner:
         )
         return np.asarray(lp)[: len(targets)]
 
+    def bucket_pairs(self) -> list[tuple[int, int]]:
+        """Every (sequences, tokens) bucket a step can use: token bucket >= sequence bucket."""
+        cfg = self.config
+        return [(s, t) for s in cfg.seq_buckets for t in cfg.token_buckets if t >= s]
+
+    def warmup(self, pairs, num_top: int = 0, progress=None) -> None:
+        """Compiles the step for each (sequences, tokens) bucket by running it on padding
+        (position -1, slot -1: it writes only the reserved null block and reads nothing)."""
+        cfg = self.config
+        for s, t in pairs:
+            batch = dict(
+                tokens=np.zeros(t, np.int32),
+                seq=np.zeros(t, np.int32),
+                pos=np.full(t, -1, np.int32),
+                slot=np.full(t, -1, np.int32),
+                tables=np.zeros((s, cfg.max_blocks_per_seq), np.int32),
+                ctx=np.zeros(s, np.int32),
+                rows=np.zeros(s, np.int32),
+            )
+            sampling = dict(
+                temperature=np.zeros(s, np.float32),
+                top_k=np.full(s, -1, np.int32),
+                top_p=np.ones(s, np.float32),
+                min_p=np.zeros(s, np.float32),
+                seed=np.zeros(s, np.uint32),
+                sample_index=np.zeros(s, np.int32),
+                position=np.zeros(s, np.int32),
+            )
+            out, self.cache = _step(
+                self.params,
+                self.cache,
+                batch,
+                sampling,
+                graphdef=self.graphdef,
+                invariant=self.config.invariant,
+                num_top=num_top,
+            )
+            jax.block_until_ready(out)
+            self.compiled_buckets.add((s, t))
+            if progress is not None:
+                progress(s, t)
+
     def update_params(self, params) -> None:
         self.params = params

@@ -1,0 +1,338 @@
+"""The invariance suite behind ``bijax check``: does a request's output depend on anything but
+the request?
+
+Every dimension of the contract (DESIGN.md) is exercised against one model: each request is
+first generated alone on a fresh engine (the reference), then again under one change - sharing
+a batch, arriving mid-flight among other requests ("needle in a batch"), scored by prefill
+instead of decoded, prefilled in different chunk sizes, served from the prefix cache, preempted
+and recomputed. Token ids and float32 logprob bits must equal the reference's. The same
+comparisons on the plain-XLA path (``invariant=False``) are the negative control: if they find
+no difference either, the suite could not tell on this model and machine, and says so.
+
+All engines share one model and one set of step shapes, so the compiled steps are shared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from bijax.block_manager import BlockManager
+from bijax.config import EngineConfig
+from bijax.llm_engine import Engine
+from bijax.sampling_params import SamplingParams
+from bijax.scheduler import Scheduler
+
+# (temperature, top_p, top_k, min_p) cycled over the requests: greedy and seeded sampling
+# with each filter.
+_STYLES = [(0.0, 1.0, -1, 0.0), (0.8, 0.9, -1, 0.0), (1.0, 1.0, 20, 0.0), (0.7, 1.0, -1, 0.05)]
+
+
+@dataclasses.dataclass
+class Row:
+    """One line of the report: ``status`` is "PASS", "FAIL", "DETECTED" (the negative control
+    found differences, as it should) or "NO DIFF" (it found none: inconclusive)."""
+
+    dimension: str
+    status: str
+    detail: str
+
+
+@dataclasses.dataclass
+class Report:
+    rows: list[Row]
+    seconds: float
+
+    @property
+    def failed(self) -> list[Row]:
+        return [r for r in self.rows if r.status == "FAIL"]
+
+    @property
+    def control_inconclusive(self) -> bool:
+        return any(r.status == "NO DIFF" for r in self.rows)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+    def table(self) -> str:
+        w0 = max(len("dimension"), *(len(r.dimension) for r in self.rows))
+        w1 = max(len("result"), *(len(r.status) for r in self.rows))
+        lines = [f"{'dimension':<{w0}}  {'result':<{w1}}  detail", f"{'-' * w0}  {'-' * w1}  {'-' * 6}"]
+        lines += [f"{r.dimension:<{w0}}  {r.status:<{w1}}  {r.detail}" for r in self.rows]
+        return "\n".join(lines)
+
+    def summary(self) -> str:
+        if self.failed:
+            names = ", ".join(r.dimension for r in self.failed)
+            return f"FAILED: outputs changed with {names} - the engine is not batch invariant here."
+        if self.control_inconclusive:
+            return (
+                "All dimensions identical, but the negative control (invariant=False) found no "
+                "difference either, so on this model and machine the check could not tell."
+            )
+        return "All dimensions bit-identical; the negative control shows the plain-XLA path is not."
+
+
+@dataclasses.dataclass
+class _Out:
+    tokens: list[int]
+    logprobs: np.ndarray
+
+
+def _same(a: _Out, b: _Out) -> bool:
+    return a.tokens == b.tokens and np.array_equal(a.logprobs.view(np.uint32), b.logprobs.view(np.uint32))
+
+
+def _requests(vocab: int, eos: set[int], n: int, max_tokens: int, budget: int, seed: int, max_len: int):
+    """``n`` requests with random prompts (some longer than a step's token budget, so even the
+    base engine chunks them) and a mix of greedy and seeded sampling; EOS ignored so every
+    output has max_tokens tokens."""
+    rng = np.random.default_rng(seed)
+    longest = max(4, min(2 * budget + 5, max_len - max_tokens))
+    lengths = np.linspace(3, longest, n).astype(int)
+    rng.shuffle(lengths)
+    allowed = np.setdiff1d(np.arange(vocab), np.fromiter(eos, int, len(eos)))
+    reqs = []
+    for i, length in enumerate(lengths):
+        t, top_p, top_k, min_p = _STYLES[i % len(_STYLES)]
+        params = SamplingParams(
+            temperature=t,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            seed=int(rng.integers(2**32)) if t > 0 else None,
+            max_tokens=max_tokens,
+            ignore_eos=True,
+        )
+        reqs.append(([int(x) for x in rng.choice(allowed, length)], params))
+    return reqs
+
+
+def _run(engine: Engine, reqs, arrivals=None, tag="r") -> list[_Out]:
+    """Generates ``reqs``; request i is added before step ``arrivals[i]`` (default: all at once)."""
+    arrivals = [0] * len(reqs) if arrivals is None else arrivals
+    order = sorted(range(len(reqs)), key=lambda i: arrivals[i])
+    done: dict[int, _Out] = {}
+    step, k = 0, 0
+    while k < len(order) or engine.has_unfinished_requests():
+        while k < len(order) and arrivals[order[k]] <= step:
+            i = order[k]
+            engine.add_request(f"{tag}{i}", reqs[i][0], reqs[i][1])
+            k += 1
+        for out in engine.step():
+            if out.finished:
+                done[int(out.request_id[len(tag) :])] = _Out(list(out.token_ids), out.logprobs)
+        step += 1
+    return [done[i] for i in range(len(reqs))]
+
+
+class _Suite:
+    def __init__(self, model, tokenizer, config: EngineConfig, reqs, progress):
+        self.model, self.tokenizer, self.config, self.reqs = model, tokenizer, config, reqs
+        self.progress = progress
+
+    def engine(self, **changes) -> Engine:
+        return Engine(self.model, self.tokenizer, dataclasses.replace(self.config, **changes))
+
+    def tick(self, what: str):
+        if self.progress is not None:
+            self.progress(what)
+
+
+def _compare(ref: list[_Out], got: list[_Out], idx=None) -> tuple[int, int, int]:
+    """(requests identical, requests compared, tokens compared)."""
+    idx = range(len(ref)) if idx is None else idx
+    same = sum(_same(ref[i], got[j]) for j, i in enumerate(idx))
+    return same, len(idx), sum(len(ref[i].tokens) for i in idx)
+
+
+def _fillers(suite: _Suite, n: int, seed: int):
+    v = suite.model.config.vocab_size
+    eos = set(suite.model.config.eos_token_ids)
+    return _requests(
+        v,
+        eos,
+        n,
+        suite.reqs[0][1].max_tokens,
+        suite.config.max_num_batched_tokens,
+        seed,
+        suite.config.max_model_len,
+    )
+
+
+def _dimensions(suite: _Suite, *, invariant: bool) -> list[tuple[str, tuple[int, int, int], str]]:
+    """Runs every comparison on one path; returns (dimension, (same, compared, tokens), note)."""
+    reqs, cfg = suite.reqs, suite.config
+    results = []
+    base = dict(invariant=invariant, enable_prefix_caching=False)
+
+    suite.tick("solo runs")
+    eng = suite.engine(**base)
+    solo = [_run(eng, [r])[0] for r in reqs]
+
+    suite.tick("batch 1 vs N")
+    batched = _run(eng, reqs)
+    results.append(("batch 1 vs N", _compare(solo, batched), f"{len(reqs)} requests in one batch"))
+
+    suite.tick("needle in a batch")
+    fill = _fillers(suite, max(2, cfg.max_num_seqs), seed=12345)
+    same = compared = tokens = 0
+    for slot, needle in enumerate((0, len(reqs) - 1)):
+        # The needle arrives at a different point among fillers already decoding.
+        mix = fill[: slot + 1] + [reqs[needle]] + fill[slot + 1 :]
+        arrivals = [0] * (slot + 1) + [slot + 1] + [slot + 2] * (len(fill) - slot - 1)
+        got = _run(eng, mix, arrivals)[slot + 1]
+        s, c, t = _compare([solo[needle]], [got])
+        same, compared, tokens = same + s, compared + c, tokens + t
+    results.append(("needle in a batch", (same, compared, tokens), "joins mid-flight among other requests"))
+
+    suite.tick("prefill vs decode")
+    scored = [None] * len(reqs)
+    for temp in sorted({p.temperature for _, p in reqs}):
+        idx = [i for i, (_, p) in enumerate(reqs) if p.temperature == temp]
+        lps = eng.score(
+            [reqs[i][0] + solo[i].tokens for i in idx], [len(reqs[i][0]) for i in idx], temperature=temp
+        )
+        for i, lp in zip(idx, lps, strict=True):
+            scored[i] = _Out(solo[i].tokens, lp)
+    results.append(("prefill vs decode", _compare(solo, scored), "score() of the generated tokens"))
+    del eng
+
+    suite.tick("chunk sizes")
+    chunk = min(16, cfg.max_num_batched_tokens)
+    got = _run(
+        suite.engine(**base, max_num_batched_tokens=chunk, max_num_seqs=min(cfg.max_num_seqs, chunk)), reqs
+    )
+    results.append(
+        ("chunk sizes", _compare(solo, got), f"prefill in chunks of {chunk} vs {cfg.max_num_batched_tokens}")
+    )
+
+    suite.tick("prefix cache")
+    eng = suite.engine(invariant=invariant, enable_prefix_caching=True)
+    miss = _run(eng, reqs)
+    before = eng.blocks.hit_blocks
+    hit = _run(eng, reqs)
+    hits = eng.blocks.hit_blocks - before
+    s1, c1, t1 = _compare(solo, miss)
+    s2, c2, t2 = _compare(solo, hit)
+    note = f"miss then hit ({hits} cached blocks reused)"
+    if hits == 0:
+        note += " - no hit happened: prompts shorter than a block?"
+    results.append(("prefix cache hit/miss", (s1 + s2, c1 + c2, t1 + t2), note))
+    del eng
+
+    suite.tick("preemption")
+    eng = suite.engine(**base)
+    bs = cfg.block_size
+    need = [-(-(len(ids) + p.max_tokens) // bs) for ids, p in reqs]
+    # A pool that holds the largest request but not all of them at once: the scheduler must
+    # preempt (and later recompute) running sequences. The cache keeps its shape (no compile).
+    usable = max(need) + 2
+    if usable < min(cfg.num_kv_blocks, sum(need) + 1):
+        eng.blocks = BlockManager(usable, bs, enable_prefix_caching=False)
+        eng.scheduler = Scheduler(eng.config, eng.blocks)
+    got = _run(eng, reqs)
+    n_pre = eng.scheduler.num_preemptions
+    note = f"{n_pre} preemptions (pool of {usable - 1} blocks), recomputed"
+    if n_pre == 0:
+        note += " - none happened"
+    results.append(("preemption", _compare(solo, got), note))
+    del eng
+    return results
+
+
+def run_check(
+    model,
+    tokenizer=None,
+    *,
+    num_requests: int = 6,
+    max_tokens: int = 12,
+    max_num_seqs: int = 4,
+    max_num_batched_tokens: int = 64,
+    max_model_len: int | None = None,
+    block_size: int = 16,
+    num_kv_blocks: int | None = None,
+    seed: int = 0,
+    control: bool = True,
+    progress: bool = True,
+) -> Report:
+    """Runs the invariance suite on ``model`` (a ``models.Llama``); returns a Report.
+
+    ``num_requests`` random prompts (lengths up to about twice ``max_num_batched_tokens``, so
+    prefills are chunked), ``max_tokens`` each, mixed greedy and seeded sampling. ``control``:
+    also run the plain-XLA path as the negative control.
+    """
+    if not isinstance(num_requests, int) or num_requests < 2:
+        raise ValueError(f"num_requests must be an int >= 2, got {num_requests!r}")
+    if not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+    t0 = time.perf_counter()
+    mcfg = model.config
+    max_model_len = min(mcfg.max_position_embeddings, 1024) if max_model_len is None else max_model_len
+    if max_model_len < max_tokens + 4:
+        raise ValueError(
+            f"max_model_len ({max_model_len}) leaves no room for prompts of max_tokens={max_tokens}"
+        )
+    if num_kv_blocks is None:
+        num_kv_blocks = max_num_seqs * -(-max_model_len // block_size) + 1
+    config = EngineConfig(
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        block_size=block_size,
+        num_kv_blocks=num_kv_blocks,
+        seed=seed,
+    )
+    eos = set(tokenizer.eos_token_ids if tokenizer is not None else mcfg.eos_token_ids)
+    reqs = _requests(
+        mcfg.vocab_size, eos, num_requests, max_tokens, max_num_batched_tokens, seed, max_model_len
+    )
+    paths = [True, False] if control else [True]
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=6 * len(paths), desc="bijax check", unit="stage", leave=False)
+
+    def tick(what, path):
+        if bar is not None:
+            bar.set_postfix_str(f"{what} ({'invariant' if path else 'XLA control'})")
+            bar.update(1)
+
+    rows: list[Row] = []
+    try:
+        found = {}
+        for invariant in paths:
+            suite = _Suite(model, tokenizer, config, reqs, lambda w, p=invariant: tick(w, p))
+            found[invariant] = _dimensions(suite, invariant=invariant)
+    finally:
+        if bar is not None:
+            bar.close()
+    for name, (same, compared, tokens), note in found[True]:
+        status = "PASS" if same == compared else "FAIL"
+        detail = f"{same}/{compared} requests identical ({tokens} tokens); {note}"
+        rows.append(Row(name, status, detail))
+    if control:
+        diff = [(name, compared - same) for name, (same, compared, _), _ in found[False] if same < compared]
+        total = sum(c for _, (_, c, _), _ in found[False])
+        if diff:
+            where = ", ".join(f"{name} ({n})" for name, n in diff)
+            rows.append(
+                Row(
+                    "negative control",
+                    "DETECTED",
+                    f"invariant=False changed {sum(n for _, n in diff)}/{total} outputs: {where}",
+                )
+            )
+        else:
+            rows.append(
+                Row(
+                    "negative control",
+                    "NO DIFF",
+                    f"invariant=False changed 0/{total} outputs: the check could not tell here",
+                )
+            )
+    return Report(rows, time.perf_counter() - t0)

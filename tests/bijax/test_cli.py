@@ -1,0 +1,220 @@
+"""The `bijax` CLI (generate / check / bench), `LLM.chat`, warm-up and the compilation cache.
+
+Engine flags match `tests.bijax.test_engine._llm` so the compiled steps are shared.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import bijax
+from bijax import SamplingParams as SP
+from bijax import cli
+from bijax.model_runner import _step
+from tests.bijax.test_engine import _llm
+from tests.conftest import bits
+
+SMOL = [
+    "--model", "smollm2-135m", "--max-model-len", "256", "--max-num-seqs", "8",
+    "--max-num-batched-tokens", "64", "--num-kv-blocks", "160", "--model-seed", "1", "--no-warmup",
+]  # fmt: skip
+TINY_CHECK = [
+    "--model", "tiny", "--dtype", "float32", "--requests", "4", "--max-tokens", "5",
+    "--max-num-seqs", "2", "--max-num-batched-tokens", "32", "--max-model-len", "128",
+]  # fmt: skip
+
+
+def _json_lines(text):
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def test_generate_json_equals_llm_generate(capsys):
+    prompts = ["The capital of France is", "Once upon a time"]
+    rc = cli.main(
+        ["generate", *prompts, "--json", "--temperature", "0.8", "--seed", "3", "--max-tokens", "6", *SMOL]
+    )
+    assert rc == 0
+    got = _json_lines(capsys.readouterr().out)
+    ref = _llm("smollm2").generate(prompts, SP(temperature=0.8, seed=3, max_tokens=6), use_tqdm=False)
+    assert [g["prompt"] for g in got] == prompts
+    for g, r in zip(got, ref, strict=True):
+        o = g["outputs"][0]
+        assert g["prompt_token_ids"] == r.prompt_token_ids and g["seed"] == 3
+        assert o["token_ids"] == r.token_ids and o["text"] == r.text
+        # JSON floats carry the float32 bits exactly.
+        assert np.array_equal(bits(np.asarray(o["logprobs"], np.float32)), bits(r.logprobs))
+
+
+def test_generate_streams_text_and_chat_matches_llm_chat(capsys):
+    msg = "Name a colour."
+    rc = cli.main(["generate", "--chat", msg, "--temperature", "0", "--max-tokens", "8", *SMOL])
+    assert rc == 0
+    out = capsys.readouterr()
+    ref = _llm("smollm2").chat(
+        [{"role": "user", "content": msg}], SP(temperature=0, max_tokens=8), use_tqdm=False
+    )
+    assert out.out == ref[0].text + "\n"
+    ids = _llm("smollm2").tokenizer.encode_chat([{"role": "user", "content": msg}])
+    assert ref[0].prompt_token_ids == ids
+    assert "tok/s" in out.err
+
+
+def test_generate_reads_stdin_and_headers_for_several_prompts(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("The sky is\n"))
+    assert cli.main(["generate", "--temperature", "0", "--max-tokens", "4", *SMOL]) == 0
+    ref = _llm("smollm2").generate(["The sky is"], SP(temperature=0, max_tokens=4), use_tqdm=False)[0]
+    assert capsys.readouterr().out == ref.text + "\n"
+    assert cli.main(["generate", "A", "B", "--temperature", "0", "--max-tokens", "3", *SMOL]) == 0
+    out = capsys.readouterr().out
+    assert out.index("--- [0] A") < out.index("--- [1] B")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["generate", "   "], "prompt 0 is empty"),
+        (["generate", "hi", "--temperature", "-1"], "temperature"),
+        (["generate", "hi", "--top-p", "0"], "top_p"),
+        (["generate", "hi", "--model", "/nonexistent/model.gguf"], "nonexistent"),
+        (["generate", "hi", "--system", "be brief"], "--system needs --chat"),
+        (["generate", "hi", "--max-tokens", "100000"], "max_model_len"),
+        (["generate", "hi", "--tensor-parallel-size", "3"], "tensor_parallel_size"),
+        (["check", "--requests", "0"], "--requests must be >= 1"),
+    ],
+)
+def test_bad_input_exits_2_with_a_message(argv, message, capsys):
+    extra = [] if argv[0] != "generate" or "--model" in argv else SMOL
+    assert cli.main(argv + extra) == 2
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("bijax: error:") and message in last and "Traceback" not in err
+
+
+def test_text_prompt_without_tokenizer_is_a_clear_error(capsys):
+    assert cli.main(["generate", "hi", "--model", "tiny", "--no-warmup", "--max-model-len", "64"]) == 2
+    assert "has no tokenizer" in capsys.readouterr().err
+
+
+def test_check_passes_on_tiny_and_control_detects(capsys):
+    rc = cli.main(["check", *TINY_CHECK])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    for dim in (
+        "batch 1 vs N",
+        "needle in a batch",
+        "prefill vs decode",
+        "chunk sizes",
+        "prefix cache hit/miss",
+        "preemption",
+    ):
+        line = next(x for x in out.splitlines() if x.startswith(dim))
+        assert " PASS " in line, line
+    assert "0 preemptions" not in out and "(0 cached blocks" not in out
+    assert next(x for x in out.splitlines() if x.startswith("negative control")).split()[2] == "DETECTED"
+
+
+def test_check_fails_when_the_engine_is_not_invariant(capsys, monkeypatch):
+    """Negative control of the command itself: run the 'invariant' side on the XLA path and
+    the command must report FAIL and exit 1."""
+    import bijax.check as chk
+
+    real = chk._dimensions
+    monkeypatch.setattr(chk, "_dimensions", lambda suite, invariant: real(suite, invariant=False))
+    rc = cli.main(["check", *TINY_CHECK, "--no-control", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert rc == 1 and not report["ok"]
+    assert any(r["result"] == "FAIL" for r in report["rows"])
+
+
+def test_check_says_so_when_the_control_finds_nothing(capsys, monkeypatch):
+    import bijax.check as chk
+
+    real = chk._dimensions
+    monkeypatch.setattr(chk, "_dimensions", lambda suite, invariant: real(suite, invariant=True))
+    assert cli.main(["check", *TINY_CHECK]) == 0
+    out = capsys.readouterr().out
+    assert "NO DIFF" in out and "could not tell" in out
+    assert cli.main(["check", *TINY_CHECK, "--strict"]) == 3
+
+
+def test_bench_reports_both_paths_and_the_ratio(capsys):
+    argv = ["bench", "--model", "tiny", "--dtype", "float32", "--num-prompts", "3", "--input-len", "20",
+            "--output-len", "4", "--max-num-seqs", "2", "--max-num-batched-tokens", "32", "--max-model-len", "128", "--json"]  # fmt: skip
+    assert cli.main(argv) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert [x["path"] for x in r["rows"]] == ["invariant", "XLA (--no-invariant)"]
+    assert all(x["seconds"] > 0 and x["output_tok_per_s"] > 0 for x in r["rows"])
+    assert r["invariant_over_xla_time"] == pytest.approx(r["rows"][0]["seconds"] / r["rows"][1]["seconds"])
+
+
+def test_chat_equals_generate_on_the_template_and_checks_input():
+    llm = _llm("smollm2")
+    conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    sp = SP(temperature=0.7, seed=11, max_tokens=5)
+    a = llm.chat(conv, sp, use_tqdm=False)
+    b = llm.generate({"prompt_token_ids": llm.tokenizer.encode_chat(conv)}, sp, use_tqdm=False)
+    assert a[0].token_ids == b[0].token_ids and np.array_equal(bits(a[0].logprobs), bits(b[0].logprobs))
+    two = llm.chat([conv, conv[1:]], sp, use_tqdm=False)
+    assert len(two) == 2 and two[0].token_ids == a[0].token_ids
+    with pytest.raises(TypeError, match="conversation 0"):
+        llm.chat(["hello"], sp)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        _llm("tiny").chat(conv, sp)
+
+
+def test_warmup_compiles_every_bucket_so_generate_compiles_nothing():
+    llm = bijax.LLM(
+        "tiny",
+        dtype=np.float32,
+        max_model_len=64,
+        max_num_seqs=2,
+        max_num_batched_tokens=32,
+        num_kv_blocks=20,
+    )
+    llm.warmup(progress=False)
+    assert llm.engine.runner.compiled_buckets == {(1, 16), (1, 32), (2, 16), (2, 32)}
+    before = _step._cache_size()
+    llm.generate([[5] * 40, [7] * 3], SP(temperature=0, max_tokens=6), use_tqdm=False)
+    assert _step._cache_size() == before
+
+
+_CACHE_PROBE = """
+import jax, sys
+hits = []
+jax.monitoring.register_event_listener(lambda e, **kw: hits.append(e) if e.endswith("cache_hits") else None)
+import bijax
+assert bijax.compile_cache.directory() == sys.argv[1], bijax.compile_cache.directory()
+llm = bijax.LLM("tiny", max_model_len=64, max_num_seqs=1, max_num_batched_tokens=16, num_kv_blocks=10)
+llm.warmup(progress=False)
+print("HITS", len(hits))
+"""
+
+
+def test_second_start_loads_compiled_steps_from_the_persistent_cache(tmp_path):
+    env = dict(os.environ, BIJAX_CACHE_DIR=str(tmp_path), JAX_PLATFORMS="cpu")
+    env.pop("BIJAX_COMPILATION_CACHE", None)
+    runs = [
+        subprocess.run(
+            [sys.executable, "-c", _CACHE_PROBE, str(tmp_path)], env=env, capture_output=True, text=True
+        )
+        for _ in range(2)
+    ]
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-2000:]
+    first, second = (int(r.stdout.split("HITS")[1]) for r in runs)
+    assert first == 0 and second > 0 and any(tmp_path.iterdir())
+    off = dict(env, BIJAX_COMPILATION_CACHE="0")
+    r = subprocess.run(
+        [sys.executable, "-c", "import bijax; print(bijax.compile_cache.directory())"],
+        env=off,
+        capture_output=True,
+        text=True,
+    )
+    assert r.stdout.strip() == "None"
