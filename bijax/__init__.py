@@ -17,6 +17,7 @@ from bijax.config import EngineConfig  # noqa: E402
 from bijax.llm import LLM  # noqa: E402
 from bijax.llm_engine import Engine  # noqa: E402
 from bijax.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from bijax.rl import logprobs  # noqa: E402
 from bijax.sampling_params import SamplingParams  # noqa: E402
 
 __all__ = [
@@ -27,4 +28,5 @@ __all__ = [
     "EngineConfig",
     "RequestOutput",
     "SamplingParams",
+    "logprobs",
 ]

@@ -1,8 +1,10 @@
 """Flax NNX Llama-family decoder (Llama 2/3, SmolLM2, Qwen2) on the batch-invariant kernels.
 
-Two entry points:
+Three entry points:
 
 * ``Llama.forward(tokens[B, L])`` - the plain full-sequence forward (positions 0..L-1);
+* ``Llama.forward_packed(tokens[B, L], segment_ids[B, L])`` - the same over packed rows
+  (several sequences per row, padding anywhere): the trainer's layout (``bijax.rl``);
 * ``Llama.forward_paged(...)`` - the engine's forward over a flat, ragged batch of tokens
   (prefill chunks and decode tokens mixed) against a paged KV cache.
 
@@ -273,6 +275,57 @@ class Llama(nnx.Module):
         h = self._layers(x, pos, attend, invariant=invariant)
         return self._lm_head(h, invariant=invariant).reshape(b, length, c.vocab_size)
 
+    def forward_packed(
+        self,
+        tokens: jax.Array,
+        segment_ids: jax.Array,
+        *,
+        max_segments: int,
+        invariant: bool = True,
+    ) -> jax.Array:
+        """Causal forward over packed rows: tokens int [B, L] -> float32 logits [B, L, V].
+
+        ``segment_ids`` int [B, L]: the segment of each token within its row, in
+        [0, max_segments), each segment one contiguous run of its row; -1 marks padding
+        (anywhere in the row; its logits are meaningless). A token attends to the earlier
+        tokens of its own segment only, at positions counted from the segment's first token.
+        Inputs are trusted here (``bijax.rl.logprobs`` validates them).
+
+        With ``invariant=True`` every (row, segment) is one sequence of the paged attention
+        kernel. Its block table (block size 1, which gives the kernel's bits for any block
+        size <= 64) points straight into this call's own flat K/V, so K/V are not copied per
+        segment: a token's logits are bit-identical to the engine's for the same sequence.
+        ``invariant=False``: plain XLA, dense attention under a same-segment causal mask.
+        """
+        c = self.config
+        b, length = tokens.shape
+        s = max_segments
+        flat = tokens.reshape(-1)
+        seg = segment_ids.reshape(-1).astype(jnp.int32)
+        idx = jnp.tile(jnp.arange(length, dtype=jnp.int32), b)
+        valid = seg >= 0
+        # One sequence per (row, segment); padding tokens go to a dump entry dropped by the scatters.
+        sid = jnp.where(valid, jnp.repeat(jnp.arange(b, dtype=jnp.int32), length) * s + seg, b * s)
+        start = jnp.full((b * s,), length, jnp.int32).at[sid].min(idx, mode="drop")
+        count = jnp.zeros((b * s,), jnp.int32).at[sid].add(1, mode="drop")
+        pos = jnp.where(valid, idx - start[jnp.minimum(sid, b * s - 1)], -1)
+        seq = jnp.where(valid, sid, 0)
+        j = jnp.arange(length, dtype=jnp.int32)
+        row_base = 1 + (jnp.arange(b * s, dtype=jnp.int32) // s) * length + start  # slot of position 0
+        tables = jnp.where(j[None, :] < count[:, None], row_base[:, None] + j[None, :], 0)
+
+        def flat_cache(k):  # [T, Hkv, D] -> [1 + T, 1, Hkv, D]; slot 0 is the null block
+            return jnp.concatenate([jnp.zeros_like(k[:1]), k])[:, None]
+
+        def attend(i, q, k, v):
+            if invariant:
+                return attention(q, flat_cache(k), flat_cache(v), tables, count, seq, pos)
+            return _dense_segments(q, k, v, segment_ids.reshape(b, length).astype(jnp.int32))
+
+        x = self.embed[...][flat]
+        h = self._layers(x, pos, attend, invariant=invariant)
+        return self._lm_head(h, invariant=invariant).reshape(b, length, c.vocab_size)
+
     def forward_paged(
         self,
         tokens: jax.Array,
@@ -339,6 +392,24 @@ def _dense_causal(q, k, v, b, length):
     s = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=jnp.float32) * np.float32(d**-0.5)
     mask = jnp.tril(jnp.ones((length, length), bool))
     s = jnp.where(mask, s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bhgqk,bkhd->bqhgd", p, v.astype(jnp.float32))
+    return o.reshape(b * length, hq, d).astype(q.dtype)
+
+
+def _dense_segments(q, k, v, segment_ids):
+    """Plain XLA attention of B packed rows: token i sees tokens j <= i of its own segment
+    (padding, segment -1, sees earlier padding of its row: never NaN, never used)."""
+    b, length = segment_ids.shape
+    hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
+    g = hq // hkv
+    q = q.reshape(b, length, hkv, g, d)
+    k = k.reshape(b, length, hkv, d)
+    v = v.reshape(b, length, hkv, d)
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=jnp.float32) * np.float32(d**-0.5)
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    mask = same & jnp.tril(jnp.ones((length, length), bool))[None]
+    s = jnp.where(mask[:, None, None], s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1)
     o = jnp.einsum("bhgqk,bkhd->bqhgd", p, v.astype(jnp.float32))
     return o.reshape(b * length, hq, d).astype(q.dtype)

@@ -292,6 +292,68 @@ def _attention(
     backend,
     interpret,
 ):
+    # Padding tokens may carry any sequence index: clamp it so no read goes out of bounds.
+    token_seq = jnp.clip(token_seq, 0, block_tables.shape[0] - 1)
+    statics = (scale, softcap, window, split_size, backend, interpret)
+    return _attention_vjp(q, k_cache, v_cache, block_tables, context_lens, token_seq, token_pos, *statics)
+
+
+# Differentiable in q, k_cache and v_cache: the forward is the kernel (bits unchanged), the
+# backward the VJP of the plain XLA ``attention_reference``; the integer inputs get no cotangent.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11, 12))
+def _attention_vjp(
+    q, k_cache, v_cache, block_tables, context_lens, token_seq, token_pos, sc, cap, win, split, be, interp
+):
+    args = (q, k_cache, v_cache, block_tables, context_lens, token_seq, token_pos)
+    return _attention_impl(*args, sc, cap, win, split, be, interp)
+
+
+def _attention_vjp_fwd(
+    q, k_cache, v_cache, block_tables, context_lens, token_seq, token_pos, sc, cap, win, split, be, interp
+):
+    args = (q, k_cache, v_cache, block_tables, context_lens, token_seq, token_pos)
+    return _attention_impl(*args, sc, cap, win, split, be, interp), args
+
+
+def _attention_vjp_bwd(scale, softcap, window, split_size, backend, interpret, res, g):
+    q, k_cache, v_cache, block_tables, context_lens, token_seq, token_pos = res
+
+    def ref(q, k, v):
+        return attention_reference(
+            q,
+            k,
+            v,
+            block_tables,
+            context_lens,
+            token_seq,
+            token_pos,
+            scale=scale,
+            sliding_window=window,
+            logit_softcap=softcap,
+        )
+
+    _, vjp = jax.vjp(ref, q, k_cache, v_cache)
+    return (*vjp(g), None, None, None, None)
+
+
+_attention_vjp.defvjp(_attention_vjp_fwd, _attention_vjp_bwd)
+
+
+def _attention_impl(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    context_lens,
+    token_seq,
+    token_pos,
+    scale,
+    softcap,
+    window,
+    split_size,
+    backend,
+    interpret,
+):
     t, hq, d = q.shape
     hkv = k_cache.shape[2]
     group = hq // hkv
@@ -303,8 +365,6 @@ def _attention(
         split_size=split_size,
         num_splits=-(-block_tables.shape[1] * k_cache.shape[1] // split_size),
     )
-    # Padding tokens may carry any sequence index: clamp it so no read goes out of bounds.
-    token_seq = jnp.clip(token_seq, 0, block_tables.shape[0] - 1)
     args = (qg, k_cache, v_cache, block_tables, context_lens, token_seq, token_pos)
     fold = functools.partial(_fold_splits, pos=token_pos, split_size=split_size, window=window)
     # Both branches fold their split states themselves (platform_dependent needs equal output types).
@@ -418,7 +478,9 @@ def attention(
         the numerics: a token's bits depend on it, never on the batch.
     Returns [T, Hq, D] in q's dtype.
 
-    The KV of this step's tokens must already be in the cache (``write_kv``).
+    The KV of this step's tokens must already be in the cache (``write_kv``). Differentiable
+    in q, k_cache and v_cache (``jax.custom_vjp``: the backward is the VJP of
+    ``attention_reference``, plain XLA over each token's densely gathered keys).
     """
     _platform.check_backend(backend, interpret)
     _check_attention(q, k_cache, v_cache, block_tables, context_lens, token_seq, token_pos, split_size)

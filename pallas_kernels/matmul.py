@@ -337,8 +337,46 @@ def _check_operands(x, w, out_dtype):
     return out_dtype
 
 
+# --------------------------------------------------------------------------- autodiff
+#
+# The kernels are wrapped in ``jax.custom_vjp``: the forward is the kernel itself (its bits do
+# not change), the backward is plain XLA in float32 (the gradient need not be batch invariant,
+# only correct). Both entry points below share it.
+
+
+def _dot_bwd(x, w, g):
+    """Cotangents of ``x @ w`` for the output cotangent ``g``: float32 XLA dots (full-precision
+    products), cast to the primal dtypes."""
+    f32 = jnp.float32
+    gf = g.astype(f32)
+    hi = lax.Precision.HIGHEST
+    dx = jnp.dot(gf, w.astype(f32).T, precision=hi, preferred_element_type=f32)
+    dw = jnp.dot(x.astype(f32).T, gf, precision=hi, preferred_element_type=f32)
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+def _matmul_vjp(x, w, out_dtype, k_shards, backend, interpret, tiles):
+    return _matmul_impl(x, w, out_dtype, k_shards, backend, interpret, tiles)
+
+
+def _matmul_vjp_fwd(x, w, out_dtype, k_shards, backend, interpret, tiles):
+    return _matmul_impl(x, w, out_dtype, k_shards, backend, interpret, tiles), (x, w)
+
+
+def _matmul_vjp_bwd(out_dtype, k_shards, backend, interpret, tiles, res, g):
+    return _dot_bwd(*res, g)
+
+
+_matmul_vjp.defvjp(_matmul_vjp_fwd, _matmul_vjp_bwd)
+
+
 @_platform.kernel_op("matmul", static_argnames=("out_dtype", "k_shards", "backend", "interpret", "tiles"))
 def _matmul(x, w, *, out_dtype, k_shards, backend, interpret, tiles):
+    return _matmul_vjp(x, w, out_dtype, k_shards, backend, interpret, tiles)
+
+
+def _matmul_impl(x, w, out_dtype, k_shards, backend, interpret, tiles):
     k, n = w.shape
 
     def cpu(x, w):
@@ -402,6 +440,9 @@ def matmul(
       interpret: run the Pallas kernel in interpret mode (CPU tests, small shapes).
       tiles: GPU launch-shape override (default ``gpu_tiles(plan, M)``); rows are
         bit-identical across launch shapes (benchmarks/kernels.py proves it on GPU).
+
+    Differentiable (``jax.custom_vjp``): the forward is this kernel, the backward float32
+    XLA dots cast to the dtypes of x and w.
     """
     out_dtype = _check_operands(x, w, out_dtype)
     if k_shards not in K_SHARDS:
@@ -430,6 +471,7 @@ def matmul_partial(
     levels of the k_shards tree; ``tree_sum`` over the ranks' results, in rank order,
     then a cast, equals ``matmul(x_full, w_full, k_shards=plan.k_shards)`` bit for bit.
     ``backend`` defaults to the plan's platform ("jnp" for a CPU plan, "triton" for GPU).
+    Differentiable like ``matmul`` (float32 XLA dots in the backward).
     """
     check_float_dtype("matmul_partial", x=x, w=w)
     check_same_dtype("matmul_partial", x=x, w=w)
@@ -451,8 +493,28 @@ def matmul_partial(
     return _partial(x, w, plan=plan, num_shards=kr // plan.shard_k, backend=backend, interpret=interpret)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _partial_vjp(x, w, plan, num_shards, backend, interpret):
+    return _partial_impl(x, w, plan, num_shards, backend, interpret)
+
+
+def _partial_vjp_fwd(x, w, plan, num_shards, backend, interpret):
+    return _partial_impl(x, w, plan, num_shards, backend, interpret), (x, w)
+
+
+def _partial_vjp_bwd(plan, num_shards, backend, interpret, res, g):
+    return _dot_bwd(*res, g)
+
+
+_partial_vjp.defvjp(_partial_vjp_fwd, _partial_vjp_bwd)
+
+
 @_platform.kernel_op("matmul_partial", static_argnames=("plan", "num_shards", "backend", "interpret"))
 def _partial(x, w, *, plan, num_shards, backend, interpret):
+    return _partial_vjp(x, w, plan, num_shards, backend, interpret)
+
+
+def _partial_impl(x, w, plan, num_shards, backend, interpret):
     if backend == "jnp":
         return _jnp_partial(x, w, plan=plan, num_shards=num_shards, out_dtype=jnp.float32)
     return _gpu_partial(

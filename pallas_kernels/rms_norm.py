@@ -99,6 +99,29 @@ def _rms_norm_jnp(x, weight, residual, *, eps: float):
 
 @_platform.kernel_op("rms_norm", static_argnames=("eps", "backend", "interpret"))
 def _rms_norm(x, weight, residual, *, eps, backend, interpret):
+    return _rms_norm_vjp(x, weight, residual, eps, backend, interpret)
+
+
+# Differentiable: the forward is the kernel (bits unchanged), the backward the VJP of the plain
+# XLA reference (``residual`` may be None: an empty pytree, whose cotangent is None).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _rms_norm_vjp(x, weight, residual, eps, backend, interpret):
+    return _rms_norm_impl(x, weight, residual, eps, backend, interpret)
+
+
+def _rms_norm_vjp_fwd(x, weight, residual, eps, backend, interpret):
+    return _rms_norm_impl(x, weight, residual, eps, backend, interpret), (x, weight, residual)
+
+
+def _rms_norm_vjp_bwd(eps, backend, interpret, res, g):
+    _, vjp = jax.vjp(lambda x, w, r: rms_norm_reference(x, w, eps=eps, residual=r), *res)
+    return vjp(g)
+
+
+_rms_norm_vjp.defvjp(_rms_norm_vjp_fwd, _rms_norm_vjp_bwd)
+
+
+def _rms_norm_impl(x, weight, residual, eps, backend, interpret):
     return _platform.dispatch(
         backend,
         lambda x, w, r: _rms_norm_jnp(x, w, r, eps=eps),
@@ -121,6 +144,7 @@ def rms_norm(
     """Batch-invariant RMSNorm of x[T, H] with weight[H]; fp32 math, output in x's dtype.
 
     With ``residual`` (same shape and dtype as x) returns ``(normed, x + residual)``.
+    Differentiable (``jax.custom_vjp``: the backward is the VJP of ``rms_norm_reference``).
     """
     check_rank("rms_norm", "x", x, 2)
     check_rows("rms_norm", "x", x)

@@ -112,6 +112,30 @@ def _softmax_jnp(x, *, log_probs: bool):
 
 @_platform.kernel_op("softmax", static_argnames=("log_probs", "backend", "interpret"))
 def _softmax(x, *, log_probs, backend, interpret):
+    return _softmax_vjp(x, log_probs, backend, interpret)
+
+
+# Differentiable: the forward is the kernel (bits unchanged), the backward the VJP of the plain
+# XLA reference, cast to the input's dtype.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _softmax_vjp(x, log_probs, backend, interpret):
+    return _softmax_impl(x, log_probs, backend, interpret)
+
+
+def _softmax_vjp_fwd(x, log_probs, backend, interpret):
+    return _softmax_impl(x, log_probs, backend, interpret), x
+
+
+def _softmax_vjp_bwd(log_probs, backend, interpret, x, g):
+    ref = log_softmax_reference if log_probs else logsumexp_reference
+    _, vjp = jax.vjp(ref, x)
+    return vjp(g)
+
+
+_softmax_vjp.defvjp(_softmax_vjp_fwd, _softmax_vjp_bwd)
+
+
+def _softmax_impl(x, log_probs, backend, interpret):
     return _platform.dispatch(
         backend,
         lambda x: _softmax_jnp(x, log_probs=log_probs),
@@ -128,13 +152,17 @@ def _check(op, x, backend, interpret):
 
 
 def log_softmax(logits: jax.Array, *, backend: str = "auto", interpret: bool = False) -> jax.Array:
-    """Batch-invariant float32 log_softmax over the last axis of logits[T, V]."""
+    """Batch-invariant float32 log_softmax over the last axis of logits[T, V].
+
+    Differentiable (``jax.custom_vjp``: the backward is the VJP of ``log_softmax_reference``)."""
     _check("log_softmax", logits, backend, interpret)
     return _softmax(logits, log_probs=True, backend=backend, interpret=interpret)
 
 
 def logsumexp(logits: jax.Array, *, backend: str = "auto", interpret: bool = False) -> jax.Array:
-    """Batch-invariant float32 logsumexp over the last axis of logits[T, V] -> [T]."""
+    """Batch-invariant float32 logsumexp over the last axis of logits[T, V] -> [T].
+
+    Differentiable (``jax.custom_vjp``: the backward is the VJP of ``logsumexp_reference``)."""
     _check("logsumexp", logits, backend, interpret)
     return _softmax(logits, log_probs=False, backend=backend, interpret=interpret)
 
@@ -205,13 +233,38 @@ def _tempered(logits, temperature):
     return lax.optimization_barrier(logits.astype(jnp.float32) * inv[:, None])
 
 
+@jax.custom_vjp
+def _tempered_vjp(logits, temperature):
+    return _tempered(logits, temperature)
+
+
+def _tempered_vjp_fwd(logits, temperature):
+    return _tempered(logits, temperature), (logits, temperature)
+
+
+def _tempered_vjp_bwd(res, g):
+    """d/dlogits = g / T; d/dT = -sum(g * logits) / T**2 (0 for rows with T <= 0)."""
+    logits, temperature = res
+    t = temperature.astype(jnp.float32)
+    hot = t > 0
+    inv = jnp.where(hot, 1.0 / jnp.where(hot, t, 1.0), 1.0).astype(jnp.float32)
+    gf = g.astype(jnp.float32)
+    d_logits = (gf * inv[:, None]).astype(logits.dtype)
+    d_t = jnp.where(hot, -jnp.sum(gf * logits.astype(jnp.float32), axis=-1) * inv * inv, 0.0)
+    return d_logits, d_t.astype(temperature.dtype)
+
+
+_tempered_vjp.defvjp(_tempered_vjp_fwd, _tempered_vjp_bwd)
+
+
 def tempered(logits: jax.Array, temperature) -> jax.Array:
     """The tempered logits sampling and scoring use: float32 ``logits * (1 / T)`` per row of
-    logits[R, V] (rows with T <= 0 unchanged)."""
+    logits[R, V] (rows with T <= 0 unchanged). Differentiable in logits and temperature
+    (``jax.custom_vjp``; the forward bits are those of sampling)."""
     check_rank("tempered", "logits", logits, 2)
     if tuple(jnp.shape(temperature)) != (logits.shape[0],):
         raise ValueError(f"tempered: temperature must have shape ({logits.shape[0]},)")
-    return _tempered(logits, jnp.asarray(temperature, jnp.float32))
+    return _tempered_vjp(logits, jnp.asarray(temperature, jnp.float32))
 
 
 @_platform.kernel_op("sample")

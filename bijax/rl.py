@@ -1,0 +1,245 @@
+"""Trainer-side logprobs that are bit-identical to the engine's (RL rollouts inside JAX trainers).
+
+An RL trainer scores its rollouts with the policy it is training and differentiates through
+that score; importance ratios and KL terms need the trainer's logprobs to be the SAME numbers
+the sampler reported. ``logprobs`` runs the model through the same batch-invariant kernels as
+``bijax.LLM`` (matmul, rms_norm, paged attention, tempered log_softmax), so for the same
+weights, tokens and temperature its float32 values equal ``LLM.generate``'s reported logprobs
+(and ``LLM.score``'s) bit for bit, whatever the trainer's layout: one sequence, a right-padded
+batch, or several sequences packed into one row.
+
+It is a pure function of (model, tokens, ...): jit-able (no data-dependent shapes) and
+differentiable - every kernel carries a ``jax.custom_vjp`` whose backward is plain XLA in
+float32, so ``jax.grad`` / ``nnx.grad`` of a loss over its output matches the gradient of the
+XLA (``invariant=False``) path to float32 rounding.
+
+    import bijax.rl
+    lp, mask = bijax.rl.logprobs(model, tokens, segment_ids=seg, temperature=0.7, return_mask=True)
+    loss = -(lp * advantages * mask).sum() / mask.sum()
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import pallas_kernels as pk
+from models.llama import Llama, _check_tokens
+
+__all__ = ["logprobs"]
+
+
+def _concrete(a):
+    try:
+        return np.asarray(a)
+    except (TypeError, jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+
+
+def _as_model(model) -> Llama:
+    if isinstance(model, Llama):
+        return model
+    if isinstance(model, (tuple, list)) and len(model) >= 2 and isinstance(model[0], nnx.GraphDef):
+        merged = nnx.merge(*model)
+        if isinstance(merged, Llama):
+            return merged
+    raise TypeError(
+        "model must be a models.Llama or a (graphdef, state, ...) tuple from nnx.split of one, "
+        f"got {type(model).__name__}"
+    )
+
+
+def _int_array(name, a, shape):
+    if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+        a = np.asarray(a)
+    if not jnp.issubdtype(a.dtype, jnp.integer):
+        raise TypeError(f"{name} must be an integer array, got dtype {a.dtype}")
+    if tuple(a.shape) != tuple(shape):
+        raise ValueError(f"{name} must have the shape of tokens {tuple(shape)}, got {tuple(a.shape)}")
+    return a
+
+
+def _segment_positions(seg: np.ndarray) -> np.ndarray:
+    """Host-side: each token's index within its segment (-1 for padding). Raises if a segment
+    of a row is not one contiguous run."""
+    b, length = seg.shape
+    pos = np.full((b, length), -1, np.int64)
+    for r in range(b):
+        row = seg[r]
+        valid = row >= 0
+        # a run starts where the id changes (padding in between also ends a run)
+        starts = valid & np.concatenate([[True], row[1:] != row[:-1]])
+        ids = row[starts]
+        if len(np.unique(ids)) != len(ids):
+            dup = next(i for i in ids if (ids == i).sum() > 1)
+            raise ValueError(
+                f"segment_ids: segment {int(dup)} of row {r} is not one contiguous run "
+                "(each packed sequence must occupy consecutive columns)"
+            )
+        run_start = np.maximum.accumulate(np.where(starts, np.arange(length), 0))
+        pos[r] = np.where(valid, np.arange(length) - run_start, -1)
+    return pos
+
+
+def _temperature(temperature, b: int):
+    if isinstance(temperature, bool):
+        raise TypeError("temperature must be a float or a float array, got a bool")
+    t = temperature if hasattr(temperature, "dtype") else np.asarray(temperature)
+    if not (jnp.issubdtype(t.dtype, jnp.floating) or jnp.issubdtype(t.dtype, jnp.integer)):
+        raise TypeError(f"temperature must be a real number or array, got dtype {t.dtype}")
+    if t.ndim == 0:
+        t = jnp.broadcast_to(jnp.asarray(t, jnp.float32), (b,))
+    elif tuple(t.shape) != (b,):
+        raise ValueError(
+            f"temperature must be a scalar or have shape ({b},) (one per row), got {tuple(t.shape)}"
+        )
+    concrete = _concrete(t)
+    if concrete is not None:
+        if not np.isfinite(concrete).all():
+            raise ValueError("temperature must be finite")
+        if (concrete < 0).any():
+            raise ValueError(f"temperature must be >= 0 (0 = greedy: raw log_softmax), got {concrete.min()}")
+    return jnp.asarray(t, jnp.float32)
+
+
+def logprobs(
+    model,
+    tokens,
+    *,
+    positions=None,
+    segment_ids=None,
+    temperature=1.0,
+    max_segments: int | None = None,
+    invariant: bool = True,
+    return_mask: bool = False,
+):
+    """Per-token float32 logprobs of ``tokens`` under ``model``: bit-identical to ``LLM.generate``.
+
+    ``out[b, i] = log softmax(logits / T)[tokens[b, i]]``, the logits being the model's at
+    the previous token of the same segment, i.e. log p(tokens[b, i] | the earlier tokens of its
+    segment) under the tempered distribution (raw log_softmax for T = 0, as the engine
+    reports for greedy requests). It is 0 at each segment's first token and at padding.
+    With ``invariant=True`` each value equals, bit for bit, the logprob ``bijax.LLM.generate``
+    reports (and ``LLM.score`` returns) for that token after the same earlier tokens at the
+    same temperature, with the same weights - whatever B, L, padding or packing.
+
+    Args:
+      model: a ``models.Llama`` (e.g. ``nnx.merge(graphdef, params, rest)`` inside ``jax.grad``),
+        or a ``(graphdef, state, ...)`` tuple from ``nnx.split`` of one.
+      tokens: int [B, L] token ids (each in [0, vocab_size); checked when concrete).
+      positions: optional int [B, L]; only CHECKED (when concrete): each token's position
+        must be its index within its segment (0, 1, 2, ... restarting at every segment;
+        anything at padding). Positions are always derived from ``segment_ids``, so traced
+        positions are ignored.
+      segment_ids: optional int [B, L] packing: the sequence each token belongs to within its
+        row, in [0, max_segments); each sequence one contiguous run of columns (ids need not be
+        ordered); -1 marks padding, anywhere in the row. Default: every row is one sequence
+        (right padding then needs no mask - causal tokens never see later ones - but its
+        logprobs are those of the pad tokens: mask them yourself, or pass -1 there).
+      temperature: a scalar or float [B] (one per row), >= 0 (checked when concrete).
+      max_segments: static bound on the segment ids (sequences per row). Default: 1 without
+        ``segment_ids``, else ``max(segment_ids) + 1`` when they are concrete; required when
+        ``segment_ids`` is traced (under ``jax.jit``). It sets the size of the block tables
+        (B * max_segments * L int32), never the numerics.
+      invariant: True: the batch-invariant kernels (bits equal the engine's). False: plain
+        XLA (dense masked attention, XLA dots and log_softmax) - the baseline and negative
+        control; the same values up to float32 rounding.
+      return_mask: also return the bool [B, L] mask of the entries that are logprobs
+        (a real token that is not its segment's first).
+
+    Returns:
+      float32 [B, L] logprobs, or ``(logprobs, mask)`` with ``return_mask=True``.
+
+    Differentiable in the model's parameters (and the temperature) through the kernels'
+    ``jax.custom_vjp`` rules; the attention backward is XLA over each token's densely gathered
+    keys, O(B * L * L * kv_heads * head_dim) memory.
+    """
+    m = _as_model(model)
+    c = m.config
+    if not isinstance(invariant, bool):
+        raise TypeError(f"invariant must be a bool, got {invariant!r}")
+    tokens = _check_tokens(tokens, c, ndim=2)
+    b, length = tokens.shape
+
+    if segment_ids is None:
+        if max_segments not in (None, 1):
+            raise ValueError("max_segments needs segment_ids (without them every row is one sequence)")
+        max_segments = 1
+        segment_ids = jnp.zeros((b, length), jnp.int32)
+        seg_np = np.zeros((b, length), np.int64)
+    else:
+        segment_ids = _int_array("segment_ids", segment_ids, (b, length))
+        seg_np = _concrete(segment_ids)
+        if max_segments is None:
+            if seg_np is None:
+                raise ValueError(
+                    "segment_ids is traced: pass max_segments= (a static int bound on the segment ids)"
+                )
+            max_segments = max(1, int(seg_np.max()) + 1)
+    if isinstance(max_segments, bool) or not isinstance(max_segments, (int, np.integer)) or max_segments < 1:
+        raise ValueError(f"max_segments must be a positive int, got {max_segments!r}")
+    max_segments = int(max_segments)
+    seg_pos = None
+    if seg_np is not None:
+        if (seg_np < -1).any() or (seg_np >= max_segments).any():
+            bad = seg_np[(seg_np < -1) | (seg_np >= max_segments)][0]
+            raise ValueError(f"segment id {int(bad)} is outside [-1, {max_segments}) (-1 marks padding)")
+        if not (seg_np >= 0).any():
+            raise ValueError("every token is padding (segment_ids are all -1)")
+        seg_pos = _segment_positions(seg_np)
+        if seg_pos.max() >= c.max_position_embeddings:
+            raise ValueError(
+                f"a segment is {int(seg_pos.max()) + 1} tokens long; the model's context is "
+                f"{c.max_position_embeddings}"
+            )
+    if positions is not None:
+        positions = _int_array("positions", positions, (b, length))
+        pos_np = _concrete(positions)
+        if pos_np is not None and seg_pos is not None:
+            real = seg_pos >= 0
+            if (pos_np[real] != seg_pos[real]).any():
+                r, i = np.argwhere(real & (pos_np != seg_pos))[0]
+                raise ValueError(
+                    f"positions[{r}, {i}] is {int(pos_np[r, i])} but the token is at index "
+                    f"{int(seg_pos[r, i])} of its segment (positions restart at 0 in every segment; "
+                    "pass segment_ids for packed rows)"
+                )
+    temp = _temperature(temperature, b)
+
+    graphdef, state = nnx.split(m)
+    out, mask = _logprobs(
+        graphdef,
+        state,
+        tokens,
+        jnp.asarray(segment_ids, jnp.int32),
+        temp,
+        max_segments=max_segments,
+        invariant=invariant,
+    )
+    return (out, mask) if return_mask else out
+
+
+# Always one jitted program (inlined into the caller's when it is traced): XLA compiles the
+# elementwise math between the kernels (RoPE, SwiGLU, ...) as it does in the engine's jitted
+# step. Run op by op instead, XLA CPU rounds RoPE's ``x1 * cos - x2 * sin`` differently
+# (measured: eager and jitted RoPE differ in the last bit), and the bits would not match.
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("max_segments", "invariant"))
+def _logprobs(graphdef, state, tokens, segment_ids, temp, *, max_segments, invariant):
+    m = nnx.merge(graphdef, state)
+    c = m.config
+    b, length = tokens.shape
+    logits = m.forward_packed(tokens, segment_ids, max_segments=max_segments, invariant=invariant)
+    z = pk.tempered(logits.reshape(b * length, c.vocab_size), jnp.repeat(temp, length))
+    lp = pk.log_softmax(z) if invariant else jax.nn.log_softmax(z, axis=-1)
+    # Row i's distribution scores the next token, i + 1.
+    targets = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1).reshape(-1)
+    nxt = jnp.take_along_axis(lp, targets[:, None], axis=1).reshape(b, length)
+    shifted = jnp.concatenate([jnp.zeros((b, 1), jnp.float32), nxt[:, :-1]], axis=1)
+    valid = segment_ids >= 0
+    prev_same = jnp.concatenate([jnp.zeros((b, 1), bool), segment_ids[:, 1:] == segment_ids[:, :-1]], axis=1)
+    mask = valid & prev_same
+    return jnp.where(mask, shifted, jnp.float32(0)), mask
