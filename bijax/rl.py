@@ -34,6 +34,8 @@ __all__ = ["logprobs"]
 
 
 def _concrete(a):
+    if isinstance(a, jax.core.Tracer):
+        return None
     try:
         return np.asarray(a)
     except (TypeError, jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):

@@ -424,10 +424,12 @@ def _check_tokens(tokens, config: LlamaConfig, *, ndim: int):
         raise TypeError(f"tokens must be integer token ids, got {tokens.dtype}")
     if tokens.size == 0:
         raise ValueError("tokens is empty")
-    try:
-        concrete = np.asarray(tokens)
-    except (TypeError, jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        concrete = None
+    concrete = None
+    if not isinstance(tokens, jax.core.Tracer):
+        try:
+            concrete = np.asarray(tokens)
+        except (TypeError, jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+            concrete = None
     if concrete is not None and ((concrete < 0) | (concrete >= config.vocab_size)).any():
         bad = concrete[(concrete < 0) | (concrete >= config.vocab_size)][0]
         raise ValueError(f"token id {int(bad)} is outside the vocabulary [0, {config.vocab_size})")

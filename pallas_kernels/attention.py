@@ -378,6 +378,8 @@ def _attention_impl(
 
 
 def _concrete(a):
+    if isinstance(a, jax.core.Tracer):  # (asking a tracer for its value builds a costly error)
+        return None
     try:
         return np.asarray(a)
     except (TypeError, jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
