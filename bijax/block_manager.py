@@ -105,3 +105,8 @@ class BlockManager:
                 self.cached[key] = b
                 self.key_of[b] = key
             seq.block_keys.append(key)
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached block (their KV was computed with weights that changed)."""
+        self.cached.clear()
+        self.key_of = [None] * self.num_blocks

@@ -428,7 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("check", help="the invariance suite against a model; exit 1 on any mismatch")
-    c.add_argument("--requests", type=int, default=6, help="requests in the suite (default 6)")
+    c.add_argument("--requests", type=int, default=4, help="requests in the suite (default 4)")
     c.add_argument("--max-tokens", type=int, default=12, help="tokens generated per request (default 12)")
     c.add_argument("--no-control", action="store_true", help="skip the invariant=False negative control")
     c.add_argument(

@@ -8,13 +8,14 @@ from collections.abc import Sequence as Seq
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from bijax.config import EngineConfig
 from bijax.llm_engine import Engine
 from bijax.outputs import RequestOutput
 from bijax.sampling_params import MAX_LOGPROBS, SamplingParams
 from models.configs import PRESETS
-from models.llama import Llama
+from models.llama import Llama, param_state
 from models.loading import DEFAULT_MODEL, EMBEDDED, embedded_model_path, load_model
 from models.tokenizer import load_tokenizer
 
@@ -143,6 +144,7 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        self.engine.runner.check_params()
         for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):  # check all before adding any
             if not isinstance(sp, SamplingParams):
                 raise TypeError(f"sampling_params[{i}] must be a SamplingParams, got {type(sp).__name__}")
@@ -237,6 +239,54 @@ class LLM:
             if bar is not None:
                 bar.close()
         return time.perf_counter() - t0
+
+    def update_weights(self, weights) -> None:
+        """Replaces the engine's weights with ``weights`` - a ``models.Llama``, its parameter
+        state (``nnx.state(model, nnx.Param)``, e.g. a trainer's updated params) or that state
+        as a pure dict - of the same structure, shapes and dtypes (else ValueError/TypeError
+        naming the first mismatch). Nothing recompiles: the weights are an argument of the
+        compiled steps. The engine keeps no reference to its old weights; the arrays given are
+        used as they are (not copied), so a train step that donates them must be followed by
+        another ``update_weights`` before the next ``generate``."""
+        if self.engine.scheduler.has_unfinished():
+            raise RuntimeError("update_weights runs when no generation is in flight")
+        if isinstance(weights, Llama):
+            weights = param_state(weights)
+        if isinstance(weights, nnx.State):
+            weights = weights.to_pure_dict()
+        if not isinstance(weights, dict):
+            raise TypeError(
+                "weights must be a models.Llama, its nnx.State of params, or that state's pure dict, "
+                f"got {type(weights).__name__}"
+            )
+        current = param_state(self.model)
+        want = dict(jax.tree_util.tree_leaves_with_path(current.to_pure_dict()))
+        got = dict(jax.tree_util.tree_leaves_with_path(weights))
+        name = jax.tree_util.keystr
+        missing = [name(k) for k in want if k not in got]
+        extra = [name(k) for k in got if k not in want]
+        if missing or extra:
+            raise ValueError(
+                f"weights do not have the model's structure: missing {missing[:3]}, unexpected {extra[:3]}"
+            )
+        for k, ref in want.items():
+            new = got[k]
+            if not hasattr(new, "shape") or not hasattr(new, "dtype"):
+                raise TypeError(f"weights{name(k)} must be an array, got {type(new).__name__}")
+            if tuple(new.shape) != tuple(ref.shape):
+                raise ValueError(
+                    f"weights{name(k)} has shape {tuple(new.shape)}, the model's is {tuple(ref.shape)}"
+                )
+            if new.dtype != ref.dtype:
+                raise ValueError(f"weights{name(k)} has dtype {new.dtype}, the model's is {ref.dtype}")
+            if isinstance(new, jax.Array) and new.is_deleted():
+                raise ValueError(f"weights{name(k)} has been deleted (donated to a jitted step?)")
+        nnx.replace_by_pure_dict(current, {k: v for k, v in weights.items()})
+        nnx.update(self.model, current)
+        runner = self.engine.runner
+        runner.graphdef, runner.params = nnx.split(self.model)
+        # Cached prefixes hold KV computed with the old weights.
+        self.engine.blocks.reset_prefix_cache()
 
     def score(self, token_ids, prompt_lens, temperature: float = 1.0) -> list[np.ndarray]:
         """float32 logprob of each token at index >= prompt_len given the tokens before it;

@@ -125,6 +125,7 @@ class Engine:
         self._aborted = []
         if not self.scheduler.has_unfinished():
             return outputs
+        self.runner.check_params()  # before scheduling: a failure leaves every request as it was
         chunks = self.scheduler.schedule()
         num_top = MAX_LOGPROBS if any(s.params.logprobs for s, _ in chunks) else 0
         tok, lp, top = self.runner.step(chunks, num_top)
@@ -189,6 +190,7 @@ class Engine:
         under log_softmax(logits / T) (raw for T = 0) - bit-equal to generate's logprobs."""
         if self.scheduler.has_unfinished():
             raise RuntimeError("score runs when no generation is in flight")
+        self.runner.check_params()
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0:
             raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
         if len(token_ids) != len(prompt_lens):

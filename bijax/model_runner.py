@@ -176,5 +176,10 @@ class ModelRunner:
             if progress is not None:
                 progress(s, t)
 
-    def update_params(self, params) -> None:
-        self.params = params
+    def check_params(self) -> None:
+        for leaf in jax.tree_util.tree_leaves(self.params):
+            if isinstance(leaf, jax.Array) and leaf.is_deleted():
+                raise RuntimeError(
+                    "the engine's weights have been deleted (donated to a train step?): "
+                    "call LLM.update_weights with the new weights first"
+                )

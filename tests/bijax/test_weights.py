@@ -1,0 +1,131 @@
+"""LLM.update_weights (no recompilation, clear errors, old buffers released) and the orbax round
+trip of a trainer's model state back into an LLM."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import bijax
+from bijax import SamplingParams as SP
+from bijax.model_runner import _step
+from models import save_orbax
+from models.configs import preset
+from models.llama import Llama, param_state
+from tests.conftest import bits
+
+ENGINE = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=160, seed=1)
+PROMPTS = [[5, 17, 42, 99, 123, 7, 8], list(range(30, 70))]
+SAMPLING = SP(temperature=0.8, seed=5, max_tokens=6, ignore_eos=True)
+
+
+def _fresh(seed=0):
+    """A tiny float32 model with the shapes of test_engine's (the compiled steps are shared)."""
+    return Llama(preset("tiny"), dtype=jnp.float32, seed=seed)
+
+
+def _train_step(model):
+    """One optax step on the trainer-side logprobs of a fixed sequence: new weights, same tree."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    tokens = jnp.asarray([list(range(3, 40))], jnp.int32)
+    opt = optax.adam(1e-2)
+
+    def loss(p):
+        return -bijax.logprobs(nnx.merge(graphdef, p, rest), tokens, temperature=1.0).sum()
+
+    grads = jax.grad(loss)(params)
+    updates, _ = opt.update(grads, opt.init(params), params)
+    return nnx.merge(graphdef, optax.apply_updates(params, updates), rest)
+
+
+def _same(a, b):
+    return all(
+        x.token_ids == y.token_ids and np.array_equal(bits(x.logprobs), bits(y.logprobs))
+        for x, y in zip(a, b, strict=True)
+    )
+
+
+def test_update_weights_changes_outputs_without_recompiling():
+    llm = bijax.LLM(_fresh(), **ENGINE)
+    before = llm.generate(PROMPTS, SAMPLING, use_tqdm=False)
+    trained = _train_step(_fresh())
+    expect = bijax.LLM(trained, **ENGINE).generate(PROMPTS, SAMPLING, use_tqdm=False)
+    compiles = _step._cache_size()
+    llm.update_weights(param_state(trained))
+    after = llm.generate(PROMPTS, SAMPLING, use_tqdm=False)
+    assert _step._cache_size() == compiles  # no new compilation
+    assert _same(after, expect)  # exactly the weights given
+    assert not _same(after, before)  # negative control: the weights did change the output
+    # A pure dict and a whole Llama are accepted too; back to the first weights, first bits
+    # (the prompts' cached KV prefixes from the other weights must not be reused).
+    llm.update_weights(param_state(_fresh()).to_pure_dict())
+    assert _same(llm.generate(PROMPTS, SAMPLING, use_tqdm=False), before)
+    llm.update_weights(trained)
+    assert _same(llm.generate(PROMPTS, SAMPLING, use_tqdm=False), expect)
+    assert _step._cache_size() == compiles
+
+
+def test_update_weights_releases_the_old_buffers():
+    llm = bijax.LLM(_fresh(), **ENGINE)
+    old = weakref.ref(param_state(llm.model)["embed"][...])
+    llm.update_weights(param_state(_fresh(seed=3)))
+    gc.collect()
+    assert old() is None
+
+
+def test_update_weights_rejects_a_different_tree():
+    llm = bijax.LLM(_fresh(), **ENGINE)
+    good = param_state(_fresh()).to_pure_dict()
+    missing = dict(good)
+    del missing["final_norm"]
+    with pytest.raises(ValueError, match="structure.*final_norm"):
+        llm.update_weights(missing)
+    wrong_shape = dict(good, final_norm=jnp.ones((3,), jnp.float32))
+    with pytest.raises(ValueError, match=r"\['final_norm'\] has shape \(3,\)"):
+        llm.update_weights(wrong_shape)
+    wrong_dtype = dict(good, final_norm=good["final_norm"].astype(jnp.bfloat16))
+    with pytest.raises(ValueError, match="dtype bfloat16"):
+        llm.update_weights(wrong_dtype)
+    with pytest.raises(TypeError, match="weights must be"):
+        llm.update_weights([1, 2, 3])
+    bad_leaf = dict(good, final_norm="ones")
+    with pytest.raises(TypeError, match="must be an array"):
+        llm.update_weights(bad_leaf)
+    # Nothing was half-applied: the engine still generates with its own weights.
+    ref = bijax.LLM(_fresh(), **ENGINE).generate(PROMPTS, SAMPLING, use_tqdm=False)
+    assert _same(llm.generate(PROMPTS, SAMPLING, use_tqdm=False), ref)
+
+
+def test_donated_weights_give_a_clear_error():
+    llm = bijax.LLM(_fresh(), **ENGINE)
+    new = param_state(_fresh(seed=2))
+    llm.update_weights(new)
+    jax.tree_util.tree_map(lambda a: a.delete(), jax.tree_util.tree_leaves(new.to_pure_dict()))
+    with pytest.raises(RuntimeError, match="update_weights"):
+        llm.generate(PROMPTS, SAMPLING, use_tqdm=False)
+    with pytest.raises(ValueError, match="deleted"):
+        llm.update_weights(new)
+    llm.update_weights(param_state(_fresh(seed=2)))
+    assert llm.generate(PROMPTS, SAMPLING, use_tqdm=False)[0].token_ids
+
+
+def test_orbax_round_trip_of_trainer_state_into_llm(tmp_path):
+    trained = _train_step(_fresh())
+    save_orbax(trained, tmp_path / "ckpt")
+    restored = bijax.LLM(str(tmp_path / "ckpt"), **ENGINE)
+    direct = bijax.LLM(_fresh(), **ENGINE)
+    direct.update_weights(trained)
+    a = restored.generate(PROMPTS, SAMPLING, use_tqdm=False)
+    b = direct.generate(PROMPTS, SAMPLING, use_tqdm=False)
+    assert _same(a, b)
+    # The trainer-side logprobs of what the restored engine sampled are its bits too.
+    seq = jnp.asarray([PROMPTS[1] + a[1].token_ids], jnp.int32)
+    lp = np.asarray(bijax.logprobs(restored.model, seq, temperature=SAMPLING.temperature))[0]
+    assert np.array_equal(bits(lp[len(PROMPTS[1]) :]), bits(a[1].logprobs))
