@@ -21,23 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.configs import LlamaConfig, preset
+from models.configs import preset
 from models.llama import Llama, init_kv_cache
 from tests.models.harness import Paged, chunked, interleaved
 
 FAILURES: list[str] = []
-SMOLLM2_SHAPE = LlamaConfig(
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_layers=30,
-    num_heads=9,
-    num_kv_heads=3,
-    head_dim=64,
-    rope_theta=100000.0,
-    max_position_embeddings=8192,
-    tie_word_embeddings=True,
-)
+SMOLLM2_SHAPE = preset("smollm2-shape")
 _FWD = nnx.jit(Llama.forward, static_argnames="invariant")
 
 

@@ -32,7 +32,8 @@ _STYLES = [(0.0, 1.0, -1, 0.0), (0.8, 0.9, -1, 0.0), (0.8, 1.0, 20, 0.0), (0.8, 
 
 @dataclasses.dataclass
 class Row:
-    """One line of the report: ``status`` is "PASS", "FAIL", "DETECTED" (the negative control
+    """One line of the report: ``status`` is "PASS", "FAIL", "N/A" (identical, but the run did
+    not exercise the dimension, e.g. no preemption happened), "DETECTED" (the negative control
     found differences, as it should) or "NO DIFF" (it found none: inconclusive)."""
 
     dimension: str
@@ -68,6 +69,12 @@ class Report:
         if self.failed:
             names = ", ".join(r.dimension for r in self.failed)
             return f"FAILED: outputs changed with {names} - the engine is not batch invariant here."
+        skipped = [r.dimension for r in self.rows if r.status == "N/A"]
+        if skipped:
+            return (
+                f"Identical wherever exercised, but {', '.join(skipped)} did not happen with these "
+                "settings (use more requests or --max-tokens)."
+            )
         if self.control_inconclusive:
             return (
                 "All dimensions identical, but the negative control (invariant=False) found no "
@@ -229,7 +236,7 @@ def _dimensions(suite: _Suite, *, invariant: bool) -> list[tuple[str, tuple[int,
     need = [-(-(len(ids) + p.max_tokens) // bs) for ids, p in reqs]
     # A pool that holds the largest request but not all of them at once: the scheduler must
     # preempt (and later recompute) running sequences. The cache keeps its shape (no compile).
-    usable = max(need) + 2
+    usable = max(need) + 1
     if usable < min(cfg.num_kv_blocks, sum(need) + 1):
         eng.blocks = BlockManager(usable, bs, enable_prefix_caching=False)
         eng.scheduler = Scheduler(eng.config, eng.blocks)
@@ -312,6 +319,8 @@ def run_check(
             bar.close()
     for name, (same, compared, tokens), note in found[True]:
         status = "PASS" if same == compared else "FAIL"
+        if status == "PASS" and ("none happened" in note or "no hit happened" in note):
+            status = "N/A"  # identical, but the dimension was not exercised
         detail = f"{same}/{compared} requests identical ({tokens} tokens); {note}"
         rows.append(Row(name, status, detail))
     if control:

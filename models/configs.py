@@ -235,6 +235,24 @@ PRESETS: dict[str, LlamaConfig] = {
         eos_token_ids=(2,),
         model_type="llama",
     ),
+    # SmolLM2-135M's shape (random weights): the embedded model's step shapes on a machine
+    # without the GGUF (e.g. the GPU box).
+    "smollm2-shape": LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+        max_position_embeddings=8192,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+        tie_word_embeddings=True,
+        model_type="llama",
+    ),
     # Meta-Llama-3-8B's shape (random weights: shape and speed only).
     "llama3-8b": LlamaConfig(
         vocab_size=128256,

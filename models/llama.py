@@ -25,6 +25,7 @@ import zlib
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 from flax import nnx
 
@@ -109,7 +110,11 @@ def _rope(x, cos_sin):
     cos, sin = cos_sin[:, None, 0], cos_sin[:, None, 1]  # [T, 1, D/2]
     xf = x.astype(jnp.float32)
     x1, x2 = jnp.split(xf, 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    # The products are rounded before the add, in every program: without the barrier XLA may
+    # fuse a product into the add (one rounding, an FMA) in one program and not in another
+    # (a trainer's grad step keeps them for the backward), and a bit would differ.
+    a, b, c, d = lax.optimization_barrier((x1 * cos, x2 * sin, x2 * cos, x1 * sin))
+    out = jnp.concatenate([a - b, c + d], axis=-1)
     return out.astype(x.dtype)
 
 
