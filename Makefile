@@ -32,9 +32,9 @@ demo: $(STAMP)
 	$(VENV)/bin/bijax generate $(DEMO_ENGINE) --temperature 0.8 --top-p 0.95 --seed 7 --max-tokens 32 \
 	  "The three most useful things to know about batch invariance are" \
 	  "def fibonacci(n):"
-	$(VENV)/bin/bijax generate $(DEMO_ENGINE) --chat --temperature 0 --max-tokens 48 \
+	$(VENV)/bin/bijax generate $(DEMO_ENGINE) --no-warmup --chat --temperature 0 --max-tokens 48 \
 	  "What is the capital of France? Answer in one sentence."
-	$(VENV)/bin/bijax check $(DEMO_ENGINE) --max-tokens 6
+	$(VENV)/bin/bijax check $(DEMO_ENGINE) --max-tokens 4
 
 test: $(STAMP)
 	@# Two workers, one test file each at a time (files share compiled engines within a worker).

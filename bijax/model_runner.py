@@ -46,6 +46,19 @@ def _score_step(params, cache, batch, targets, temperature, *, graphdef, invaria
     return target_logprobs(logits, targets, temperature, invariant=invariant), cache
 
 
+def _greedy_rows(s: int) -> dict:
+    """Per-row sampling inputs for ``s`` rows, every filter off, greedy (padding rows keep these)."""
+    return dict(
+        temperature=np.zeros(s, np.float32),
+        top_k=np.full(s, -1, np.int32),
+        top_p=np.ones(s, np.float32),
+        min_p=np.zeros(s, np.float32),
+        seed=np.zeros(s, np.uint32),
+        sample_index=np.zeros(s, np.int32),
+        position=np.zeros(s, np.int32),
+    )
+
+
 class ModelRunner:
     def __init__(self, model: Llama, config: EngineConfig):
         self.config = config
@@ -89,27 +102,27 @@ class ModelRunner:
         Rows of sequences that are still mid-prompt are sampled too; the caller ignores them.
         """
         batch, s = self._batch(chunks)
-        temp = np.zeros(s, np.float32)
-        top_k = np.full(s, -1, np.int32)
-        top_p = np.ones(s, np.float32)
-        min_p = np.zeros(s, np.float32)
-        seed = np.zeros(s, np.uint32)
-        sidx = np.zeros(s, np.int32)
-        position = np.zeros(s, np.int32)
+        sampling = _greedy_rows(s)
         for r, (sq, n) in enumerate(chunks):
             p = sq.params
-            temp[r], top_k[r], top_p[r], min_p[r] = p.temperature, p.top_k, p.top_p, p.min_p
-            seed[r], sidx[r], position[r] = sq.seed, sq.sample_index, sq.num_computed + n
-        sampling = dict(
-            temperature=temp,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
-            seed=seed,
-            sample_index=sidx,
-            position=position,
-        )
-        (tok, tok_lp, top), self.cache = _step(
+            for key, value in (
+                ("temperature", p.temperature),
+                ("top_k", p.top_k),
+                ("top_p", p.top_p),
+                ("min_p", p.min_p),
+                ("seed", sq.seed),
+                ("sample_index", sq.sample_index),
+                ("position", sq.num_computed + n),
+            ):
+                sampling[key][r] = value
+        tok, tok_lp, top = self._run(batch, sampling, num_top)
+        tok, tok_lp = np.asarray(tok), np.asarray(tok_lp)
+        top = None if top is None else (np.asarray(top[0]), np.asarray(top[1]))
+        return tok[: len(chunks)], tok_lp[: len(chunks)], top
+
+    def _run(self, batch, sampling, num_top):
+        """One jitted step; keeps the donated cache; returns (tokens, logprobs, top)."""
+        out, self.cache = _step(
             self.params,
             self.cache,
             batch,
@@ -118,9 +131,7 @@ class ModelRunner:
             invariant=self.config.invariant,
             num_top=num_top,
         )
-        tok, tok_lp = np.asarray(tok), np.asarray(tok_lp)
-        top = None if top is None else (np.asarray(top[0]), np.asarray(top[1]))
-        return tok[: len(chunks)], tok_lp[: len(chunks)], top
+        return out
 
     def score_step(self, chunks, targets, temperature: float):
         """Logprobs of ``targets`` (one per computed token; -1: not wanted) for one step."""
@@ -153,25 +164,7 @@ class ModelRunner:
                 ctx=np.zeros(s, np.int32),
                 rows=np.zeros(s, np.int32),
             )
-            sampling = dict(
-                temperature=np.zeros(s, np.float32),
-                top_k=np.full(s, -1, np.int32),
-                top_p=np.ones(s, np.float32),
-                min_p=np.zeros(s, np.float32),
-                seed=np.zeros(s, np.uint32),
-                sample_index=np.zeros(s, np.int32),
-                position=np.zeros(s, np.int32),
-            )
-            out, self.cache = _step(
-                self.params,
-                self.cache,
-                batch,
-                sampling,
-                graphdef=self.graphdef,
-                invariant=self.config.invariant,
-                num_top=num_top,
-            )
-            jax.block_until_ready(out)
+            jax.block_until_ready(self._run(batch, _greedy_rows(s), num_top))
             self.compiled_buckets.add((s, t))
             if progress is not None:
                 progress(s, t)

@@ -25,9 +25,9 @@ import zlib
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 import numpy as np
 from flax import nnx
+from jax import lax
 
 import pallas_kernels as pk
 from models.configs import LlamaConfig
@@ -389,17 +389,7 @@ def _store_kv(k_cache, v_cache, k, v, slots):
 
 def _dense_causal(q, k, v, b, length):
     """Plain XLA causal attention of B sequences of length L (the batch-variant baseline)."""
-    hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
-    g = hq // hkv
-    q = q.reshape(b, length, hkv, g, d)
-    k = k.reshape(b, length, hkv, d)
-    v = v.reshape(b, length, hkv, d)
-    s = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=jnp.float32) * np.float32(d**-0.5)
-    mask = jnp.tril(jnp.ones((length, length), bool))
-    s = jnp.where(mask, s, -jnp.inf)
-    p = jax.nn.softmax(s, axis=-1)
-    o = jnp.einsum("bhgqk,bkhd->bqhgd", p, v.astype(jnp.float32))
-    return o.reshape(b * length, hq, d).astype(q.dtype)
+    return _dense_segments(q, k, v, jnp.zeros((b, length), jnp.int32))
 
 
 def _dense_segments(q, k, v, segment_ids):

@@ -112,5 +112,8 @@ padding cannot change a real row, because no kernel looks across rows.
 
 Run the whole contract against any model with `bijax check --model <path>`."""),
 ]
-nb = nbf.v4.new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
+nb = nbf.v4.new_notebook(
+    cells=cells,
+    metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
+)
 nbf.write(nb, "notebooks/01_batch_invariance.ipynb")

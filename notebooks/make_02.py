@@ -215,5 +215,8 @@ its Pallas GPU kernels (Triton; Mosaic GPU on Hopper) under the same contract - 
 checkpoint into `models.Llama` (or pass a path to `bijax.LLM` and use `llm.model`) and
 train its `nnx.Param` state the same way."""),
 ]
-nb = nbf.v4.new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
+nb = nbf.v4.new_notebook(
+    cells=cells,
+    metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
+)
 nbf.write(nb, "notebooks/02_on_policy_rl.ipynb")
