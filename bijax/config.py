@@ -21,7 +21,8 @@ class EngineConfig:
     block size; num_kv_blocks: KV pool size in blocks (block 0 is reserved); invariant: run the
     batch-invariant kernels (False: plain XLA, the baseline / negative control); seed: draws the
     seeds of requests that have none; enable_prefix_caching: reuse the KV blocks of prompts'
-    cached prefixes."""
+    cached prefixes; tensor_parallel_size: devices the model is split over (its k_shards must
+    be a multiple)."""
 
     max_model_len: int
     max_num_seqs: int = 16
@@ -31,9 +32,17 @@ class EngineConfig:
     invariant: bool = True
     seed: int = 0
     enable_prefix_caching: bool = True
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
-        for f in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks"):
+        for f in (
+            "max_model_len",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "block_size",
+            "num_kv_blocks",
+            "tensor_parallel_size",
+        ):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{f} must be a positive int, got {v!r}")

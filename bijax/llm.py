@@ -17,13 +17,16 @@ from bijax.sampling_params import MAX_LOGPROBS, SamplingParams
 from models.configs import PRESETS
 from models.llama import Llama, param_state
 from models.loading import DEFAULT_MODEL, EMBEDDED, embedded_model_path, load_model
+from models.sharding import check_tensor_parallel
 from models.tokenizer import load_tokenizer
 
 _CPU_KV_BYTES = 1 << 30  # the KV pool on CPU when num_kv_blocks is not given
 
 
-def _kv_blocks(cfg, dtype, block_size, max_blocks_per_seq, max_num_seqs, utilization) -> int:
-    per_block = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+def _kv_blocks(cfg, dtype, block_size, max_blocks_per_seq, max_num_seqs, utilization, tp: int = 1) -> int:
+    """KV pool size in blocks; one block's bytes per device (tensor parallelism splits KV heads)."""
+    heads = cfg.num_kv_heads // tp
+    per_block = 2 * cfg.num_layers * block_size * heads * cfg.head_dim * jnp.dtype(dtype).itemsize
     want = max_num_seqs * max_blocks_per_seq + 1
     dev = jax.devices()[0]
     if dev.platform == "cpu":
@@ -68,10 +71,8 @@ class LLM:
         enable_prefix_caching: bool = True,
         tokenizer=None,
     ):
-        if tensor_parallel_size != 1:
-            raise ValueError(
-                "tensor_parallel_size > 1 is not supported yet; use 1 (k_shards=8 fixes the bits for later)"
-            )
+        if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int):
+            raise ValueError(f"tensor_parallel_size must be a positive int, got {tensor_parallel_size!r}")
         if not isinstance(invariant, bool):
             raise TypeError(f"invariant must be a bool, got {invariant!r}")
         if not 0 < gpu_memory_utilization <= 1:
@@ -79,7 +80,10 @@ class LLM:
         if isinstance(model, Llama):
             self.model = model
         else:
+            if isinstance(model, str) and model in PRESETS:  # fail before building a large model
+                check_tensor_parallel(PRESETS[model], tensor_parallel_size, k_shards)
             self.model = load_model(model, dtype=dtype, k_shards=k_shards, seed=seed, progress=True)
+        check_tensor_parallel(self.model.config, tensor_parallel_size, self.model.k_shards)
         if (
             tokenizer is None
             and not isinstance(model, Llama)
@@ -105,7 +109,13 @@ class LLM:
         blocks_per_seq = -(-max_model_len // block_size)
         if num_kv_blocks is None:
             num_kv_blocks = _kv_blocks(
-                cfg, self.model.dtype, block_size, blocks_per_seq, max_num_seqs, gpu_memory_utilization
+                cfg,
+                self.model.dtype,
+                block_size,
+                blocks_per_seq,
+                max_num_seqs,
+                gpu_memory_utilization,
+                tensor_parallel_size,
             )
         self.config = EngineConfig(
             max_model_len=max_model_len,
@@ -116,6 +126,7 @@ class LLM:
             invariant=invariant,
             seed=seed,
             enable_prefix_caching=enable_prefix_caching,
+            tensor_parallel_size=tensor_parallel_size,
         )
         self.engine = Engine(self.model, self.tokenizer, self.config)
         self._counter = 0
@@ -283,8 +294,7 @@ class LLM:
                 raise ValueError(f"weights{name(k)} has been deleted (donated to a jitted step?)")
         nnx.replace_by_pure_dict(current, {k: v for k, v in weights.items()})
         nnx.update(self.model, current)
-        runner = self.engine.runner
-        runner.graphdef, runner.params = nnx.split(self.model)
+        self.engine.runner.set_model(self.model)
         # Cached prefixes hold KV computed with the old weights.
         self.engine.blocks.reset_prefix_cache()
 

@@ -16,11 +16,21 @@ it gives the same bits as the paged forward. ``invariant=False`` uses plain XLA 
 negative control and the speed baseline, never a fallback.
 
 Weights are stored [in, out] (HF's [out, in] is transposed once at load). Row-parallel
-weights (o, down) use the model's ``k_shards`` (DESIGN.md). Logits are float32.
+weights (o, down) use the model's ``k_shards`` (DESIGN.md); column-parallel ones (q, k, v,
+gate, up, the LM head) go through in ``k_shards`` column blocks. Logits are float32.
+
+Tensor parallelism (``forward_paged(..., tp=TensorParallel(axis, size))``, inside
+``jax.shard_map``, weights sharded by ``models.sharding``): q/k/v and gate/up are
+column-parallel, o and down row-parallel (each rank's float32 partial covers its k_shards/P
+shards; ``pallas_kernels.tree_psum`` adds the ranks in the k_shards tree's order), heads and
+the KV cache are split by KV head, and the LM head is vocabulary-parallel, its logits
+gathered (no reduction) before any softmax. Every degree dividing ``k_shards`` gives the
+bits of one device.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import jax
@@ -79,16 +89,42 @@ def _zeros(shape, dtype) -> nnx.Param:
     return nnx.Param(jnp.zeros(shape, dtype))
 
 
+@dataclasses.dataclass(frozen=True)
+class TensorParallel:
+    """The model runs inside ``jax.shard_map`` over mesh axis ``axis`` of ``size`` ranks, each
+    holding its shards of the weights and KV cache (``models.sharding``)."""
+
+    axis: str
+    size: int
+
+
 # --------------------------------------------------------------------------- ops by path
 
 
-def _mm(x, w, *, invariant: bool, out_dtype=None, k_shards: int = 1, tp_parts: int = 1):
-    """x[M, K] @ w[K, N]. ``tp_parts`` > 1 runs a row-parallel weight as that many separate
-    shard partials combined by the k_shards tree, as tensor parallelism does."""
+def _col_mm(x, w, *, invariant: bool, col_blocks: int, tp: TensorParallel | None, out_dtype=None):
+    """Column-parallel x[M, K] @ w[K, N]: ``w`` is the whole weight, or under ``tp`` this
+    rank's N/P columns (planned for the whole weight: same bits as one device)."""
     if not invariant:
         return pk.matmul_reference(x, w, out_dtype=out_dtype)
+    full_n = w.shape[1] * (1 if tp is None else tp.size)
+    return pk.matmul(x, w, out_dtype=out_dtype, col_blocks=col_blocks, full_n=full_n)
+
+
+def _row_mm(x, w, *, invariant: bool, k_shards: int, tp_parts: int, tp: TensorParallel | None):
+    """Row-parallel x[M, K] @ w[K, N] (o, down): ``w`` is the whole weight, or under ``tp`` this
+    rank's K/P rows. Each rank reduces its k_shards/P shards (the tree's lower levels), the
+    ranks' float32 partials meet in ``tree_psum`` (its upper levels). ``tp_parts`` > 1 runs
+    the same split on one device (a check of k_shards without a mesh)."""
+    if tp is not None:
+        if not invariant:  # the baseline: the library's all-reduce, in whatever order it likes
+            y = jax.lax.psum(jnp.dot(x, w, preferred_element_type=jnp.float32), tp.axis)
+            return y.astype(x.dtype)
+        plan = pk.plan_matmul(w.shape[0] * tp.size, w.shape[1], w.dtype, k_shards=k_shards)
+        return pk.tree_psum(pk.matmul_partial(x, w, plan=plan), tp.axis).astype(x.dtype)
+    if not invariant:
+        return pk.matmul_reference(x, w)
     if tp_parts == 1:
-        return pk.matmul(x, w, out_dtype=out_dtype, k_shards=k_shards)
+        return pk.matmul(x, w, k_shards=k_shards)
     k, n = w.shape
     plan = pk.plan_matmul(k, n, w.dtype, k_shards=k_shards)
     per = plan.shard_k * (k_shards // tp_parts)
@@ -96,7 +132,7 @@ def _mm(x, w, *, invariant: bool, out_dtype=None, k_shards: int = 1, tp_parts: i
         pk.matmul_partial(x[:, r * per : (r + 1) * per], w[r * per : (r + 1) * per], plan=plan)
         for r in range(tp_parts)
     ]
-    return pk.tree_sum(parts).astype(x.dtype if out_dtype is None else out_dtype)
+    return pk.tree_sum(parts).astype(x.dtype)
 
 
 def _norm(x, w, eps, *, invariant: bool, residual=None):
@@ -185,6 +221,16 @@ class Llama(nnx.Module):
         if tp_parts < 1 or k_shards % tp_parts:
             raise ValueError(f"tp_parts ({tp_parts}) must divide k_shards ({k_shards})")
         c = config
+        if k_shards > 1:  # column-parallel weights go through in k_shards column blocks
+            for name, width in (
+                ("num_heads * head_dim", c.q_dim),
+                ("num_kv_heads * head_dim", c.kv_dim),
+                ("intermediate_size", c.intermediate_size),
+            ):
+                if width % k_shards:
+                    raise ValueError(
+                        f"k_shards={k_shards} must divide {name} ({width}); use a smaller k_shards"
+                    )
         self.config = c
         self.dtype = dtype
         self.k_shards = k_shards
@@ -198,36 +244,64 @@ class Llama(nnx.Module):
 
     # ------------------------------------------------------------------ shared pieces
 
-    def _lm_head(self, x, *, invariant: bool):
-        w = self.embed[...].T if self.config.tie_word_embeddings else self.lm_head[...]
-        return _mm(x, w, invariant=invariant, out_dtype=jnp.float32)  # [T, V] f32
+    @property
+    def padded_vocab(self) -> int:
+        """The LM head's columns: the vocabulary rounded up to whole ``k_shards`` column blocks
+        (the extra columns are zero and their logits dropped)."""
+        return -(-self.config.vocab_size // self.k_shards) * self.k_shards
 
-    def _qkv(self, layer: Attention, x, pos, *, invariant: bool):
-        """Projections of x [T, H] at positions pos [T] -> q [T, Hq, D], k, v [T, Hkv, D]."""
+    def _lm_head(self, x, *, invariant: bool, tp: TensorParallel | None = None):
+        """float32 logits [T, V]. Under ``tp`` each rank computes its 1/P of the (padded)
+        vocabulary from the replicated weight and the ranks' columns are gathered."""
+        c = self.config
+        v, vp = c.vocab_size, self.padded_vocab
+        tied = c.tie_word_embeddings
+        w = self.embed[...] if tied else self.lm_head[...]  # [V, H] tied, else [H, V]
+        axis = 0 if tied else 1
+        if vp != v:
+            w = jnp.pad(w, [(0, vp - v), (0, 0)] if tied else [(0, 0), (0, vp - v)])
+        if tp is not None:
+            part = vp // tp.size
+            w = lax.dynamic_slice_in_dim(w, lax.axis_index(tp.axis) * part, part, axis=axis)
+        if tied:
+            w = w.T
+        y = _col_mm(x, w, invariant=invariant, col_blocks=self.k_shards, tp=tp, out_dtype=jnp.float32)
+        if tp is not None:
+            y = pk.gather_last(y, tp.axis)
+        return y[:, :v] if vp != v else y
+
+    def _qkv(self, layer: Attention, x, pos, *, invariant: bool, tp: TensorParallel | None = None):
+        """Projections of x [T, H] at positions pos [T] -> q [T, Hq, D], k, v [T, Hkv, D]
+        (under ``tp``: this rank's heads)."""
         c = self.config
 
-        def proj(w, b, heads):
+        def proj(w, b):
+            w = w[...]
             if b is None:
-                y = _mm(x, w[...], invariant=invariant)
+                y = _col_mm(x, w, invariant=invariant, col_blocks=self.k_shards, tp=tp)
             else:
-                y = _mm(x, w[...], invariant=invariant, out_dtype=jnp.float32) + b[...].astype(jnp.float32)
-                y = y.astype(x.dtype)
-            return y.reshape(x.shape[0], heads, c.head_dim)
+                y = _col_mm(x, w, invariant=invariant, col_blocks=self.k_shards, tp=tp, out_dtype=jnp.float32)
+                y = (y + b[...].astype(jnp.float32)).astype(x.dtype)
+            return y.reshape(x.shape[0], w.shape[1] // c.head_dim, c.head_dim)
 
         bias = c.attention_bias
-        q = proj(layer.wq, layer.bq if bias else None, c.num_heads)
-        k = proj(layer.wk, layer.bk if bias else None, c.num_kv_heads)
-        v = proj(layer.wv, layer.bv if bias else None, c.num_kv_heads)
+        q = proj(layer.wq, layer.bq if bias else None)
+        k = proj(layer.wk, layer.bk if bias else None)
+        v = proj(layer.wv, layer.bv if bias else None)
         cos_sin = self.rope[...][jnp.clip(pos, 0, c.max_position_embeddings - 1)]  # [T, 2, D/2]
         return _rope(q, cos_sin), _rope(k, cos_sin), v
 
-    def _mlp(self, mlp: MLP, x, *, invariant: bool):
-        g = _mm(x, mlp.w_gate[...], invariant=invariant).astype(jnp.float32)
-        u = _mm(x, mlp.w_up[...], invariant=invariant).astype(jnp.float32)
-        h = (g * jax.nn.sigmoid(g) * u).astype(x.dtype)  # SwiGLU in float32, rounded once
-        return _mm(h, mlp.w_down[...], invariant=invariant, k_shards=self.k_shards, tp_parts=self.tp_parts)
+    def _row(self, x, w, *, invariant: bool, tp: TensorParallel | None):
+        return _row_mm(x, w, invariant=invariant, k_shards=self.k_shards, tp_parts=self.tp_parts, tp=tp)
 
-    def _layers(self, x, pos, attend, *, invariant: bool):
+    def _mlp(self, mlp: MLP, x, *, invariant: bool, tp: TensorParallel | None = None):
+        cb = self.k_shards
+        g = _col_mm(x, mlp.w_gate[...], invariant=invariant, col_blocks=cb, tp=tp).astype(jnp.float32)
+        u = _col_mm(x, mlp.w_up[...], invariant=invariant, col_blocks=cb, tp=tp).astype(jnp.float32)
+        h = (g * jax.nn.sigmoid(g) * u).astype(x.dtype)  # SwiGLU in float32, rounded once
+        return self._row(h, mlp.w_down[...], invariant=invariant, tp=tp)
+
+    def _layers(self, x, pos, attend, *, invariant: bool, tp: TensorParallel | None = None):
         """The decoder stack over flat tokens x [T, H]; ``attend(i, q, k, v)`` -> [T, Hq, D]."""
         c = self.config
         eps = c.rms_norm_eps
@@ -237,11 +311,11 @@ class Llama(nnx.Module):
                 h, residual = _norm(x, blk.attn_norm[...], eps, invariant=invariant), x
             else:
                 h, residual = _norm(x, blk.attn_norm[...], eps, invariant=invariant, residual=residual)
-            q, k, v = self._qkv(blk.attn, h, pos, invariant=invariant)
-            o = attend(i, q, k, v).reshape(x.shape[0], c.q_dim)
-            x = _mm(o, blk.attn.wo[...], invariant=invariant, k_shards=self.k_shards, tp_parts=self.tp_parts)
+            q, k, v = self._qkv(blk.attn, h, pos, invariant=invariant, tp=tp)
+            o = attend(i, q, k, v).reshape(x.shape[0], -1)
+            x = self._row(o, blk.attn.wo[...], invariant=invariant, tp=tp)
             h, residual = _norm(x, blk.mlp_norm[...], eps, invariant=invariant, residual=residual)
-            x = self._mlp(blk.mlp, h, invariant=invariant)
+            x = self._mlp(blk.mlp, h, invariant=invariant, tp=tp)
         out, _ = _norm(x, self.final_norm[...], eps, invariant=invariant, residual=residual)
         return out
 
@@ -343,6 +417,7 @@ class Llama(nnx.Module):
         *,
         logit_rows: jax.Array | None = None,
         invariant: bool = True,
+        tp: TensorParallel | None = None,
     ) -> tuple[jax.Array, KVCache]:
         """The engine's forward over a flat, ragged batch of T tokens against a paged KV cache.
 
@@ -354,6 +429,8 @@ class Llama(nnx.Module):
           kv_cache: from ``init_kv_cache``; returned updated (donate it under jit).
           block_tables, context_lens: int [S, max_blocks] and [S] (this step's tokens included).
           logit_rows: optional int [R]: only these token rows go through the LM head.
+          tp: inside ``jax.shard_map`` with sharded weights and cache (``models.sharding``);
+            the inputs are replicated, the logits come out whole on every rank.
         Returns (float32 logits [T or R, V], updated kv_cache).
         """
         c = self.config
@@ -370,10 +447,10 @@ class Llama(nnx.Module):
             return fn(q, kc, vc, block_tables, context_lens, token_seq, token_pos)
 
         x = self.embed[...][tokens]
-        h = self._layers(x, token_pos, attend, invariant=invariant)
+        h = self._layers(x, token_pos, attend, invariant=invariant, tp=tp)
         if logit_rows is not None:
             h = h[logit_rows]
-        return self._lm_head(h, invariant=invariant), new_cache
+        return self._lm_head(h, invariant=invariant, tp=tp), new_cache
 
 
 def _store_kv(k_cache, v_cache, k, v, slots):

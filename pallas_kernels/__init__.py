@@ -5,6 +5,7 @@ formulation -> public entry (keyword-only static args) -> ``*_reference``
 (plain XLA, batch-variant: the negative control and the speed baseline).
 """
 
+from pallas_kernels.collectives import gather_last, tree_psum
 from pallas_kernels.matmul import MatmulPlan, matmul, matmul_partial, matmul_reference, plan_matmul, tree_sum
 from pallas_kernels.rms_norm import rms_norm, rms_norm_reference
 from pallas_kernels.softmax import (
@@ -21,6 +22,7 @@ from pallas_kernels.softmax import (
 __all__ = [
     "MatmulPlan",
     "argmax",
+    "gather_last",
     "log_softmax",
     "log_softmax_reference",
     "logsumexp",
@@ -34,5 +36,6 @@ __all__ = [
     "sample",
     "tempered",
     "top_n",
+    "tree_psum",
     "tree_sum",
 ]

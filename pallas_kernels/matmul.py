@@ -66,6 +66,10 @@ class MatmulPlan:
       tile_n: output columns per program (GPU).
       cpu_tile_m: rows per fixed tile on CPU.
       platform: "gpu" or "cpu" - the implementation the plan is for.
+      col_blocks: CPU: the N columns go through as this many equal blocks, one dot each
+        (XLA's CPU dot changes a column's bits with the column count, so a tensor-parallel
+        rank holding N/P columns must see the same dot widths as one device holding N).
+        The GPU kernel's column tiles are independent already; there it only checks shapes.
     """
 
     k: int
@@ -78,6 +82,7 @@ class MatmulPlan:
     tile_n: int
     cpu_tile_m: int
     platform: str = "gpu"
+    col_blocks: int = 1
 
     @property
     def shard_k(self) -> int:
@@ -92,10 +97,14 @@ class MatmulPlan:
         return -(-self.n // self.tile_n) * self.tile_n
 
 
-def plan_matmul(k: int, n: int, dtype, *, k_shards: int = 1, platform: str | None = None) -> MatmulPlan:
+def plan_matmul(
+    k: int, n: int, dtype, *, k_shards: int = 1, col_blocks: int = 1, platform: str | None = None
+) -> MatmulPlan:
     """Plans the reduction for a [k, n] weight. Give the FULL (unsharded) shape under TP.
 
-    ``platform``: "gpu" or "cpu"; default: this process's default JAX backend.
+    ``col_blocks`` (1, 2, 4 or 8, dividing n): column blocks of a column-parallel weight
+    (see ``MatmulPlan``). ``platform``: "gpu" or "cpu"; default: this process's default
+    JAX backend.
     """
     if platform is None:
         platform = "cpu" if jax.default_backend() == "cpu" else "gpu"
@@ -105,13 +114,15 @@ def plan_matmul(k: int, n: int, dtype, *, k_shards: int = 1, platform: str | Non
         raise ValueError(f"platform must be 'gpu' or 'cpu', got {platform!r}")
     if k < 1 or n < 1:
         raise ValueError(f"weight shape must be positive, got ({k}, {n})")
+    if col_blocks not in K_SHARDS or n % col_blocks:
+        raise ValueError(f"col_blocks must be one of {K_SHARDS} and divide N={n}, got {col_blocks!r}")
     dtype = jnp.dtype(dtype)
     shard_k = -(-k // k_shards)
     tile_n = 128 if n % 128 == 0 or n % 64 != 0 else 64
     if platform == "cpu":
         big = k * n * dtype.itemsize > _CPU_BIG_WEIGHT_BYTES
         tile_m = (32 if dtype.itemsize < 4 else 64) if big else 16
-        return MatmulPlan(k, n, dtype.name, k_shards, 1, shard_k, TILE_K, tile_n, tile_m, "cpu")
+        return MatmulPlan(k, n, dtype.name, k_shards, 1, shard_k, TILE_K, tile_n, tile_m, "cpu", col_blocks)
     # GPU: narrow-N weights get enough leaves that one row tile of the narrowest
     # column tiles still fills the machine (M = 1 decode).
     leaves = 1
@@ -121,7 +132,7 @@ def plan_matmul(k: int, n: int, dtype, *, k_shards: int = 1, platform: str | Non
     split_k = max(1, leaves // k_shards)
     chunks = -(-shard_k // TILE_K)
     leaf_k = -(-chunks // split_k) * TILE_K
-    return MatmulPlan(k, n, dtype.name, k_shards, split_k, leaf_k, TILE_K, tile_n, 16, "gpu")
+    return MatmulPlan(k, n, dtype.name, k_shards, split_k, leaf_k, TILE_K, tile_n, 16, "gpu", col_blocks)
 
 
 def _to_leaves(a: jax.Array, plan: MatmulPlan, num_shards: int, axis: int) -> jax.Array:
@@ -296,8 +307,11 @@ def _triton_partial(x, w, *, plan, num_shards, out_dtype, tiles, interpret):
 
 
 def _jnp_partial(x, w, *, plan, num_shards, out_dtype):
-    """Fixed [cpu_tile_m, leaf_k] x [leaf_k, N] dots per leaf, fp32 tree over leaves."""
+    """Fixed [cpu_tile_m, leaf_k] x [leaf_k, N / col_blocks] dots per leaf and column block,
+    fp32 tree over leaves. ``w`` may hold any whole number of the plan's column blocks."""
     m = x.shape[0]
+    width = plan.n // plan.col_blocks
+    blocks = w.shape[1] // width
     tm = plan.cpu_tile_m
     mp = -(-m // tm) * tm
     num_leaves = num_shards * plan.split_k
@@ -305,8 +319,14 @@ def _jnp_partial(x, w, *, plan, num_shards, out_dtype):
     wl = _to_leaves(w, plan, num_shards, axis=0).reshape(num_leaves, plan.leaf_k, -1)
     xl = jnp.pad(xl, ((0, mp - m), (0, 0))).reshape(mp // tm, tm, num_leaves, plan.leaf_k)
 
+    def dot(a, i):
+        if blocks == 1:
+            return jnp.dot(a, wl[i], preferred_element_type=jnp.float32)
+        cols = [wl[i, :, j * width : (j + 1) * width] for j in range(blocks)]
+        return jnp.concatenate([jnp.dot(a, c, preferred_element_type=jnp.float32) for c in cols], axis=1)
+
     def tile(t):
-        parts = [jnp.dot(t[:, i], wl[i], preferred_element_type=jnp.float32) for i in range(num_leaves)]
+        parts = [dot(t[:, i], i) for i in range(num_leaves)]
         return _combine(parts, plan.split_k).astype(out_dtype)
 
     if mp == tm:  # one tile: same dot shapes, no loop
@@ -355,36 +375,45 @@ def _dot_bwd(x, w, g):
     return dx.astype(x.dtype), dw.astype(w.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
-def _matmul_vjp(x, w, out_dtype, k_shards, backend, interpret, tiles):
-    return _matmul_impl(x, w, out_dtype, k_shards, backend, interpret, tiles)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
+def _matmul_vjp(x, w, out_dtype, k_shards, cols, backend, interpret, tiles):
+    return _matmul_impl(x, w, out_dtype, k_shards, cols, backend, interpret, tiles)
 
 
-def _matmul_vjp_fwd(x, w, out_dtype, k_shards, backend, interpret, tiles):
-    return _matmul_impl(x, w, out_dtype, k_shards, backend, interpret, tiles), (x, w)
+def _matmul_vjp_fwd(x, w, out_dtype, k_shards, cols, backend, interpret, tiles):
+    return _matmul_impl(x, w, out_dtype, k_shards, cols, backend, interpret, tiles), (x, w)
 
 
-def _matmul_vjp_bwd(out_dtype, k_shards, backend, interpret, tiles, res, g):
+def _matmul_vjp_bwd(out_dtype, k_shards, cols, backend, interpret, tiles, res, g):
     return _dot_bwd(*res, g)
 
 
 _matmul_vjp.defvjp(_matmul_vjp_fwd, _matmul_vjp_bwd)
 
 
-@_platform.kernel_op("matmul", static_argnames=("out_dtype", "k_shards", "backend", "interpret", "tiles"))
-def _matmul(x, w, *, out_dtype, k_shards, backend, interpret, tiles):
-    return _matmul_vjp(x, w, out_dtype, k_shards, backend, interpret, tiles)
+@_platform.kernel_op(
+    "matmul", static_argnames=("out_dtype", "k_shards", "cols", "backend", "interpret", "tiles")
+)
+def _matmul(x, w, *, out_dtype, k_shards, cols, backend, interpret, tiles):
+    return _matmul_vjp(x, w, out_dtype, k_shards, cols, backend, interpret, tiles)
 
 
-def _matmul_impl(x, w, out_dtype, k_shards, backend, interpret, tiles):
+def _matmul_impl(x, w, out_dtype, k_shards, cols, backend, interpret, tiles):
+    """``cols`` = (col_blocks, full_n): the plan is made for the full [K, full_n] weight, of
+    which ``w`` holds whole column blocks (a column-parallel rank's shard)."""
     k, n = w.shape
+    col_blocks, full_n = cols
+
+    def planned(platform):
+        plan = plan_matmul(k, full_n, w.dtype, k_shards=k_shards, col_blocks=col_blocks, platform=platform)
+        return plan if n == full_n else dataclasses.replace(plan, n=n, col_blocks=col_blocks * n // full_n)
 
     def cpu(x, w):
-        plan = plan_matmul(k, n, w.dtype, k_shards=k_shards, platform="cpu")
+        plan = planned("cpu")
         return _jnp_partial(x, w, plan=plan, num_shards=k_shards, out_dtype=out_dtype)
 
     def gpu(x, w):
-        plan = plan_matmul(k, n, w.dtype, k_shards=k_shards, platform="gpu")
+        plan = planned("gpu")
         return _gpu_partial(
             x,
             w,
@@ -425,6 +454,8 @@ def matmul(
     *,
     out_dtype=None,
     k_shards: int = 1,
+    col_blocks: int = 1,
+    full_n: int | None = None,
     backend: str = "auto",
     interpret: bool = False,
     tiles: GpuTiles | None = None,
@@ -436,6 +467,10 @@ def matmul(
       out_dtype: output dtype (default x's); accumulation is always float32.
       k_shards: 1, 2, 4 or 8 virtual K shards combined by a fixed fp32 tree; the
         same value gives the same bits at every tensor-parallel degree dividing it.
+      col_blocks: 1, 2, 4 or 8 column blocks of a column-parallel weight (``MatmulPlan``);
+        the same value gives the same bits at every tensor-parallel degree dividing it.
+      full_n: when ``w`` is one rank's column shard, the full weight's N (the plan is made
+        for it; ``w`` must hold whole column blocks); default: ``w``'s N.
       backend: "auto" (CPU: fixed-shape jnp; CUDA: Pallas Triton), "jnp" or "triton".
       interpret: run the Pallas kernel in interpret mode (CPU tests, small shapes).
       tiles: GPU launch-shape override (default ``gpu_tiles(plan, M)``); rows are
@@ -447,11 +482,28 @@ def matmul(
     out_dtype = _check_operands(x, w, out_dtype)
     if k_shards not in K_SHARDS:
         raise ValueError(f"matmul: k_shards must be one of {K_SHARDS}, got {k_shards!r}")
+    n = w.shape[1]
+    full_n = n if full_n is None else full_n
+    if col_blocks not in K_SHARDS:
+        raise ValueError(f"matmul: col_blocks must be one of {K_SHARDS}, got {col_blocks!r}")
+    if isinstance(full_n, bool) or not isinstance(full_n, int) or full_n % col_blocks or full_n < n:
+        raise ValueError(f"matmul: full_n={full_n!r} must be an int >= N={n} and a multiple of col_blocks")
+    if n % (full_n // col_blocks):
+        raise ValueError(
+            f"matmul: w's {n} columns are not whole column blocks of {full_n // col_blocks} (full_n={full_n})"
+        )
     _platform.check_backend(backend, interpret)
     if tiles is not None and not isinstance(tiles, GpuTiles):
         raise TypeError(f"matmul: tiles must be a GpuTiles, got {type(tiles).__name__}")
     return _matmul(
-        x, w, out_dtype=out_dtype, k_shards=k_shards, backend=backend, interpret=interpret, tiles=tiles
+        x,
+        w,
+        out_dtype=out_dtype,
+        k_shards=k_shards,
+        cols=(col_blocks, full_n),
+        backend=backend,
+        interpret=interpret,
+        tiles=tiles,
     )
 
 

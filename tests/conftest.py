@@ -7,6 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+# Tensor-parallel tests shard over 8 fake CPU devices (set before JAX starts its CPU backend);
+# everything else runs on device 0 as before.
+jax.config.update("jax_num_cpu_devices", 8)
+
 TOL = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 1e-2, jnp.dtype(jnp.float16): 1e-2}
 _SEED = [0]
 

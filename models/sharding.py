@@ -1,0 +1,120 @@
+"""Tensor-parallel layout of a ``Llama`` over one mesh axis (DESIGN.md, "k_shards").
+
+* column-parallel, split along N: ``wq``, ``wk``, ``wv`` (and their biases), ``w_gate``,
+  ``w_up`` - a rank holds whole heads (KV head r*Hkv/P ... with its query heads) and 1/P of
+  the MLP's intermediate;
+* row-parallel, split along K: ``wo``, ``w_down`` - the rows matching those heads / that
+  intermediate slice;
+* replicated: the embedding, the LM head (each rank computes its 1/P of the vocabulary from
+  it), the norms and the RoPE table;
+* the paged KV cache is split by KV head.
+
+``check_tensor_parallel`` gives the errors a user can hit; ``make_mesh`` and ``shard_state``
+place a model; ``to_global`` builds arrays that work the same in one process and across
+processes (``jax.distributed.initialize``).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from models.configs import LlamaConfig
+
+AXIS = "tp"
+_COLUMN = ("wq", "wk", "wv", "w_gate", "w_up")
+_BIAS = ("bq", "bk", "bv")
+_ROW = ("wo", "w_down")
+
+
+def check_tensor_parallel(config: LlamaConfig, size, k_shards: int, num_devices: int | None = None) -> None:
+    """ValueError naming the problem unless ``size`` ranks can serve ``config`` with the bits
+    of one device: size divides both head counts and ``k_shards``, and that many devices exist."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive int, got {size!r}")
+    if size == 1:
+        return
+    if num_devices is None:
+        num_devices = jax.device_count()
+    if size > num_devices:
+        raise ValueError(
+            f"tensor_parallel_size={size} but only {num_devices} {jax.default_backend()} device(s) are visible"
+        )
+    for name, heads in (("num_heads", config.num_heads), ("num_kv_heads", config.num_kv_heads)):
+        if heads % size:
+            raise ValueError(f"tensor_parallel_size={size} does not divide the model's {name} ({heads})")
+    if k_shards % size:
+        raise ValueError(
+            f"tensor_parallel_size={size} does not divide k_shards={k_shards}: the k_shards tree fixes "
+            "the reduction order across ranks, so build the model with k_shards=8 (the same bits at "
+            "tensor_parallel_size 1, 2, 4 and 8)"
+        )
+
+
+def make_mesh(size: int, devices=None) -> Mesh:
+    """A 1-D mesh named ``AXIS`` over the first ``size`` devices (every process's, in order)."""
+    devices = jax.devices() if devices is None else list(devices)
+    if size > len(devices):
+        raise ValueError(f"a mesh of {size} devices but only {len(devices)} are visible")
+    return Mesh(np.array(devices[:size]), (AXIS,))
+
+
+def _leaf_spec(path, axis: str) -> P:
+    name = None
+    for entry in reversed(path):  # the last dict key (a Variable's own ``.value`` comes after it)
+        key = getattr(entry, "key", None)
+        if isinstance(key, str):
+            name = key
+            break
+    if name in _COLUMN:
+        return P(None, axis)
+    if name in _BIAS:
+        return P(axis)
+    if name in _ROW:
+        return P(axis, None)
+    return P()
+
+
+def state_specs(state, axis: str = AXIS):
+    """PartitionSpecs for a model's state (``nnx.split(model)[1]``), leaf for leaf."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: _leaf_spec(path, axis), state)
+
+
+def cache_specs(cache, axis: str = AXIS):
+    """PartitionSpecs of a paged KV cache: [num_blocks, block_size, Hkv, D] split by KV head."""
+    return jax.tree_util.tree_map(lambda _: P(None, None, axis, None), cache)
+
+
+def to_global(a, sharding: NamedSharding) -> jax.Array:
+    """``a`` (an array every process holds whole and equal) as one array laid out by ``sharding``."""
+    if jax.process_count() == 1:
+        return jax.device_put(a, sharding)
+    shape = tuple(a.shape)
+    return jax.make_array_from_callback(shape, sharding, lambda idx: np.asarray(a[idx]))
+
+
+def shard_state(state, mesh: Mesh, axis: str = AXIS):
+    """The model state placed on ``mesh`` by ``state_specs``."""
+    specs = state_specs(state, axis)
+    return jax.tree_util.tree_map(lambda a, s: to_global(a, NamedSharding(mesh, s)), state, specs)
+
+
+def host(a) -> np.ndarray:
+    """A replicated array's value on this host (works when other processes hold copies too)."""
+    if isinstance(a, jax.Array) and not a.is_fully_addressable:
+        return np.asarray(a.addressable_data(0))
+    return np.asarray(a)
+
+
+__all__ = [
+    "AXIS",
+    "cache_specs",
+    "check_tensor_parallel",
+    "host",
+    "make_mesh",
+    "shard_state",
+    "state_specs",
+    "to_global",
+]
