@@ -53,7 +53,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-kv-blocks", type=int, help="KV pool size in blocks")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--k-shards", type=int, default=1, help="virtual K shards of o/down (1, 2, 4, 8)")
-    g.add_argument("--tensor-parallel-size", type=int, default=1)
+    g.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="devices to split the model over (a divisor of --k-shards; use --k-shards 8)",
+    )
     g.add_argument(
         "--model-seed", type=int, default=0, help="engine seed (draws request seeds; preset weights)"
     )

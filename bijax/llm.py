@@ -51,6 +51,10 @@ class LLM:
     (the baseline: bits then depend on the batch). ``num_kv_blocks`` overrides the KV pool size
     (on CPU it defaults to 1 GiB of blocks; on GPU to ``gpu_memory_utilization`` of free memory).
     ``max_model_len`` defaults to the model's context capped at 8192 (1024 on CPU).
+    ``tensor_parallel_size`` N > 1 splits the model over the first N devices (``k_shards``
+    must be a multiple of N: with ``k_shards=8`` every N in 1, 2, 4, 8 gives the same bits);
+    the model then holds its shards, and weights given to ``update_weights`` are placed on
+    the devices the same way.
     """
 
     def __init__(
@@ -257,21 +261,22 @@ class LLM:
         as a pure dict - of the same structure, shapes and dtypes (else ValueError/TypeError
         naming the first mismatch). Nothing recompiles: the weights are an argument of the
         compiled steps. The engine keeps no reference to its old weights; the arrays given are
-        used as they are (not copied), so a train step that donates them must be followed by
-        another ``update_weights`` before the next ``generate``."""
+        used as they are (not copied; under tensor parallelism they are moved onto the mesh
+        unless already laid out that way), so a train step that donates them must be followed
+        by another ``update_weights`` before the next ``generate``."""
         if self.engine.scheduler.has_unfinished():
             raise RuntimeError("update_weights runs when no generation is in flight")
         if isinstance(weights, Llama):
             weights = param_state(weights)
         if isinstance(weights, nnx.State):
-            weights = weights.to_pure_dict()
+            weights = nnx.to_pure_dict(weights)
         if not isinstance(weights, dict):
             raise TypeError(
                 "weights must be a models.Llama, its nnx.State of params, or that state's pure dict, "
                 f"got {type(weights).__name__}"
             )
         current = param_state(self.model)
-        want = dict(jax.tree_util.tree_leaves_with_path(current.to_pure_dict()))
+        want = dict(jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(current)))
         got = dict(jax.tree_util.tree_leaves_with_path(weights))
         name = jax.tree_util.keystr
         missing = [name(k) for k in want if k not in got]

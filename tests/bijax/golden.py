@@ -47,13 +47,15 @@ def digest(outputs) -> str:
 
 
 def current_hashes(llms=None) -> dict[str, str]:
-    """{model: sha256} for the fixed requests on `tiny` and SmolLM2 (GGUF), both float32."""
+    """{model: sha256} for the fixed requests on `tiny` (k_shards 1 and 8: the tree and the
+    column blocks of tensor parallelism) and SmolLM2 (GGUF), all float32."""
     import bijax
 
     prompts, params = _requests()
     out = {}
-    for name in ("tiny", "smollm2-135m"):
-        llm = (llms or {}).get(name) or bijax.LLM(name, **ENGINE)
+    for name in ("tiny", "tiny@k_shards=8", "smollm2-135m"):
+        model, _, ks = name.partition("@k_shards=")
+        llm = (llms or {}).get(name) or bijax.LLM(model, k_shards=int(ks or 1), **ENGINE)
         out[name] = digest(llm.generate(prompts, params, use_tqdm=False))
     return out
 

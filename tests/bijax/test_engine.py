@@ -1,4 +1,5 @@
-"""Engine invariance (bit-exact token ids and float32 logprobs), on `tiny` and on SmolLM2.
+"""Engine invariance (bit-exact token ids and float32 logprobs), on `tiny` and on SmolLM2, and on
+`tiny` (k_shards=8) at tensor_parallel_size 2 and 4 over the 8 fake CPU devices of conftest.py.
 
 1. needle in a batch; 2. batch of 1 vs N (greedy, seeded, n > 1); 3. prefill vs decode
 (`score` equals generate's logprobs); 4. chunked prefill under several token budgets;
@@ -24,8 +25,14 @@ from tests.conftest import bits
 MAX_LEN = 256
 
 
+# name -> tensor_parallel_size (those models are built with k_shards=8)
+TP_NAMES = {"tiny-tp2": 2, "tiny-tp4": 4}
+
+
 @functools.cache
 def _model(name):
+    if name in TP_NAMES:
+        return Llama(preset("tiny"), dtype=jnp.float32, seed=0, k_shards=8), None
     if name == "tiny":
         return Llama(preset("tiny"), dtype=jnp.float32, seed=0), None
     return load_model("smollm2-135m"), load_tokenizer(embedded_model_path("smollm2-135m"))
@@ -36,6 +43,7 @@ def _llm(name, invariant=True, budget=64):
     model, tok = _model(name)
     return bijax.LLM(
         model,
+        tensor_parallel_size=TP_NAMES.get(name, 1),
         tokenizer=tok,
         invariant=invariant,
         max_model_len=MAX_LEN,
@@ -69,7 +77,7 @@ def _others(rng, vocab, count):
 
 
 def _needle(name):
-    if name == "tiny":
+    if name.startswith("tiny"):
         return list(map(int, np.random.default_rng(5).integers(3, 512, 23)))
     return "The three primary colors are"
 
@@ -128,12 +136,12 @@ CHECKS = {
 
 
 @pytest.mark.parametrize("check", list(CHECKS))
-@pytest.mark.parametrize("name", ["tiny", "smollm2"])
+@pytest.mark.parametrize("name", ["tiny", "smollm2", *TP_NAMES])
 def test_invariance(name, check):
     assert CHECKS[check](name, True)
 
 
-@pytest.mark.parametrize("name", ["tiny", "smollm2"])
+@pytest.mark.parametrize("name", ["tiny", "smollm2", "tiny-tp2"])
 def test_negative_control_xla_path_differs(name):
     """The same checks with invariant=False: at least one must fail (cheapest first; stops at
     the first failure)."""

@@ -197,3 +197,21 @@ def test_kv_heads_must_divide():
 def test_k_shards_must_divide_column_widths():
     with pytest.raises(ValueError, match="intermediate_size"):
         Llama(dataclasses.replace(preset("tiny"), intermediate_size=772), k_shards=8)
+
+
+def test_update_weights_under_tp():
+    """Weights from a trainer (whole arrays on one device) go onto the mesh: the TP=2 engine then
+    gives the bits of a one-device engine built with those weights."""
+    new = Llama(preset("tiny"), dtype=jnp.float32, k_shards=8, seed=9)
+    llm = bijax.LLM(
+        Llama(preset("tiny"), dtype=jnp.float32, k_shards=8, seed=0), tensor_parallel_size=2, **ENGINE
+    )
+    llm.update_weights(new)
+    ref = bijax.LLM(Llama(preset("tiny"), dtype=jnp.float32, k_shards=8, seed=9), **ENGINE)
+    prompts, params = _prompts()
+    a = llm.generate(prompts, params, use_tqdm=False)
+    b = ref.generate(prompts, params, use_tqdm=False)
+    for x, y in zip(a, b, strict=True):
+        assert x.token_ids == y.token_ids and np.array_equal(bits(x.logprobs), bits(y.logprobs))
+    wq = llm.model.layers[0].attn.wq[...]
+    assert len(wq.sharding.device_set) == 2

@@ -65,7 +65,7 @@ def test_update_weights_changes_outputs_without_recompiling():
     assert not _same(after, before)  # negative control: the weights did change the output
     # A pure dict and a whole Llama are accepted too; back to the first weights, first bits
     # (the prompts' cached KV prefixes from the other weights must not be reused).
-    llm.update_weights(param_state(_fresh()).to_pure_dict())
+    llm.update_weights(nnx.to_pure_dict(param_state(_fresh())))
     assert _same(llm.generate(PROMPTS, SAMPLING, use_tqdm=False), before)
     llm.update_weights(trained)
     assert _same(llm.generate(PROMPTS, SAMPLING, use_tqdm=False), expect)
@@ -82,7 +82,7 @@ def test_update_weights_releases_the_old_buffers():
 
 def test_update_weights_rejects_a_different_tree():
     llm = bijax.LLM(_fresh(), **ENGINE)
-    good = param_state(_fresh()).to_pure_dict()
+    good = nnx.to_pure_dict(param_state(_fresh()))
     missing = dict(good)
     del missing["final_norm"]
     with pytest.raises(ValueError, match="structure.*final_norm"):
@@ -107,7 +107,7 @@ def test_donated_weights_give_a_clear_error():
     llm = bijax.LLM(_fresh(), **ENGINE)
     new = param_state(_fresh(seed=2))
     llm.update_weights(new)
-    jax.tree_util.tree_map(lambda a: a.delete(), jax.tree_util.tree_leaves(new.to_pure_dict()))
+    jax.tree_util.tree_map(lambda a: a.delete(), jax.tree_util.tree_leaves(nnx.to_pure_dict(new)))
     with pytest.raises(RuntimeError, match="update_weights"):
         llm.generate(PROMPTS, SAMPLING, use_tqdm=False)
     with pytest.raises(ValueError, match="deleted"):

@@ -84,6 +84,36 @@ def test_negative_control_xla_dot_is_not_invariant_here():
     assert found, "XLA's dot was batch invariant on every shape: the negative control cannot fail"
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("k,n", [(256, 512), (576, 1536), (768, 256)])
+def test_column_shards_reproduce_full_result(dtype, k, n):
+    """A column-parallel rank's N/P columns (planned for the whole weight, col_blocks=8) equal
+    those columns of the one-device result, for P = 1, 2, 4, 8 and any row count."""
+    w = rand((k, n), dtype)
+    for m in (1, 5, 40):
+        x = rand((m, k), dtype)
+        full = bits(pk.matmul(x, w, col_blocks=8))
+        for p in (1, 2, 4, 8):
+            c = n // p
+            for r in range(p):
+                part = pk.matmul(x, w[:, r * c : (r + 1) * c], col_blocks=8, full_n=n)
+                np.testing.assert_array_equal(
+                    bits(part), full[:, r * c : (r + 1) * c], err_msg=f"P={p} r={r}"
+                )
+
+
+def test_column_shards_negative_control():
+    """Without column blocks, XLA's CPU dot gives a narrow slice of the columns other bits than
+    the whole weight's dot (so the check above can fail)."""
+    found = []
+    for k, n in [(256, 512), (576, 1536), (768, 256)]:
+        x, w = rand((40, k)), rand((k, n))
+        full = bits(pk.matmul(x, w))
+        c = n // 8
+        found += [(k, n)] if (bits(pk.matmul(x, w[:, :c])) != full[:, :c]).any() else []
+    assert found, "a column slice gave the full dot's bits on every shape: the control cannot fail"
+
+
 @pytest.mark.parametrize("backend,interpret", [("jnp", False), ("triton", True)])
 @pytest.mark.parametrize("k,n", [(512, 96), (200, 64)])
 def test_k_shards_partials_reproduce_full_result(backend, interpret, k, n):
@@ -171,6 +201,22 @@ def test_tiles_override_is_checked():
             "out_dtype",
         ),
         ([[1.0]], np.ones((1, 6), np.float32), {}, ValueError, "2-D"),
+        (
+            np.ones((2, 4), np.float32),
+            np.ones((4, 6), np.float32),
+            {"col_blocks": 3},
+            ValueError,
+            "col_blocks",
+        ),
+        (np.ones((2, 4), np.float32), np.ones((4, 6), np.float32), {"col_blocks": 4}, ValueError, "multiple"),
+        (np.ones((2, 4), np.float32), np.ones((4, 6), np.float32), {"full_n": 4}, ValueError, "full_n"),
+        (
+            np.ones((2, 4), np.float32),
+            np.ones((4, 6), np.float32),
+            {"col_blocks": 4, "full_n": 16},
+            ValueError,
+            "whole column blocks",
+        ),
     ],
 )
 def test_bad_input(x, w, kwargs, exc, match):
