@@ -27,10 +27,10 @@ $(STAMP): $(PY) pyproject.toml
 
 # The embedded SmolLM2 on CPU: a few prompts (one chat), then the invariance suite. Small step
 # buckets (2 sequences x 64 tokens) keep compiles few; the second run loads them from the cache.
-DEMO_ENGINE := --max-num-seqs 2 --max-num-batched-tokens 64
+DEMO_ENGINE := --max-num-seqs 2 --max-num-batched-tokens 64 --max-model-len 256
 demo: $(STAMP)
-	$(VENV)/bin/bijax generate $(DEMO_ENGINE) --temperature 0.8 --top-p 0.95 --seed 7 --max-tokens 32 \
-	  "The three most useful things to know about batch invariance are" \
+	$(VENV)/bin/bijax generate $(DEMO_ENGINE) --no-warmup --temperature 0.8 --top-p 0.95 --seed 7 --max-tokens 32 \
+	  "Batch invariance means" \
 	  "def fibonacci(n):"
 	$(VENV)/bin/bijax generate $(DEMO_ENGINE) --no-warmup --chat --temperature 0 --max-tokens 48 \
 	  "What is the capital of France? Answer in one sentence."

@@ -301,6 +301,7 @@ def cmd_check(args) -> int:
         num_kv_blocks=llm.config.num_kv_blocks,
         seed=args.model_seed,
         control=not args.no_control,
+        full_control=args.full_control,
     )
     del llm
     if args.json:
@@ -436,6 +437,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--requests", type=int, default=4, help="requests in the suite (default 4)")
     c.add_argument("--max-tokens", type=int, default=12, help="tokens generated per request (default 12)")
     c.add_argument("--no-control", action="store_true", help="skip the invariant=False negative control")
+    c.add_argument(
+        "--full-control",
+        action="store_true",
+        help="run every dimension on the control (default: stop at the first that differs)",
+    )
     c.add_argument(
         "--strict", action="store_true", help="exit 3 when the negative control finds no difference"
     )

@@ -65,7 +65,9 @@ class EngineConfig:
 
     @property
     def seq_buckets(self) -> tuple[int, ...]:
-        return _pow2_upto(1, self.max_num_seqs)
+        # From 16 (or max_num_seqs if smaller): the kernels pad rows to tiles of >= 16 anyway,
+        # so smaller sequence buckets would only add compiled steps, not save work.
+        return _pow2_upto(min(16, self.max_num_seqs), self.max_num_seqs)
 
 
 def bucket(n: int, buckets: tuple[int, ...]) -> int:

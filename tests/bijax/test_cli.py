@@ -117,7 +117,15 @@ def test_check_passes_on_tiny_and_control_detects(capsys):
         line = next(x for x in out.splitlines() if x.startswith(dim))
         assert " PASS " in line, line
     assert "0 preemptions" not in out and "(0 cached blocks" not in out
-    assert next(x for x in out.splitlines() if x.startswith("negative control")).split()[2] == "DETECTED"
+    control = next(x for x in out.splitlines() if x.startswith("negative control"))
+    assert control.split()[2] == "DETECTED" and "stopped at the first difference" in control
+
+
+def test_check_full_control_runs_every_control_dimension(capsys):
+    assert cli.main(["check", *TINY_CHECK, "--full-control", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    control = next(r for r in report["rows"] if r["dimension"] == "negative control")
+    assert control["result"] == "DETECTED" and "stopped" not in control["detail"]
 
 
 def test_check_fails_when_the_engine_is_not_invariant(capsys, monkeypatch):
@@ -126,7 +134,7 @@ def test_check_fails_when_the_engine_is_not_invariant(capsys, monkeypatch):
     import bijax.check as chk
 
     real = chk._dimensions
-    monkeypatch.setattr(chk, "_dimensions", lambda suite, invariant: real(suite, invariant=False))
+    monkeypatch.setattr(chk, "_dimensions", lambda suite, invariant, **kw: real(suite, invariant=False))
     rc = cli.main(["check", *TINY_CHECK, "--no-control", "--json"])
     report = json.loads(capsys.readouterr().out)
     assert rc == 1 and not report["ok"]
@@ -137,7 +145,7 @@ def test_check_says_so_when_the_control_finds_nothing(capsys, monkeypatch):
     import bijax.check as chk
 
     real = chk._dimensions
-    monkeypatch.setattr(chk, "_dimensions", lambda suite, invariant: real(suite, invariant=True))
+    monkeypatch.setattr(chk, "_dimensions", lambda suite, invariant, **kw: real(suite, invariant=True))
     assert cli.main(["check", *TINY_CHECK]) == 0
     out = capsys.readouterr().out
     assert "NO DIFF" in out and "could not tell" in out
@@ -179,7 +187,7 @@ def test_warmup_compiles_every_bucket_so_generate_compiles_nothing():
         num_kv_blocks=20,
     )
     llm.warmup(progress=False)
-    assert llm.engine.runner.compiled_buckets == {(1, 16), (1, 32), (2, 16), (2, 32)}
+    assert llm.engine.runner.compiled_buckets == {(2, 16), (2, 32)}  # sequence buckets start at 16
     before = _step._cache_size()
     llm.generate([[5] * 40, [7] * 3], SP(temperature=0, max_tokens=6), use_tqdm=False)
     assert _step._cache_size() == before
