@@ -49,7 +49,12 @@ def main():
     args = ap.parse_args()
     if args.smoke:
         jax.config.update("jax_num_cpu_devices", 8)
-        args.model, args.runs, args.requests, args.max_tokens = "tiny", "inv:1:8,inv:2:8,inv:8:8,xla:1:1,xla:4:8", 4, 8
+        args.model, args.runs, args.requests, args.max_tokens = (
+            "tiny",
+            "inv:1:8,inv:2:8,inv:8:8,xla:1:1,xla:4:8",
+            4,
+            8,
+        )
 
     import bijax
     from bijax import SamplingParams as SP

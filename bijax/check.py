@@ -225,7 +225,8 @@ def _dimensions(
         suite.tick("chunk sizes")
         chunk = min(16, cfg.max_num_batched_tokens)
         got = _run(
-            suite.engine(**base, max_num_batched_tokens=chunk, max_num_seqs=min(cfg.max_num_seqs, chunk)), reqs
+            suite.engine(**base, max_num_batched_tokens=chunk, max_num_seqs=min(cfg.max_num_seqs, chunk)),
+            reqs,
         )
         note = f"prefill in chunks of {chunk} vs {cfg.max_num_batched_tokens}"
         return [("chunk sizes", _compare(solo, got), note)]
