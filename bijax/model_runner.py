@@ -106,13 +106,8 @@ class ModelRunner:
             sharding.check_tensor_parallel(model.config, size, model.k_shards)
             self.mesh = sharding.make_mesh(size)
         self.set_model(model)
-        cache = init_kv_cache(model.config, config.num_kv_blocks, config.block_size, model.dtype)
-        if self.mesh is not None:
-            specs = sharding.cache_specs(cache)
-            cache = jax.tree_util.tree_map(
-                lambda a, s: sharding.to_global(a, NamedSharding(self.mesh, s)), cache, specs
-            )
-        self.cache = cache
+        kv = None if self.mesh is None else NamedSharding(self.mesh, sharding.kv_spec())
+        self.cache = init_kv_cache(model.config, config.num_kv_blocks, config.block_size, model.dtype, kv)
         self.compiled_buckets: set = set()
 
     def set_model(self, model: Llama) -> None:

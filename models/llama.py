@@ -508,13 +508,18 @@ def _check_tokens(tokens, config: LlamaConfig, *, ndim: int):
     return jnp.asarray(tokens, jnp.int32)
 
 
-def init_kv_cache(config: LlamaConfig, num_blocks: int, block_size: int, dtype) -> KVCache:
+def init_kv_cache(config: LlamaConfig, num_blocks: int, block_size: int, dtype, sharding=None) -> KVCache:
     """Zeroed paged KV cache: per layer (k, v) [num_blocks, block_size, Hkv, D]. Block 0 is the
-    reserved null block that padding tokens write to; allocate sequences from block 1."""
+    reserved null block that padding tokens write to; allocate sequences from block 1.
+    ``sharding``: a ``jax.sharding.Sharding`` to create each array in directly (tensor
+    parallelism: each device allocates only its KV heads, never the whole cache)."""
     if num_blocks < 2:
         raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
     shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
-    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(config.num_layers)]
+    if sharding is None:
+        return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(config.num_layers)]
+    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+    return [(zeros(), zeros()) for _ in range(config.num_layers)]
 
 
 def param_state(model: Llama) -> nnx.State:

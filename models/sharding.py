@@ -82,9 +82,14 @@ def state_specs(state, axis: str = AXIS):
     return jax.tree_util.tree_map_with_path(lambda path, _: _leaf_spec(path, axis), state)
 
 
+def kv_spec(axis: str = AXIS) -> P:
+    """PartitionSpec of one paged KV cache array [num_blocks, block_size, Hkv, D]: split by KV head."""
+    return P(None, None, axis, None)
+
+
 def cache_specs(cache, axis: str = AXIS):
-    """PartitionSpecs of a paged KV cache: [num_blocks, block_size, Hkv, D] split by KV head."""
-    return jax.tree_util.tree_map(lambda _: P(None, None, axis, None), cache)
+    """PartitionSpecs of a whole paged KV cache (``kv_spec`` for every array)."""
+    return jax.tree_util.tree_map(lambda _: kv_spec(axis), cache)
 
 
 def to_global(a, sharding: NamedSharding) -> jax.Array:
@@ -113,6 +118,7 @@ __all__ = [
     "cache_specs",
     "check_tensor_parallel",
     "host",
+    "kv_spec",
     "make_mesh",
     "shard_state",
     "state_specs",

@@ -144,6 +144,8 @@ def test_tp_sizes_bit_identical(dtype_name):
     # The model keeps its shards (the last engine's, TP=4): 1/4 of q's columns per device.
     wq = runs[4][3].model.layers[0].attn.wq[...]
     assert {s.data.shape for s in wq.addressable_shards} == {(wq.shape[0], wq.shape[1] // 4)}
+    k0 = runs[4][3].engine.runner.cache[0][0]  # the KV cache is created split: 2 of 8 KV heads each
+    assert {s.data.shape[2] for s in k0.addressable_shards} == {k0.shape[2] // 4}
 
 
 def test_tp_negative_control_xla_path_differs():
