@@ -7,7 +7,7 @@ kernels they run on are in ``pallas_kernels``. See DESIGN.md for the invariance 
 __version__ = "0.1.0"
 
 # Bumped whenever a change alters output bits (kernels, reduction plans, sampling).
-NUMERICS_VERSION = 3
+NUMERICS_VERSION = 4
 
 from bijax import compile_cache  # noqa: E402
 

@@ -25,6 +25,7 @@ from bijax.config import EngineConfig, bucket
 from bijax.sampler import sample_rows, target_logprobs
 from models import sharding
 from models.llama import Llama, TensorParallel, init_kv_cache
+from pallas_kernels import _platform
 
 
 def _forward(params, cache, batch, *, graphdef, invariant, rows, tp=None):
@@ -100,6 +101,8 @@ class ModelRunner:
     def __init__(self, model: Llama, config: EngineConfig):
         self.config = config
         self.model_config = model.config
+        if config.invariant and jax.default_backend() == "cpu":
+            _platform.require_consistent_cpu_math()  # CPU bits must not depend on the CPU model
         size = config.tensor_parallel_size
         self.mesh = None
         if size > 1:

@@ -29,6 +29,7 @@ from flax import nnx
 
 import pallas_kernels as pk
 from models.llama import Llama, _check_tokens
+from pallas_kernels import _platform
 
 __all__ = ["logprobs"]
 
@@ -164,6 +165,8 @@ def logprobs(
     c = m.config
     if not isinstance(invariant, bool):
         raise TypeError(f"invariant must be a bool, got {invariant!r}")
+    if invariant and jax.default_backend() == "cpu":
+        _platform.require_consistent_cpu_math()  # the engine's CPU bits need the same setting
     tokens = _check_tokens(tokens, c, ndim=2)
     b, length = tokens.shape
 

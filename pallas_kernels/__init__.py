@@ -5,6 +5,7 @@ formulation -> public entry (keyword-only static args) -> ``*_reference``
 (plain XLA, batch-variant: the negative control and the speed baseline).
 """
 
+from pallas_kernels import _platform  # noqa: F401  (first: sets XLA's CPU flags before JAX starts)
 from pallas_kernels.collectives import gather_last, tree_psum
 from pallas_kernels.matmul import MatmulPlan, matmul, matmul_partial, matmul_reference, plan_matmul, tree_sum
 from pallas_kernels.rms_norm import rms_norm, rms_norm_reference

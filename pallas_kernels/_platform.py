@@ -17,13 +17,69 @@ raises at lowering time instead of running XLA's own (batch-variant) op.
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 from jax import lax
 
 BACKENDS = ("auto", "jnp", "triton")
+
+# --------------------------------------------------------------------------- CPU numerics
+#
+# By default XLA's CPU compiler may pick code by the CPU it runs on ("platform dependent
+# math"): rsqrt through the CPU's approximate instruction plus a Newton step, and YNNPACK dot
+# kernels chosen by ISA, whose block sizes decide where a dot's K reduction is cut. Measured on
+# one build (jaxlib 0.11.2): lax.rsqrt gave different bits on AVX-512 Zen 4, AVX2 Haswell and
+# AVX2 Zen 2 (the last two under qemu-x86_64), and the `tiny` preset's digest differed between
+# the first two. With this flag off, XLA asks YNNPACK for consistent arithmetic (kernels and
+# tiling independent of the hardware) and uses its own math: the same build gives the same bits
+# on any x86-64 with AVX2+FMA (benchmarks/RESULTS.md, "CPU numerics"). XLA reads XLA_FLAGS once,
+# when JAX starts its first backend, so it is set here, on import, before anything runs.
+CPU_CONSISTENT_MATH = "--xla_cpu_enable_platform_dependent_math=false"
+_CPU_MATH_FLAG = CPU_CONSISTENT_MATH.split("=")[0]
+
+
+def _request_consistent_cpu_math() -> None:
+    flags = os.environ.get("XLA_FLAGS", "")
+    if _CPU_MATH_FLAG in flags:
+        return  # the user chose; cpu_math_is_consistent() tells whether it is the consistent value
+    from jax._src import xla_bridge
+
+    if not xla_bridge.backends_are_initialized():
+        os.environ["XLA_FLAGS"] = f"{flags} {CPU_CONSISTENT_MATH}".strip()
+
+
+_request_consistent_cpu_math()
+
+
+@functools.cache
+def cpu_math_is_consistent() -> bool:
+    """Whether this process compiles CPU code with the consistent-math setting: a probe (rsqrt of
+    4096 values, whose platform-dependent form differs from the consistent one in ~1 of 3 values
+    on every CPU measured) compiled with the process defaults must equal the same probe compiled
+    with the setting forced on."""
+    cpu = jax.devices("cpu")[0]
+    x = jax.device_put(np.linspace(1e-3, 7.0, 4096, dtype=np.float32), cpu)
+    forced = {_CPU_MATH_FLAG.lstrip("-"): False}
+    default = np.asarray(jax.jit(lax.rsqrt)(x))
+    consistent = np.asarray(jax.jit(lax.rsqrt, compiler_options=forced)(x))
+    return bool(np.array_equal(default.view(np.uint32), consistent.view(np.uint32)))
+
+
+def require_consistent_cpu_math() -> None:
+    """Raises RuntimeError when CPU code in this process would take CPU-model-dependent bits."""
+    if cpu_math_is_consistent():
+        return
+    raise RuntimeError(
+        "bijax: XLA's CPU compiler in this process uses platform-dependent math, so CPU results "
+        "would depend on the CPU model. Import bijax (or pallas_kernels) before JAX runs anything, "
+        f"or start Python with XLA_FLAGS='{CPU_CONSISTENT_MATH}' (and do not set that flag to true)."
+    )
+
 
 # Custom-call targets under which XLA embeds Pallas Triton and Mosaic GPU kernels.
 TRITON_CUSTOM_CALL = "__gpu$xla.gpu.triton"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -12,6 +11,7 @@ import pytest
 
 import bijax
 from bijax import SamplingParams as SP
+from bijax.digest import device_class
 from tests.bijax import golden
 from tests.conftest import bits
 
@@ -88,8 +88,7 @@ def test_restart_gives_the_same_bits():
 
 
 def test_golden_bits_unchanged_unless_numerics_version_bumped():
-    with open(golden.GOLDEN) as f:
-        record = json.load(f)
+    record = golden.load()
     assert record["numerics_version"] == bijax.NUMERICS_VERSION, (
         f"NUMERICS_VERSION is {bijax.NUMERICS_VERSION} but golden.json is for {record['numerics_version']}: "
         "regenerate it with `python -m tests.bijax.golden --write`"
@@ -97,10 +96,22 @@ def test_golden_bits_unchanged_unless_numerics_version_bumped():
     from tests.bijax.test_engine import _llm as engine_llm  # shares its compiled SmolLM2 steps
 
     now = golden.current_hashes({"tiny": _llm(), "smollm2-135m": engine_llm("smollm2")})
-    assert now == record["hashes"], (
-        "output bits changed without a NUMERICS_VERSION bump: bump bijax.NUMERICS_VERSION and run "
-        "`python -m tests.bijax.golden --write` if the change is intended"
-    )
+    golden.verify(now, record, device_class())
+
+
+def test_golden_verify_recorded_and_unrecorded_classes():
+    """The decision logic on fabricated records: a recorded class must match; an unrecorded one
+    passes only when fresh processes agree, and says so with a GoldenNotRecorded warning."""
+    now = {"tiny": "a", "smollm2-135m": "b"}
+    record = {"numerics_version": bijax.NUMERICS_VERSION, "records": {"cpu:x:jaxlib-0": dict(now)}}
+    assert golden.verify(now, record, "cpu:x:jaxlib-0") == "recorded"
+    with pytest.raises(AssertionError, match="without a NUMERICS_VERSION bump"):
+        golden.verify(now | {"tiny": "c"}, record, "cpu:x:jaxlib-0")
+    with pytest.warns(golden.GoldenNotRecorded, match="no golden digest is recorded for device class 'gpu:y"):
+        assert golden.verify(now, record, "gpu:y:jaxlib-0", fresh=lambda: dict(now)) == "unrecorded"
+    answers = iter([dict(now), now | {"tiny": "d"}])
+    with pytest.raises(AssertionError, match="two fresh processes disagree"):
+        golden.verify(now, record, "gpu:y:jaxlib-0", fresh=lambda: next(answers))
 
 
 def test_golden_digest_notices_one_bit():
