@@ -1,7 +1,8 @@
 """``bijax`` command line: ``generate``, ``check``, ``bench``.
 
 Text and JSON go to stdout; progress bars and status lines to stderr. Bad input exits with
-status 2 and a one-line error; ``check`` exits 1 when any dimension's bits differ.
+status 2 and a one-line error; ``check`` exits 1 when any dimension's bits differ (or, with
+``--against FILE``, when the recorded digest suite's bits differ).
 """
 
 from __future__ import annotations
@@ -281,13 +282,68 @@ def cmd_generate(args) -> int:
 # --------------------------------------------------------------------------- check
 
 
+def _check_digest(args, llm, record) -> int:
+    """``check --record FILE`` / ``--against FILE``: the fixed digest suite (bijax.digest)."""
+    from bijax import digest
+
+    if args.record:
+        record = digest.make_record(llm, args.model)
+        digest.write_record(record, args.record)
+        if args.json:
+            print(
+                json.dumps(
+                    {"record": args.record, "digest": record["digest"], "fingerprint": record["fingerprint"]}
+                )
+            )
+        else:
+            print(f"bijax check: recorded digest {record['digest']} of {len(record['completions'])} completions "
+                  f"to {args.record}\n  on {digest.describe(record['fingerprint'])}")  # fmt: skip
+        return 0
+    digest.check_compatible(record, llm, args.against)
+    outputs = digest.run_suite(llm)
+    diffs = digest.compare(record, outputs)
+    here = digest.fingerprint()
+    if args.json:
+        print(json.dumps({"against": args.against, "match": not diffs, "differences": diffs,
+                          "recorded_on": record["fingerprint"], "this_run": here}))  # fmt: skip
+    else:
+        total = len(record["completions"])
+        head = "MATCH" if not diffs else f"MISMATCH: {len(diffs)} of {total} completions differ"
+        print(f"bijax check --against {args.against}: {head}")
+        for d in diffs:
+            tok = (
+                "token ids equal" if d["first_token"] is None else f"first differing token {d['first_token']}"
+            )
+            dl = "n/a" if d["max_abs_dlogprob"] is None else f"{d['max_abs_dlogprob']:.3g}"
+            print(f"  request {d['request']} sample {d['sample']}: {tok}, max |dlogprob| {dl}")
+        if not diffs:
+            print(
+                f"  digest {record['digest']}: token ids and float32 logprob bits identical ({total} completions)"
+            )
+        print(f"  recorded on: {digest.describe(record['fingerprint'])}")
+        print(f"  this run:    {digest.describe(here)}")
+    return 1 if diffs else 0
+
+
 def cmd_check(args) -> int:
     from bijax.check import run_check
 
+    if args.record and args.against:
+        raise ValueError("give --record FILE or --against FILE, not both")
+    record = None
+    if args.against:  # a bad file fails before the model loads
+        from bijax import digest
+
+        if not os.path.isfile(args.against):
+            raise FileNotFoundError(f"--against: no such file: {args.against}")
+        record = digest.load_record(args.against)
     t0 = time.perf_counter()
     s = args.max_num_seqs or 4
     t = args.max_num_batched_tokens or 64
     llm = _make_llm(args, max_num_seqs=s, max_num_batched_tokens=t)
+    if args.record or args.against:
+        _info(f"model {args.model} loaded in {time.perf_counter() - t0:.1f}s; running the digest suite")
+        return _check_digest(args, llm, record)
     _info(f"model {args.model} loaded in {time.perf_counter() - t0:.1f}s; running the invariance suite")
     report = run_check(
         llm.model,
@@ -446,6 +502,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--strict", action="store_true", help="exit 3 when the negative control finds no difference"
     )
     c.add_argument("--json", action="store_true", help="print the report as JSON")
+    c.add_argument(
+        "--record",
+        metavar="FILE",
+        help="instead of the suite: write the digest of a fixed request suite and this machine's "
+        "fingerprint to FILE (JSON)",
+    )
+    c.add_argument(
+        "--against",
+        metavar="FILE",
+        help="instead of the suite: recompute a --record FILE's digest here; MATCH (exit 0) or the "
+        "requests that differ (exit 1); a record of another model/settings/NUMERICS_VERSION exits 2",
+    )
     _engine_args(c)
     c.set_defaults(func=cmd_check)
 

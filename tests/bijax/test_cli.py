@@ -121,6 +121,69 @@ def test_check_passes_on_tiny_and_control_detects(capsys):
     assert control.split()[2] == "DETECTED" and "stopped at the first difference" in control
 
 
+TINY_DIGEST = [
+    "--model", "tiny", "--dtype", "float32", "--max-num-seqs", "2", "--max-num-batched-tokens", "32",
+    "--max-model-len", "128",
+]  # fmt: skip
+
+
+def _against(path, capsys, *extra):
+    rc = cli.main(["check", *TINY_DIGEST, *extra, "--against", str(path)])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_check_record_and_against(tmp_path, capsys):
+    """--record writes the suite's digest and fingerprint; --against on the same install says
+    MATCH (exit 0); a one-ulp flip or a changed token in the file is a MISMATCH naming the
+    completion (exit 1); another model, dtype, NUMERICS_VERSION or a non-record is a clear error
+    (exit 2)."""
+    from bijax import digest
+
+    rec = tmp_path / "tiny.json"
+    assert cli.main(["check", *TINY_DIGEST, "--record", str(rec)]) == 0
+    assert "recorded digest" in capsys.readouterr().out
+    record = json.loads(rec.read_text())
+    ref = bijax.LLM("tiny", dtype="float32", max_model_len=128, max_num_seqs=2, max_num_batched_tokens=32)
+    assert record["digest"] == digest.digest(digest.run_suite(ref))
+    assert record["numerics_version"] == bijax.NUMERICS_VERSION and len(record["completions"]) == 5
+    assert record["fingerprint"]["device_class"] == digest.device_class()
+
+    rc, out, _ = _against(rec, capsys)
+    assert rc == 0 and "MATCH" in out and "MISMATCH" not in out, out
+
+    flipped = json.loads(rec.read_text())
+    c = flipped["completions"][2]
+    c["logprobs_f32"][4] = f"{int(c['logprobs_f32'][4], 16) ^ 1:08x}"  # one ulp
+    (tmp_path / "flip.json").write_text(json.dumps(flipped))
+    rc, out, _ = _against(tmp_path / "flip.json", capsys)
+    assert rc == 1 and "MISMATCH: 1 of 5" in out, out
+    line = next(x for x in out.splitlines() if x.strip().startswith("request 2 sample 0"))
+    assert "token ids equal" in line and "max |dlogprob| 0 " not in line
+
+    changed = json.loads(rec.read_text())
+    changed["completions"][4]["token_ids"][3] += 1
+    (tmp_path / "tok.json").write_text(json.dumps(changed))
+    rc, out, _ = _against(tmp_path / "tok.json", capsys)
+    assert rc == 1 and "request 3 sample 1: first differing token 3" in out, out
+
+    old = json.loads(rec.read_text()) | {"numerics_version": bijax.NUMERICS_VERSION - 1}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    for path, extra, message in (
+        (rec, ["--dtype", "bfloat16"], "dtype 'float32' there, 'bfloat16' here"),
+        (rec, ["--model-seed", "5"], "weights"),
+        (tmp_path / "old.json", [], f"recorded at NUMERICS_VERSION {bijax.NUMERICS_VERSION - 1}"),
+    ):
+        rc, _, err = _against(path, capsys, *extra)
+        assert rc == 2 and message in err, err
+    (tmp_path / "junk.json").write_text("[1, 2]")
+    rc, _, err = _against(tmp_path / "junk.json", capsys)
+    assert rc == 2 and "not a bijax digest record" in err
+    rc, _, err = _against(tmp_path / "missing.json", capsys)
+    assert rc == 2 and "no such file" in err
+    assert cli.main(["check", *TINY_DIGEST, "--record", str(rec), "--against", str(rec)]) == 2
+
+
 def test_check_full_control_runs_every_control_dimension(capsys):
     assert cli.main(["check", *TINY_CHECK, "--full-control", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
