@@ -62,7 +62,7 @@ def cpu_math_is_consistent() -> bool:
     4096 values, whose platform-dependent form differs from the consistent one in ~1 of 3 values
     on every CPU measured) compiled with the process defaults must equal the same probe compiled
     with the setting forced on."""
-    cpu = jax.devices("cpu")[0]
+    cpu = jax.local_devices(backend="cpu")[0]  # this process's own (several processes under TP)
     x = jax.device_put(np.linspace(1e-3, 7.0, 4096, dtype=np.float32), cpu)
     forced = {_CPU_MATH_FLAG.lstrip("-"): False}
     default = np.asarray(jax.jit(lax.rsqrt)(x))
