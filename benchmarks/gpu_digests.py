@@ -1,0 +1,74 @@
+"""The GPU record of the digest suite (``bijax check --record``) on the presets that travel to the
+GPU: ``smollm2-shape`` and ``llama3-8b`` (random weights from seed 0), bfloat16 and float32.
+
+    PYTHONPATH=. python3 benchmarks/gpu_digests.py            # compare with benchmarks/digests/
+    PYTHONPATH=. python3 benchmarks/gpu_digests.py --write    # (re)write the records there
+
+Re-run it after any kernel change, in the same session as the change: a MISMATCH on an unchanged
+NUMERICS_VERSION means GPU bits moved. Each configuration also runs the suite twice in one
+engine (run to run). The records carry the device fingerprint (``bijax.digest.fingerprint``); a
+record from another device class is reported, not compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import bijax
+from bijax import digest
+
+HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "digests")
+CONFIGS = [(m, d) for m in ("smollm2-shape", "llama3-8b") for d in ("bfloat16", "float32")]
+ENGINE = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=160, seed=0)
+
+
+def record_path(directory: str, model: str, dtype: str, device_class: str) -> str:
+    kind = device_class.split(":")[1].replace(" ", "-").replace("/", "-").lower()
+    return os.path.join(directory, f"{kind}-{model}-{dtype}.json")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--write", action="store_true", help="write the records instead of comparing")
+    p.add_argument("--dir", default=HERE, help="where the records live (default benchmarks/digests)")
+    args = p.parse_args()
+    cls = digest.device_class()
+    print(f"# {time.strftime('%Y-%m-%d')} {digest.describe(digest.fingerprint())}", flush=True)
+    rows = []
+    for model, dtype in CONFIGS:
+        t0 = time.perf_counter()
+        llm = bijax.LLM(model, dtype=dtype, **ENGINE)
+        first = digest.run_suite(llm)
+        again = digest.run_suite(llm)
+        record = digest.make_record(llm, model, outputs=first)
+        run_to_run = "same" if digest.digest(again) == record["digest"] else "DIFFERENT"
+        path = record_path(args.dir, model, dtype, cls)
+        if args.write:
+            os.makedirs(args.dir, exist_ok=True)
+            digest.write_record(record, path)
+            status = "written"
+        elif not os.path.exists(path):
+            status = "no record"
+        else:
+            old = digest.load_record(path)
+            if old["fingerprint"]["device_class"] != cls:
+                status = f"recorded on {old['fingerprint']['device_class']}"
+            else:
+                digest.check_compatible(old, llm, path)
+                diffs = digest.compare(old, first)
+                status = "MATCH" if not diffs else f"MISMATCH {len(diffs)}/{len(old['completions'])}"
+        secs = time.perf_counter() - t0
+        rows.append((model, dtype, record["digest"][:16], run_to_run, status, secs))
+        print(
+            f"{model} {dtype}: {record['digest']} run-to-run {run_to_run}, {status} ({secs:.0f}s)", flush=True
+        )
+        del llm, first, again
+    print("\n| model | dtype | digest | run to run | vs record | s |\n|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r[0]} | {r[1]} | {r[2]}... | {r[3]} | {r[4]} | {r[5]:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
