@@ -21,7 +21,7 @@ from flax import nnx
 
 import bijax
 from bijax import SamplingParams
-from bijax.model_runner import _step
+from bijax.model_runner import num_compiled_steps
 from models.loading import load_model
 
 
@@ -84,14 +84,14 @@ def main() -> int:
     rows = []
     for it in range(a.iters + 1):
         t0 = time.perf_counter()
-        compiled = _step._cache_size()
+        compiled = num_compiled_steps()
         outs = llm.generate(
             prompts,
             SamplingParams(n=a.n, temperature=1.0, seed=1000 + it, max_tokens=a.max_tokens, ignore_eos=True),
             use_tqdm=False,
         )
         t1 = time.perf_counter()
-        if it > 0 and _step._cache_size() != compiled:
+        if it > 0 and num_compiled_steps() != compiled:
             failures.append(f"iter {it}: generate compiled a new step after update_weights")
         seqs = [(o.prompt_token_ids, c) for o in outs for c in o.outputs]
         tokens = np.array([p + c.token_ids for p, c in seqs], np.int32)

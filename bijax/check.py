@@ -19,11 +19,9 @@ import time
 
 import numpy as np
 
-from bijax.block_manager import BlockManager
 from bijax.config import EngineConfig
 from bijax.llm_engine import Engine
 from bijax.sampling_params import SamplingParams
-from bijax.scheduler import Scheduler
 
 # (temperature, top_p, top_k, min_p) cycled over the requests: greedy and seeded sampling
 # with each filter.
@@ -212,9 +210,9 @@ def _dimensions(
         out = [("batch 1 vs N", _compare(solo, batched), f"{len(reqs)} requests in one batch")]
         if invariant:
             suite.tick("prefix cache")
-            before = e.blocks.hit_blocks
+            before = e.stats().prefix_cache_hit_blocks
             hit = _run(e, reqs)
-            hits = e.blocks.hit_blocks - before
+            hits = e.stats().prefix_cache_hit_blocks - before
             note = f"second run served from the cache ({hits} blocks reused)"
             if hits == 0:
                 note += " - no hit happened: prompts shorter than a block?"
@@ -240,10 +238,9 @@ def _dimensions(
         # preempt (and later recompute) running sequences. The cache keeps its shape (no compile).
         usable = max(need) + 1
         if usable < min(cfg.num_kv_blocks, sum(need) + 1):
-            e.blocks = BlockManager(usable, bs, enable_prefix_caching=False)
-            e.scheduler = Scheduler(e.config, e.blocks)
+            e.limit_kv_pool(usable)
         got = _run(e, reqs)
-        n_pre = e.scheduler.num_preemptions
+        n_pre = e.stats().num_preemptions
         note = f"{n_pre} preemptions (pool of {usable - 1} blocks), recomputed"
         if n_pre == 0:
             note += " - none happened"

@@ -128,7 +128,7 @@ def _warmup(llm, args, logprobs: bool) -> None:
 
     took = llm.warmup(logprobs=logprobs)
     where = compile_cache.directory()
-    _info(f"warm-up: {len(llm.engine.runner.compiled_buckets)} step buckets ready in {took:.1f}s")
+    _info(f"warm-up: {llm.engine.num_compiled_buckets} step buckets ready in {took:.1f}s")
     if where:
         _info(f"         (compiled steps are cached in {where}: the next start loads them)")
 
@@ -151,9 +151,9 @@ def _prompts(args) -> list[str]:
     return prompts
 
 
-def _json_output(out) -> dict:
+def _json_output(out, index: int) -> dict:
     return {
-        "request_id": out.request_id,
+        "request_id": str(index),
         "prompt": out.prompt,
         "prompt_token_ids": out.prompt_token_ids,
         "seed": out.seed,
@@ -249,30 +249,24 @@ def cmd_generate(args) -> int:
         inputs = [{"prompt_token_ids": x} for x in ids]
     else:
         inputs = prompts
-    engine = llm.engine
-    for i, p in enumerate(inputs):  # all checked before any runs
+    for i, p in enumerate(inputs):  # all checked before anything compiles or runs
         try:
-            engine._check(engine.prompt_ids(p)[1], params)
+            llm.engine.validate(p, params)
         except ValueError as e:
             raise ValueError(f"prompt {i}: {e}") from None
     _warmup(llm, args, logprobs=bool(args.logprobs))
     holdback = max((len(x) for x in params.stop), default=1) - 1
     stream = None if args.json else _Streamer(prompts, holdback, headers=len(prompts) > 1)
+
+    def on_output(i, out):
+        if stream is not None:
+            stream.update(i, out)
+        if out.finished and args.json:
+            print(json.dumps(_json_output(out, i)), flush=True)
+
     t1 = time.perf_counter()
-    for i, p in enumerate(inputs):
-        engine.add_request(str(i), p, params)
-    results: dict[int, object] = {}
-    n_tokens = 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            i = int(out.request_id)
-            if stream is not None:
-                stream.update(i, out)
-            if out.finished:
-                results[i] = out
-                n_tokens += sum(len(o.token_ids) for o in out.outputs)
-                if args.json:
-                    print(json.dumps(_json_output(out)), flush=True)
+    results = llm.generate(inputs, params, use_tqdm=False, on_output=on_output)
+    n_tokens = sum(len(o.token_ids) for out in results for o in out.outputs)
     dt = time.perf_counter() - t1
     seeds = ", ".join(str(results[i].seed) for i in range(len(prompts)))
     _info(f"{n_tokens} tokens in {dt:.2f}s ({n_tokens / dt:.1f} tok/s); seeds: {seeds}")
@@ -380,22 +374,25 @@ def cmd_check(args) -> int:
 
 def _bench_run(llm, reqs):
     """All requests submitted at once; returns (seconds, per-request latency, time to first token)."""
-    engine = llm.engine
-    t0 = time.perf_counter()
-    for i, (ids, p) in enumerate(reqs):
-        engine.add_request(f"b{i}", {"prompt_token_ids": ids}, p)
     first, done = {}, {}
-    while engine.has_unfinished_requests():
-        outs = engine.step()
+    t0 = time.perf_counter()
+
+    def on_output(i, out):
         now = time.perf_counter() - t0
-        for out in outs:
-            if out.token_ids and out.request_id not in first:
-                first[out.request_id] = now
-            if out.finished:
-                done[out.request_id] = now
+        if out.token_ids and i not in first:
+            first[i] = now
+        if out.finished:
+            done[i] = now
+
+    llm.generate(
+        [{"prompt_token_ids": ids} for ids, _ in reqs],
+        [p for _, p in reqs],
+        use_tqdm=False,
+        on_output=on_output,
+    )
     total = time.perf_counter() - t0
-    lat = np.array([done[f"b{i}"] for i in range(len(reqs))])
-    ttft = np.array([first[f"b{i}"] for i in range(len(reqs))])
+    lat = np.array([done[i] for i in range(len(reqs))])
+    ttft = np.array([first[i] for i in range(len(reqs))])
     return total, lat, ttft
 
 
@@ -416,7 +413,7 @@ def cmd_bench(args) -> int:
         for i in range(args.num_prompts)
     ]
     for ids, p in reqs:
-        inv.engine._check(ids, p)
+        inv.engine.validate({"prompt_token_ids": ids}, p)
     rows = []
     out_tokens = args.num_prompts * args.output_len
     in_tokens = args.num_prompts * args.input_len

@@ -118,7 +118,7 @@ def fingerprint() -> dict:
     import jaxlib
 
     import bijax
-    from pallas_kernels import _platform
+    import pallas_kernels as pk
 
     backend = jax.default_backend()
     devices = jax.devices()
@@ -134,7 +134,7 @@ def fingerprint() -> dict:
         "cpu": _cpu_info(),
     }
     if fp["platform"] == "cpu":
-        fp["consistent_cpu_math"] = _platform.cpu_math_is_consistent()
+        fp["consistent_cpu_math"] = pk.cpu_math_is_consistent()
     fp["device_class"] = device_class(fp)
     return fp
 

@@ -13,7 +13,7 @@ from flax import nnx
 from bijax.config import EngineConfig
 from bijax.llm_engine import Engine
 from bijax.outputs import RequestOutput
-from bijax.sampling_params import MAX_LOGPROBS, SamplingParams
+from bijax.sampling_params import SamplingParams
 from models.configs import PRESETS
 from models.llama import Llama, param_state
 from models.loading import DEFAULT_MODEL, EMBEDDED, embedded_model_path, load_model
@@ -141,10 +141,12 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        on_output=None,
     ) -> list[RequestOutput]:
         """Generates for each prompt (a str, a list of token ids, or a list of those); returns
         one RequestOutput per prompt, in input order. A bad prompt or parameter raises before
-        anything runs, naming it."""
+        anything runs, naming it. ``on_output(i, out)``, if given, sees every RequestOutput of
+        prompt ``i`` as the steps produce them (partial ones too: streaming)."""
         single = isinstance(prompts, (str, dict)) or (
             isinstance(prompts, Seq) and len(prompts) > 0 and isinstance(prompts[0], (int, np.integer))
         )
@@ -159,20 +161,22 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
-        self.engine.runner.check_params()
+        self.engine.check_weights()
+        valid = []
         for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):  # check all before adding any
             if not isinstance(sp, SamplingParams):
                 raise TypeError(f"sampling_params[{i}] must be a SamplingParams, got {type(sp).__name__}")
             try:
-                self.engine._check(self.engine.prompt_ids(p)[1], sp)
+                valid.append(self.engine.validate(p, sp))
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompt {i}: {e}") from None
-        ids = []
-        for p, sp in zip(prompts, params, strict=True):
+        ids, index = [], {}
+        for i, v in enumerate(valid):
             rid = f"req-{self._counter}"
             self._counter += 1
-            self.engine.add_request(rid, p, sp)
+            self.engine.add_request(rid, v)
             ids.append(rid)
+            index[rid] = i
         done: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
@@ -182,6 +186,8 @@ class LLM:
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
+                    if on_output is not None:
+                        on_output(index[out.request_id], out)
                     if out.finished:
                         done[out.request_id] = out
                         if bar is not None:
@@ -232,24 +238,22 @@ class LLM:
         logprobs (requests with ``SamplingParams.logprobs``)."""
         import time
 
-        runner = self.engine.runner
-        pairs = [p for p in runner.bucket_pairs() if p not in runner.compiled_buckets or logprobs]
-        tops = [0, MAX_LOGPROBS] if logprobs else [0]
+        pairs = self.engine.pending_buckets(logprobs=logprobs)
         t0 = time.perf_counter()
         bar = None
         if progress and pairs:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(pairs) * len(tops), desc="compiling steps", unit="bucket", leave=False)
+            total = len(pairs) * (2 if logprobs else 1)
+            bar = tqdm(total=total, desc="compiling steps", unit="bucket", leave=False)
+
+        def tick(s, t, with_logprobs):
+            if bar is not None:
+                bar.set_postfix_str(f"{s} seqs x {t} tokens" + (" +logprobs" if with_logprobs else ""))
+                bar.update(1)
+
         try:
-            for num_top in tops:
-
-                def tick(s, t, num_top=num_top):
-                    if bar is not None:
-                        bar.set_postfix_str(f"{s} seqs x {t} tokens" + (" +logprobs" if num_top else ""))
-                        bar.update(1)
-
-                runner.warmup(pairs, num_top, tick)
+            self.engine.warmup(logprobs=logprobs, on_bucket=tick)
         finally:
             if bar is not None:
                 bar.close()
@@ -264,7 +268,7 @@ class LLM:
         used as they are (not copied; under tensor parallelism they are moved onto the mesh
         unless already laid out that way), so a train step that donates them must be followed
         by another ``update_weights`` before the next ``generate``."""
-        if self.engine.scheduler.has_unfinished():
+        if self.engine.has_unfinished_requests():
             raise RuntimeError("update_weights runs when no generation is in flight")
         if isinstance(weights, Llama):
             weights = param_state(weights)
@@ -299,9 +303,7 @@ class LLM:
                 raise ValueError(f"weights{name(k)} has been deleted (donated to a jitted step?)")
         nnx.replace_by_pure_dict(current, {k: v for k, v in weights.items()})
         nnx.update(self.model, current)
-        self.engine.runner.set_model(self.model)
-        # Cached prefixes hold KV computed with the old weights.
-        self.engine.blocks.reset_prefix_cache()
+        self.engine.set_weights(self.model)  # also empties the prefix cache (KV of the old weights)
 
     def score(self, token_ids, prompt_lens, temperature: float = 1.0) -> list[np.ndarray]:
         """float32 logprob of each token at index >= prompt_len given the tokens before it;

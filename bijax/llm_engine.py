@@ -1,6 +1,13 @@
-"""The engine: requests in, one scheduled step at a time, RequestOutputs out."""
+"""The engine: requests in, one scheduled step at a time, RequestOutputs out.
+
+``Engine`` is the only door to the engine: ``LLM``, the CLI and ``bijax check`` use its public
+methods (requests, steps, validation, warm-up, weights, statistics, the KV pool) and never its
+scheduler, block manager or model runner.
+"""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
@@ -11,6 +18,29 @@ from bijax.outputs import CompletionOutput, RequestOutput
 from bijax.sampling_params import MAX_LOGPROBS, SamplingParams
 from bijax.scheduler import Scheduler
 from bijax.sequence import Sequence, Status
+
+
+@dataclasses.dataclass(frozen=True)
+class ValidPrompt:
+    """A prompt tokenized and checked by ``Engine.validate`` for one engine and SamplingParams:
+    ``add_request`` takes it without tokenizing or checking again."""
+
+    text: str | None
+    token_ids: tuple[int, ...]
+    params: SamplingParams
+    engine_id: int
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """Counters since the engine was built: KV blocks served from the prefix cache, sequences
+    preempted (recomputed later), free KV blocks now, compiled step buckets, requests in flight."""
+
+    prefix_cache_hit_blocks: int
+    num_preemptions: int
+    num_free_blocks: int
+    num_compiled_buckets: int
+    num_unfinished_requests: int
 
 
 class _Request:
@@ -40,7 +70,18 @@ class Engine:
 
     # ------------------------------------------------------------------ input checks
 
-    def prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
+    def validate(self, prompt, params: SamplingParams | None = None) -> ValidPrompt:
+        """Tokenizes ``prompt`` (a str, a list of token ids, or {"prompt_token_ids": [...]}) and
+        checks it with ``params`` against this engine (vocabulary, max_model_len, KV pool);
+        ValueError / TypeError naming the problem. The result goes to ``add_request`` as is."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        text, ids = self._tokenize(prompt)
+        self._check(ids, params)
+        return ValidPrompt(text, tuple(ids), params, id(self))
+
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         """(text or None, token ids) of a prompt: a str, a list of token ids, or
         {"prompt_token_ids": [...]}."""
         if isinstance(prompt, dict):
@@ -85,14 +126,17 @@ class Engine:
     # ------------------------------------------------------------------ API
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> int:
-        """Queues a request; returns the seed its samples use."""
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        """Queues a request; returns the seed its samples use. ``prompt``: as ``validate`` takes
+        it, or the ``ValidPrompt`` it returned (then ``params`` must be None or the same)."""
         if not isinstance(request_id, str) or request_id in self._requests:
             raise ValueError(f"request_id must be a new str, got {request_id!r}")
-        text, ids = self.prompt_ids(prompt)
-        self._check(ids, params)
+        if isinstance(prompt, ValidPrompt) and prompt.engine_id == id(self):
+            if params is not None and params is not prompt.params:
+                raise ValueError("a ValidPrompt carries its SamplingParams: pass params=None")
+            valid = prompt
+        else:
+            valid = self.validate(prompt, params)
+        text, ids, params = valid.text, list(valid.token_ids), valid.params
         seed = params.seed if params.seed is not None else int(self._seeds.integers(2**32))
         seqs = []
         for i in range(params.n):
@@ -106,6 +150,65 @@ class Engine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._aborted)
+
+    def check_weights(self) -> None:
+        """Raises (before anything is scheduled) when the weights were deleted, e.g. donated to a
+        train step since ``set_weights``."""
+        self.runner.check_params()
+
+    def set_weights(self, model) -> None:
+        """Runs with ``model``'s weights from now on (same structure, shapes, dtypes: nothing
+        recompiles) and empties the prefix cache, whose KV came from the old weights."""
+        self._require_idle("set_weights")
+        self.runner.set_model(model)
+        self.blocks.reset_prefix_cache()
+
+    @property
+    def num_compiled_buckets(self) -> int:
+        return len(self.runner.compiled_buckets)
+
+    def pending_buckets(self, *, logprobs: bool = False) -> list[tuple[int, int]]:
+        """The (sequences, tokens) step buckets ``warmup`` would compile (all of them with
+        ``logprobs``: the top-logprobs variant is compiled separately)."""
+        pairs = self.runner.bucket_pairs()
+        return pairs if logprobs else [p for p in pairs if p not in self.runner.compiled_buckets]
+
+    def warmup(self, *, logprobs: bool = False, on_bucket=None) -> None:
+        """Compiles every pending step bucket (and with ``logprobs`` the top-logprobs variant);
+        ``on_bucket(num_seqs, num_tokens, with_logprobs)`` after each."""
+        pairs = self.pending_buckets(logprobs=logprobs)
+        for num_top in [0, MAX_LOGPROBS] if logprobs else [0]:
+            tick = None if on_bucket is None else (lambda s, t, n=num_top: on_bucket(s, t, bool(n)))
+            self.runner.warmup(pairs, num_top, tick)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            prefix_cache_hit_blocks=self.blocks.hit_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_free_blocks=self.blocks.num_free,
+            num_compiled_buckets=self.num_compiled_buckets,
+            num_unfinished_requests=len(self._requests),
+        )
+
+    def limit_kv_pool(self, num_blocks: int) -> None:
+        """Schedules into the first ``num_blocks`` KV blocks only (block 0 reserved), without
+        prefix caching: a pool too small for a batch forces preemption (``bijax check``). The
+        cache keeps its shape, so nothing recompiles. Only while idle."""
+        self._require_idle("limit_kv_pool")
+        if (
+            isinstance(num_blocks, bool)
+            or not isinstance(num_blocks, int)
+            or not 2 <= num_blocks <= self.config.num_kv_blocks
+        ):
+            raise ValueError(
+                f"num_blocks must be an int in [2, {self.config.num_kv_blocks}], got {num_blocks!r}"
+            )
+        self.blocks = BlockManager(num_blocks, self.config.block_size, enable_prefix_caching=False)
+        self.scheduler = Scheduler(self.config, self.blocks)
+
+    def _require_idle(self, what: str) -> None:
+        if self.has_unfinished_requests():
+            raise RuntimeError(f"{what} runs when no generation is in flight")
 
     def abort(self, request_id: str) -> None:
         req = self._requests.get(request_id)
@@ -188,8 +291,7 @@ class Engine:
     def score(self, token_ids, prompt_lens, temperature: float = 1.0) -> list[np.ndarray]:
         """float32 logprob of each token at index >= prompt_len given the tokens before it,
         under log_softmax(logits / T) (raw for T = 0) - bit-equal to generate's logprobs."""
-        if self.scheduler.has_unfinished():
-            raise RuntimeError("score runs when no generation is in flight")
+        self._require_idle("score")
         self.runner.check_params()
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0:
             raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
@@ -198,7 +300,7 @@ class Engine:
         seqs = []
         dummy = SamplingParams(max_tokens=1)
         for i, (ids, pl) in enumerate(zip(token_ids, prompt_lens, strict=True)):
-            _, ids = self.prompt_ids(list(ids))
+            _, ids = self._tokenize(list(ids))
             if isinstance(pl, bool) or not isinstance(pl, (int, np.integer)) or not 1 <= pl <= len(ids):
                 raise ValueError(f"prompt_lens[{i}] must be an int in [1, {len(ids)}], got {pl!r}")
             self._check(ids[:pl], SamplingParams(max_tokens=max(1, len(ids) - pl)))

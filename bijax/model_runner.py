@@ -21,11 +21,11 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import pallas_kernels as pk
 from bijax.config import EngineConfig, bucket
 from bijax.sampler import sample_rows, target_logprobs
 from models import sharding
 from models.llama import Llama, TensorParallel, init_kv_cache
-from pallas_kernels import _platform
 
 
 def _forward(params, cache, batch, *, graphdef, invariant, rows, tp=None):
@@ -56,7 +56,7 @@ def _over_mesh(body, mesh, params, cache, *args):
 @functools.partial(
     jax.jit, static_argnames=("graphdef", "invariant", "num_top", "mesh"), donate_argnames=("cache",)
 )
-def _step(params, cache, batch, sampling, *, graphdef, invariant, num_top, mesh=None):
+def step_program(params, cache, batch, sampling, *, graphdef, invariant, num_top, mesh=None):
     def body(params, cache, batch, s, tp):
         logits, cache = _forward(
             params, cache, batch, graphdef=graphdef, invariant=invariant, rows=batch["rows"], tp=tp
@@ -71,7 +71,7 @@ def _step(params, cache, batch, sampling, *, graphdef, invariant, num_top, mesh=
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "invariant", "mesh"), donate_argnames=("cache",))
-def _score_step(params, cache, batch, targets, temperature, *, graphdef, invariant, mesh=None):
+def score_program(params, cache, batch, targets, temperature, *, graphdef, invariant, mesh=None):
     def body(params, cache, batch, targets, temperature, tp):
         logits, cache = _forward(
             params, cache, batch, graphdef=graphdef, invariant=invariant, rows=None, tp=tp
@@ -79,6 +79,12 @@ def _score_step(params, cache, batch, targets, temperature, *, graphdef, invaria
         return target_logprobs(logits, targets, temperature, invariant=invariant), cache
 
     return _over_mesh(body, mesh, params, cache, batch, targets, temperature)
+
+
+def num_compiled_steps() -> int:
+    """How many engine step programs this process has compiled (all engines together): a
+    constant across calls shows that nothing recompiled."""
+    return step_program._cache_size()
 
 
 def _greedy_rows(s: int) -> dict:
@@ -102,7 +108,7 @@ class ModelRunner:
         self.config = config
         self.model_config = model.config
         if config.invariant and jax.default_backend() == "cpu":
-            _platform.require_consistent_cpu_math()  # CPU bits must not depend on the CPU model
+            pk.require_consistent_cpu_math()  # CPU bits must not depend on the CPU model
         size = config.tensor_parallel_size
         self.mesh = None
         if size > 1:
@@ -189,7 +195,7 @@ class ModelRunner:
 
     def _run(self, batch, sampling, num_top):
         """One jitted step; keeps the donated cache; returns (tokens, logprobs, top)."""
-        out, self.cache = _step(
+        out, self.cache = step_program(
             self.params,
             self.cache,
             self._inputs(batch),
@@ -208,7 +214,7 @@ class ModelRunner:
         tg = np.zeros(t, np.int32)
         tg[: len(targets)] = np.maximum(targets, 0)
         temp = np.full(t, temperature, np.float32)
-        lp, self.cache = _score_step(
+        lp, self.cache = score_program(
             self.params,
             self.cache,
             self._inputs(batch),
@@ -239,7 +245,7 @@ class ModelRunner:
 
     def compiled_text(self, s: int, t: int, num_top: int = 0) -> str:
         """The compiled step of one bucket as HLO text (what the device runs; for audits)."""
-        lowered = _step.lower(
+        lowered = step_program.lower(
             self.params,
             self.cache,
             self._inputs(self.padding_batch(s, t)),

@@ -28,8 +28,7 @@ import numpy as np
 from flax import nnx
 
 import pallas_kernels as pk
-from models.llama import Llama, _check_tokens
-from pallas_kernels import _platform
+from models.llama import Llama, check_tokens
 
 __all__ = ["logprobs"]
 
@@ -166,8 +165,8 @@ def logprobs(
     if not isinstance(invariant, bool):
         raise TypeError(f"invariant must be a bool, got {invariant!r}")
     if invariant and jax.default_backend() == "cpu":
-        _platform.require_consistent_cpu_math()  # the engine's CPU bits need the same setting
-    tokens = _check_tokens(tokens, c, ndim=2)
+        pk.require_consistent_cpu_math()  # the engine's CPU bits need the same setting
+    tokens = check_tokens(tokens, c, ndim=2)
     b, length = tokens.shape
 
     if segment_ids is None:

@@ -21,7 +21,7 @@ def row_keys(seeds, sample_index, positions):
     return jax.vmap(one)(seeds, sample_index, positions)
 
 
-def _sample_reference(logits, temperature, top_k, top_p, min_p, gumbel):
+def sample_reference(logits, temperature, top_k, top_p, min_p, gumbel):
     r, v = logits.shape
     z = pk.tempered(logits, temperature)
     lp = jax.nn.log_softmax(z, axis=-1)
@@ -50,7 +50,7 @@ def sample_rows(
             logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, gumbel=gumbel
         )
     else:
-        tok, lp = _sample_reference(logits, temperature, top_k, top_p, min_p, gumbel)
+        tok, lp = sample_reference(logits, temperature, top_k, top_p, min_p, gumbel)
     tok_lp = lp[jnp.arange(r), tok]
     top = None
     if num_top:

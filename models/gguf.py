@@ -15,6 +15,7 @@ import struct
 import jax.numpy as jnp
 import numpy as np
 
+from models.checkpoint import abstract_model, check_tensor_names, variable
 from models.configs import LlamaConfig
 from models.llama import Llama
 
@@ -261,22 +262,12 @@ def load_gguf(
     path: str | os.PathLike, *, dtype=jnp.float32, k_shards: int = 1, progress: bool = False
 ) -> Llama:
     """Loads a Llama-architecture GGUF file, dequantized to ``dtype``."""
-    from models.loading import _abstract_model, _variable
-
     reader = open_gguf(path)
     config = config_from_gguf(reader)
     expected = gguf_names(config)
     tensors = reader.tensors
-    ignored = {"rope_freqs.weight"}
-    unexpected = [n for n in tensors if n not in expected and n not in ignored]
-    if unexpected:
-        raise ValueError(
-            f"unexpected tensor {unexpected[0]!r} in {path} ({len(unexpected)} unexpected in all)"
-        )
-    missing = [n for n in expected if n not in tensors]
-    if missing:
-        raise ValueError(f"tensor {missing[0]!r} is missing from {path} ({len(missing)} missing in all)")
-    model = _abstract_model(config, jnp.dtype(dtype), k_shards)
+    check_tensor_names(tensors, expected, path, ignore=lambda n: n == "rope_freqs.weight")
+    model = abstract_model(config, jnp.dtype(dtype), k_shards)
     items = expected.items()
     if progress:
         from tqdm import tqdm
@@ -291,5 +282,5 @@ def load_gguf(
             w = _unpermute(w, heads)
         if transpose:
             w = w.T
-        _variable(model, ours).set_value(jnp.asarray(np.ascontiguousarray(w).astype(dtype)))
+        variable(model, ours).set_value(jnp.asarray(np.ascontiguousarray(w).astype(dtype)))
     return model

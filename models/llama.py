@@ -327,7 +327,7 @@ class Llama(nnx.Module):
         Right padding is harmless (causal: a token never sees later ones).
         """
         c = self.config
-        tokens = _check_tokens(tokens, c, ndim=2)
+        tokens = check_tokens(tokens, c, ndim=2)
         b, length = tokens.shape
         flat = tokens.reshape(-1)
         pos = jnp.tile(jnp.arange(length, dtype=jnp.int32), b)
@@ -434,7 +434,7 @@ class Llama(nnx.Module):
         Returns (float32 logits [T or R, V], updated kv_cache).
         """
         c = self.config
-        tokens = _check_tokens(tokens, c, ndim=1)
+        tokens = check_tokens(tokens, c, ndim=1)
         if len(kv_cache) != c.num_layers:
             raise ValueError(f"kv_cache has {len(kv_cache)} layers, the model {c.num_layers}")
         new_cache = list(kv_cache)
@@ -487,7 +487,7 @@ def _dense_segments(q, k, v, segment_ids):
     return o.reshape(b * length, hq, d).astype(q.dtype)
 
 
-def _check_tokens(tokens, config: LlamaConfig, *, ndim: int):
+def check_tokens(tokens, config: LlamaConfig, *, ndim: int):
     if not hasattr(tokens, "shape") or not hasattr(tokens, "dtype"):
         tokens = np.asarray(tokens)
     if tokens.ndim != ndim:

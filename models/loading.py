@@ -15,8 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models.checkpoint import abstract_model, check_tensor_names, variable
 from models.configs import LlamaConfig, RopeScaling, read_hf_config
-from models.llama import Llama, RopeTable, rope_table
+from models.llama import Llama
 from models.safetensors import SafetensorsFile
 
 _DTYPE_NAMES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
@@ -45,20 +46,6 @@ def param_names(config: LlamaConfig) -> dict[str, tuple[str, tuple[int, ...], bo
     if not c.tie_word_embeddings:
         out["lm_head.weight"] = ("lm_head", (c.vocab_size, h), True)
     return out
-
-
-def _variable(model: nnx.Module, path: str) -> nnx.Variable:
-    obj = model
-    for part in path.split("."):
-        obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
-    return obj
-
-
-def _abstract_model(config: LlamaConfig, dtype, k_shards: int) -> Llama:
-    """A model with no weights allocated yet (shapes only); the RoPE table filled in."""
-    model = nnx.eval_shape(lambda: Llama(config, dtype=dtype, k_shards=k_shards))
-    model.rope = RopeTable(jnp.asarray(rope_table(config)))
-    return model
 
 
 def _checkpoint_dtype(hf: dict) -> jnp.dtype:
@@ -105,21 +92,15 @@ def load_hf(path: str | os.PathLike, *, dtype=None, k_shards: int = 1) -> Llama:
     dtype = _checkpoint_dtype(hf) if dtype is None else jnp.dtype(dtype)
     expected = param_names(config)
     sources = dict(_tensor_sources(path))
-    unexpected = [
-        n
-        for n in sources
-        if n not in expected
-        and not n.endswith(_IGNORED_SUFFIXES)
-        and not (n == "lm_head.weight" and config.tie_word_embeddings)
-    ]
-    if unexpected:
-        raise ValueError(
-            f"unexpected tensor {unexpected[0]!r} in {path} ({len(unexpected)} unexpected in all)"
-        )
-    missing = [n for n in expected if n not in sources]
-    if missing:
-        raise ValueError(f"tensor {missing[0]!r} is missing from {path} ({len(missing)} missing in all)")
-    model = _abstract_model(config, dtype, k_shards)
+    check_tensor_names(
+        sources,
+        expected,
+        path,
+        ignore=lambda n: (
+            n.endswith(_IGNORED_SUFFIXES) or (n == "lm_head.weight" and config.tie_word_embeddings)
+        ),
+    )
+    model = abstract_model(config, dtype, k_shards)
     for name, (ours, shape, transpose) in expected.items():
         src = sources[name]
         if src.shape(name) != shape:
@@ -128,7 +109,7 @@ def load_hf(path: str | os.PathLike, *, dtype=None, k_shards: int = 1) -> Llama:
         if not np.issubdtype(a.dtype, np.floating) and a.dtype != jnp.bfloat16:
             raise ValueError(f"tensor {name!r} has non-float dtype {a.dtype}")
         a = np.asarray(a.T if transpose else a).astype(dtype)
-        _variable(model, ours).set_value(jnp.asarray(a))
+        variable(model, ours).set_value(jnp.asarray(a))
     return model
 
 
@@ -190,7 +171,7 @@ def load_orbax(path: str | os.PathLike, *, k_shards: int = 1) -> Llama:
             dtype = jnp.dtype(meta["dtype"])
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"{meta_path} is corrupt ({e!r})") from None
-    model = _abstract_model(config, dtype, k_shards)
+    model = abstract_model(config, dtype, k_shards)
     target = nnx.state(model, nnx.Param)
     with ocp.StandardCheckpointer() as ckpt:
         try:

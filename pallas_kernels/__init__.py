@@ -5,7 +5,11 @@ formulation -> public entry (keyword-only static args) -> ``*_reference``
 (plain XLA, batch-variant: the negative control and the speed baseline).
 """
 
-from pallas_kernels import _platform  # noqa: F401  (first: sets XLA's CPU flags before JAX starts)
+from pallas_kernels._platform import (  # first: sets XLA's CPU flags before JAX starts
+    CPU_CONSISTENT_MATH,
+    cpu_math_is_consistent,
+    require_consistent_cpu_math,
+)
 from pallas_kernels.collectives import gather_last, tree_psum
 from pallas_kernels.matmul import MatmulPlan, matmul, matmul_partial, matmul_reference, plan_matmul, tree_sum
 from pallas_kernels.rms_norm import rms_norm, rms_norm_reference
@@ -21,6 +25,9 @@ from pallas_kernels.softmax import (
 )
 
 __all__ = [
+    "CPU_CONSISTENT_MATH",
+    "cpu_math_is_consistent",
+    "require_consistent_cpu_math",
     "MatmulPlan",
     "argmax",
     "gather_last",

@@ -1,9 +1,9 @@
 """Mosaic GPU (Hopper wgmma) path of the batch-invariant matmul.
 
 Drop-in for ``matmul._matmul_pallas`` / ``matmul._triton_partial``: the same leaf layout in
-(``x[M, L*leaf_k]``, ``w[L*leaf_k, N]``, made by ``matmul._to_leaves``), the same result out
+(``x[M, L*leaf_k]``, ``w[L*leaf_k, N]``, made by ``plan.to_leaves``), the same result out
 (``L == 1``: ``[M, N]`` in ``out_dtype``; ``L > 1``: fp32 partials per leaf combined by
-``matmul._combine``). Every leaf is the fp32 sum over its K in ascending order, like the
+``plan.combine_leaves``). Every leaf is the fp32 sum over its K in ascending order, like the
 Triton kernel's ``acc + dot(xk, wk)`` over ``TILE_K = 64`` chunks:
 
 * ``fused=True`` (default): one wgmma accumulator per output tile; every k16 wgmma step of
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 
 import jax
 import jax.numpy as jnp
@@ -39,11 +38,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-TILE_K = 64
+from pallas_kernels.plan import H200_SMS, TILE_K, combine_leaves, to_leaves
+
 MGPU_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # H100/H200 dynamic shared memory per block (227 KiB), less room for barriers.
 _SMEM_BYTES = 227 * 1024 - 2048
-H200_SMS = 132
 
 
 @dataclasses.dataclass(frozen=True)
@@ -368,12 +367,9 @@ def mgpu_partial(
     interpret=None,
 ):
     """Mosaic GPU twin of ``matmul._triton_partial`` (same arguments, same bits)."""
-    # Imported here: matmul.py may import this module. (``pallas_kernels.matmul`` as an
-    # attribute is the function, not the module.)
-    mm = importlib.import_module("pallas_kernels.matmul")
 
-    xl = mm._to_leaves(x, plan, num_shards, axis=1)
-    wl = mm._to_leaves(w, plan, num_shards, axis=0)
+    xl = to_leaves(x, plan, num_shards, axis=1)
+    wl = to_leaves(w, plan, num_shards, axis=0)
     num_leaves = num_shards * plan.split_k
     if tiles is None:
         tiles = mgpu_tiles(plan.n, num_leaves, x.shape[0])
@@ -389,7 +385,7 @@ def mgpu_partial(
     )
     if num_leaves == 1:
         return out
-    return mm._combine([out[g] for g in range(num_leaves)], plan.split_k).astype(out_dtype)
+    return combine_leaves([out[g] for g in range(num_leaves)], plan.split_k).astype(out_dtype)
 
 
 __all__ = [

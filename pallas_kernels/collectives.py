@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.matmul import tree_sum
+from pallas_kernels.plan import tree_sum
 
 # Per-rank partials up to this size are combined after one all_gather (P x the data, one hop).
 GATHER_MAX_BYTES = 1 << 20

@@ -34,142 +34,22 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import _platform
 from pallas_kernels._validate import check_float_dtype, check_same_dtype
+from pallas_kernels.plan import (
+    GPU_MIN_TILE_N,
+    H200_SMS,
+    K_SHARDS,
+    MatmulPlan,
+    combine_leaves,
+    plan_matmul,
+    to_leaves,
+    tree_sum,
+)
 
-K_SHARDS = (1, 2, 4, 8)
-TILE_K = 64
-# Programs that keep the 132 SMs of an H200 busy.
-_GPU_BUSY = 132
-# Narrowest output tile the GPU kernel uses; split-K is planned for what is left.
-_GPU_MIN_TILE_N = 32
-# Row tiles that share column tiles in consecutive programs (L2 reuse at large M).
+# Row tile groups that share column tiles in consecutive programs (L2 reuse at large M).
 _GPU_GROUP_M = 8
-# Below this many K elements per leaf a further split costs more than it gains.
-_MIN_LEAF_K = 1024
 # GPU row tiles chosen from M (rows are bit-identical across these; proven on
 # the H200 by benchmarks/kernels.py, which compares every choice bit for bit).
 GPU_TILE_M = (16, 32, 64, 128)
-# CPU: weights larger than this go through in taller row tiles (fewer passes).
-_CPU_BIG_WEIGHT_BYTES = 16 * 2**20
-
-
-@dataclasses.dataclass(frozen=True)
-class MatmulPlan:
-    """How the K reduction of one weight runs; a function of (K, N, dtype, k_shards, platform).
-
-    Attributes:
-      k, n: the full, unsharded weight shape.
-      dtype: the weight's dtype name.
-      k_shards: virtual K shards combined by the fp32 tree (TP-size invariance).
-      split_k: leaves per shard (fixed split-K for narrow N on GPU; 1 on CPU).
-      leaf_k: K length of one leaf after zero padding.
-      tile_k: reduction chunk inside a leaf (GPU).
-      tile_n: output columns per program (GPU).
-      cpu_tile_m: rows per fixed tile on CPU.
-      platform: "gpu" or "cpu" - the implementation the plan is for.
-      col_blocks: CPU: the N columns go through as this many equal blocks, one dot each
-        (XLA's CPU dot changes a column's bits with the column count, so a tensor-parallel
-        rank holding N/P columns must see the same dot widths as one device holding N).
-        The GPU kernel's column tiles are independent already; there it only checks shapes.
-    """
-
-    k: int
-    n: int
-    dtype: str
-    k_shards: int
-    split_k: int
-    leaf_k: int
-    tile_k: int
-    tile_n: int
-    cpu_tile_m: int
-    platform: str = "gpu"
-    col_blocks: int = 1
-
-    @property
-    def shard_k(self) -> int:
-        return -(-self.k // self.k_shards)
-
-    @property
-    def num_leaves(self) -> int:
-        return self.k_shards * self.split_k
-
-    @property
-    def padded_n(self) -> int:
-        return -(-self.n // self.tile_n) * self.tile_n
-
-
-def plan_matmul(
-    k: int, n: int, dtype, *, k_shards: int = 1, col_blocks: int = 1, platform: str | None = None
-) -> MatmulPlan:
-    """Plans the reduction for a [k, n] weight. Give the FULL (unsharded) shape under TP.
-
-    ``col_blocks`` (1, 2, 4 or 8, dividing n): column blocks of a column-parallel weight
-    (see ``MatmulPlan``). ``platform``: "gpu" or "cpu"; default: this process's default
-    JAX backend.
-    """
-    if platform is None:
-        platform = "cpu" if jax.default_backend() == "cpu" else "gpu"
-    if k_shards not in K_SHARDS:
-        raise ValueError(f"k_shards must be one of {K_SHARDS}, got {k_shards!r}")
-    if platform not in ("gpu", "cpu"):
-        raise ValueError(f"platform must be 'gpu' or 'cpu', got {platform!r}")
-    if k < 1 or n < 1:
-        raise ValueError(f"weight shape must be positive, got ({k}, {n})")
-    if col_blocks not in K_SHARDS or n % col_blocks:
-        raise ValueError(f"col_blocks must be one of {K_SHARDS} and divide N={n}, got {col_blocks!r}")
-    dtype = jnp.dtype(dtype)
-    shard_k = -(-k // k_shards)
-    tile_n = 128 if n % 128 == 0 or n % 64 != 0 else 64
-    if platform == "cpu":
-        big = k * n * dtype.itemsize > _CPU_BIG_WEIGHT_BYTES
-        tile_m = (32 if dtype.itemsize < 4 else 64) if big else 16
-        return MatmulPlan(k, n, dtype.name, k_shards, 1, shard_k, TILE_K, tile_n, tile_m, "cpu", col_blocks)
-    # GPU: narrow-N weights get enough leaves that one row tile of the narrowest
-    # column tiles still fills the machine (M = 1 decode).
-    leaves = 1
-    col_tiles = -(-n // _GPU_MIN_TILE_N)
-    while col_tiles * leaves * 2 <= 2 * _GPU_BUSY and k // (leaves * 2) >= _MIN_LEAF_K:
-        leaves *= 2
-    split_k = max(1, leaves // k_shards)
-    chunks = -(-shard_k // TILE_K)
-    leaf_k = -(-chunks // split_k) * TILE_K
-    return MatmulPlan(k, n, dtype.name, k_shards, split_k, leaf_k, TILE_K, tile_n, 16, "gpu", col_blocks)
-
-
-def _to_leaves(a: jax.Array, plan: MatmulPlan, num_shards: int, axis: int) -> jax.Array:
-    """Lays the K axis of ``a`` (``num_shards`` whole shards) out as zero-padded leaves."""
-    k_real = a.shape[axis]
-    if plan.split_k * plan.leaf_k == plan.shard_k and k_real == num_shards * plan.shard_k:
-        return a
-    pad = [(0, 0)] * a.ndim
-    pad[axis] = (0, num_shards * plan.shard_k - k_real)
-    a = jnp.pad(a, pad)
-    shape = a.shape[:axis] + (num_shards, plan.shard_k) + a.shape[axis + 1 :]
-    a = a.reshape(shape)
-    pad = [(0, 0)] * a.ndim
-    pad[axis + 1] = (0, plan.split_k * plan.leaf_k - plan.shard_k)
-    a = jnp.pad(a, pad)
-    return a.reshape(a.shape[:axis] + (-1,) + a.shape[axis + 2 :])
-
-
-def tree_sum(parts):
-    """Balanced binary tree of fp32 adds over ``parts`` (a power-of-two count), pairing neighbours."""
-    parts = list(parts)
-    if len(parts) & (len(parts) - 1):
-        raise ValueError(f"tree_sum needs a power-of-two number of parts, got {len(parts)}")
-    while len(parts) > 1:
-        parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
-    return parts[0]
-
-
-def _combine(parts, fold: int):
-    """Left-folds each run of ``fold`` consecutive leaf partials (one shard's splits), then tree_sum."""
-    shards = []
-    for i in range(0, len(parts), fold):
-        total = parts[i]
-        for p in parts[i + 1 : i + fold]:
-            total = total + p
-        shards.append(total)
-    return tree_sum(shards)
 
 
 # --------------------------------------------------------------------------- GPU kernel
@@ -202,8 +82,8 @@ def gpu_tiles(plan: MatmulPlan, m: int) -> GpuTiles:
     """
     tile_m = gpu_tile_m(m)
     programs = -(-m // tile_m) * plan.num_leaves
-    enough = 96 if tile_m >= 128 else _GPU_BUSY
-    for tile_n in (256, 128, 64, _GPU_MIN_TILE_N):
+    enough = 96 if tile_m >= 128 else H200_SMS
+    for tile_n in (256, 128, 64, GPU_MIN_TILE_N):
         if tile_n == 256 and tile_m < 128:
             continue
         if programs * -(-plan.n // tile_n) >= enough:
@@ -282,12 +162,12 @@ def _matmul_pallas(x, w, *, plan: MatmulPlan, num_leaves: int, out_dtype, tiles:
     out = out[..., :m, :n]
     if num_leaves == 1:
         return out
-    return _combine([out[g] for g in range(num_leaves)], plan.split_k).astype(out_dtype)
+    return combine_leaves([out[g] for g in range(num_leaves)], plan.split_k).astype(out_dtype)
 
 
 def _triton_partial(x, w, *, plan, num_shards, out_dtype, tiles, interpret):
-    xl = _to_leaves(x, plan, num_shards, axis=1)
-    wl = _to_leaves(w, plan, num_shards, axis=0)
+    xl = to_leaves(x, plan, num_shards, axis=1)
+    wl = to_leaves(w, plan, num_shards, axis=0)
     if tiles is None:
         # Interpret mode computes each block with the CPU's dot, whose bits depend on
         # the block shape: keep one fixed tile there.
@@ -315,8 +195,8 @@ def _jnp_partial(x, w, *, plan, num_shards, out_dtype):
     tm = plan.cpu_tile_m
     mp = -(-m // tm) * tm
     num_leaves = num_shards * plan.split_k
-    xl = _to_leaves(x, plan, num_shards, axis=1)
-    wl = _to_leaves(w, plan, num_shards, axis=0).reshape(num_leaves, plan.leaf_k, -1)
+    xl = to_leaves(x, plan, num_shards, axis=1)
+    wl = to_leaves(w, plan, num_shards, axis=0).reshape(num_leaves, plan.leaf_k, -1)
     xl = jnp.pad(xl, ((0, mp - m), (0, 0))).reshape(mp // tm, tm, num_leaves, plan.leaf_k)
 
     def dot(a, i):
@@ -327,7 +207,7 @@ def _jnp_partial(x, w, *, plan, num_shards, out_dtype):
 
     def tile(t):
         parts = [dot(t[:, i], i) for i in range(num_leaves)]
-        return _combine(parts, plan.split_k).astype(out_dtype)
+        return combine_leaves(parts, plan.split_k).astype(out_dtype)
 
     if mp == tm:  # one tile: same dot shapes, no loop
         y = tile(xl[0])[None]

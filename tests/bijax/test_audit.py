@@ -14,7 +14,7 @@ import pytest
 from jax.extend import core as jcore
 
 import bijax
-from bijax.model_runner import _score_step, _step
+from bijax.model_runner import score_program, step_program
 from models.configs import preset
 from models.llama import Llama
 from pallas_kernels._platform import KERNEL_PREFIX
@@ -98,13 +98,15 @@ def runner_inputs():
 
 
 def _step_jaxpr(r, batch, sampling, invariant, num_top=0):
-    fn = lambda p, c, b, s: _step(p, c, b, s, graphdef=r.graphdef, invariant=invariant, num_top=num_top)
+    fn = lambda p, c, b, s: step_program(
+        p, c, b, s, graphdef=r.graphdef, invariant=invariant, num_top=num_top
+    )
     return jax.make_jaxpr(fn)(r.params, r.cache, batch, sampling).jaxpr
 
 
 def _score_jaxpr(r, batch, invariant):
     t = len(batch["tokens"])
-    fn = lambda p, c, b: _score_step(
+    fn = lambda p, c, b: score_program(
         p, c, b, np.zeros(t, np.int32), np.ones(t, np.float32), graphdef=r.graphdef, invariant=invariant
     )
     return jax.make_jaxpr(fn)(r.params, r.cache, batch).jaxpr

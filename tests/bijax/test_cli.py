@@ -17,8 +17,8 @@ import pytest
 import bijax
 from bijax import SamplingParams as SP
 from bijax import cli
-from bijax.model_runner import _step
-from tests.bijax.test_engine import _llm
+from bijax.model_runner import num_compiled_steps
+from tests.bijax.test_engine import shared_llm as _llm
 from tests.conftest import bits
 
 SMOL = [
@@ -251,9 +251,9 @@ def test_warmup_compiles_every_bucket_so_generate_compiles_nothing():
     )
     llm.warmup(progress=False)
     assert llm.engine.runner.compiled_buckets == {(2, 16), (2, 32)}  # sequence buckets start at 16
-    before = _step._cache_size()
+    before = num_compiled_steps()
     llm.generate([[5] * 40, [7] * 3], SP(temperature=0, max_tokens=6), use_tqdm=False)
-    assert _step._cache_size() == before
+    assert num_compiled_steps() == before
 
 
 _CACHE_PROBE = """

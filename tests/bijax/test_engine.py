@@ -30,7 +30,7 @@ TP_NAMES = {"tiny-tp2": 2, "tiny-tp4": 4}
 
 
 @functools.cache
-def _model(name):
+def shared_model(name):
     if name in TP_NAMES:
         return Llama(preset("tiny"), dtype=jnp.float32, seed=0, k_shards=8), None
     if name == "tiny":
@@ -39,8 +39,8 @@ def _model(name):
 
 
 @functools.cache
-def _llm(name, invariant=True, budget=64):
-    model, tok = _model(name)
+def shared_llm(name, invariant=True, budget=64):
+    model, tok = shared_model(name)
     return bijax.LLM(
         model,
         tensor_parallel_size=TP_NAMES.get(name, 1),
@@ -83,7 +83,7 @@ def _needle(name):
 
 
 def check_needle(name, invariant):
-    llm = _llm(name, invariant)
+    llm = shared_llm(name, invariant)
     rng = np.random.default_rng(11)
     needle, sp = _needle(name), SP(temperature=0.8, top_p=0.9, max_tokens=6, seed=7)
     solo = _gen(llm, [needle], sp)[0]
@@ -97,7 +97,7 @@ def check_needle(name, invariant):
 
 
 def check_batch_1_vs_n(name, invariant):
-    llm = _llm(name, invariant)
+    llm = shared_llm(name, invariant)
     rng = np.random.default_rng(12)
     p = _needle(name)
     reqs = [SP(temperature=0, max_tokens=6), SP(temperature=0.9, max_tokens=5, seed=3, n=3)]
@@ -108,7 +108,7 @@ def check_batch_1_vs_n(name, invariant):
 
 
 def check_prefill_vs_decode(name, invariant):
-    llm = _llm(name, invariant)
+    llm = shared_llm(name, invariant)
     p = _needle(name)
     ok = []
     for sp in (SP(temperature=0, max_tokens=6), SP(temperature=0.8, max_tokens=6, seed=9, ignore_eos=True)):
@@ -121,9 +121,9 @@ def check_prefill_vs_decode(name, invariant):
 
 def check_chunked_prefill(name, invariant):
     rng = np.random.default_rng(13)
-    long = list(map(int, rng.integers(3, _model(name)[0].config.vocab_size, 150)))
+    long = list(map(int, rng.integers(3, shared_model(name)[0].config.vocab_size, 150)))
     sp = [SP(temperature=0, max_tokens=4), SP(temperature=0.7, max_tokens=4, seed=5)]
-    runs = [_gen(_llm(name, invariant, budget), [long, long], sp) for budget in (16, 32, 64)]
+    runs = [_gen(shared_llm(name, invariant, budget), [long, long], sp) for budget in (16, 32, 64)]
     return all(_same(r[i], runs[-1][i]) for r in runs[:-1] for i in range(2))
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from bijax import SamplingParams as SP
-from tests.bijax.test_engine import _llm
+from tests.bijax.test_engine import shared_llm as _llm
 from tests.conftest import bits
 
 PROMPT = [5, 17, 42, 99, 123, 7, 8]

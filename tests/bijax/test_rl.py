@@ -19,7 +19,8 @@ from flax import nnx
 
 import bijax.rl as rl
 from bijax import SamplingParams as SP
-from tests.bijax.test_engine import _llm, _model
+from tests.bijax.test_engine import shared_llm as _llm
+from tests.bijax.test_engine import shared_model as _model
 from tests.conftest import bits, rel_err
 
 PROMPT_LENS = (3, 9, 17, 30, 5, 12, 22, 40)

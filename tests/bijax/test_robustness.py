@@ -20,7 +20,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _llm(**kw):
     """tests/bijax/test_engine.py's `tiny` engine settings (so the compiled steps are shared)."""
-    from tests.bijax.test_engine import _model
+    from tests.bijax.test_engine import shared_model as _model
 
     args = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=160, seed=1)
     return bijax.LLM(_model("tiny")[0], **(args | kw))
@@ -93,7 +93,7 @@ def test_golden_bits_unchanged_unless_numerics_version_bumped():
         f"NUMERICS_VERSION is {bijax.NUMERICS_VERSION} but golden.json is for {record['numerics_version']}: "
         "regenerate it with `python -m tests.bijax.golden --write`"
     )
-    from tests.bijax.test_engine import _llm as engine_llm  # shares its compiled SmolLM2 steps
+    from tests.bijax.test_engine import shared_llm as engine_llm  # shares its compiled SmolLM2 steps
 
     now = golden.current_hashes({"tiny": _llm(), "smollm2-135m": engine_llm("smollm2")})
     golden.verify(now, record, device_class())

@@ -1,6 +1,6 @@
 """Tensor parallelism across processes: two processes on this machine, one CPU device each, joined
 by ``jax.distributed.initialize`` (CPU collectives: gloo), serve the fixed requests of
-``tests/bijax/_tp_worker.py`` at tensor_parallel_size=2 and get the bits of one process at
+``tests/bijax/tp_worker.py`` at tensor_parallel_size=2 and get the bits of one process at
 tensor_parallel_size=1: token ids, generate's float32 logprobs and ``score``'s, compared as uint32.
 
 Negative control: the same two processes on the XLA path (invariant=False: XLA dots, the
@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import bijax
-from tests.bijax import _tp_worker as worker
+from tests.bijax import tp_worker as worker
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 300  # both workers together; a cold start takes ~1 min on 2 CPU cores
@@ -48,7 +48,7 @@ class _Workers:
         self.procs = []
         for i in range(2):
             out, err = self.logs[i]
-            cmd = [sys.executable, "-m", "tests.bijax._tp_worker", str(port), str(i), str(self.outs[i])]
+            cmd = [sys.executable, "-m", "tests.bijax.tp_worker", str(port), str(i), str(self.outs[i])]
             with open(out, "w") as fo, open(err, "w") as fe:
                 self.procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fo, stderr=fe))
         self.start = time.monotonic()

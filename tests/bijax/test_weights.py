@@ -15,7 +15,7 @@ from flax import nnx
 
 import bijax
 from bijax import SamplingParams as SP
-from bijax.model_runner import _step
+from bijax.model_runner import num_compiled_steps
 from models import save_orbax
 from models.configs import preset
 from models.llama import Llama, param_state
@@ -57,10 +57,10 @@ def test_update_weights_changes_outputs_without_recompiling():
     before = llm.generate(PROMPTS, SAMPLING, use_tqdm=False)
     trained = _train_step(_fresh())
     expect = bijax.LLM(trained, **ENGINE).generate(PROMPTS, SAMPLING, use_tqdm=False)
-    compiles = _step._cache_size()
+    compiles = num_compiled_steps()
     llm.update_weights(param_state(trained))
     after = llm.generate(PROMPTS, SAMPLING, use_tqdm=False)
-    assert _step._cache_size() == compiles  # no new compilation
+    assert num_compiled_steps() == compiles  # no new compilation
     assert _same(after, expect)  # exactly the weights given
     assert not _same(after, before)  # negative control: the weights did change the output
     # A pure dict and a whole Llama are accepted too; back to the first weights, first bits
@@ -69,7 +69,7 @@ def test_update_weights_changes_outputs_without_recompiling():
     assert _same(llm.generate(PROMPTS, SAMPLING, use_tqdm=False), before)
     llm.update_weights(trained)
     assert _same(llm.generate(PROMPTS, SAMPLING, use_tqdm=False), expect)
-    assert _step._cache_size() == compiles
+    assert num_compiled_steps() == compiles
 
 
 def test_update_weights_releases_the_old_buffers():

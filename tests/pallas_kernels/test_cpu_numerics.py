@@ -14,15 +14,15 @@ import jax
 import numpy as np
 from jax import lax
 
-from pallas_kernels import _platform
+import pallas_kernels as pk
 from tests.conftest import bits
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_this_process_compiles_cpu_code_with_consistent_math():
-    assert _platform.CPU_CONSISTENT_MATH in os.environ["XLA_FLAGS"]
-    assert _platform.cpu_math_is_consistent()
+    assert pk.CPU_CONSISTENT_MATH in os.environ["XLA_FLAGS"]
+    assert pk.cpu_math_is_consistent()
 
 
 def test_the_probe_tells_the_two_settings_apart():
@@ -39,8 +39,8 @@ def test_an_engine_is_refused_when_jax_started_before_bijax():
     code = (
         "import jax; jax.numpy.ones(3).block_until_ready()\n"
         "import bijax\n"
-        "from pallas_kernels import _platform\n"
-        "print('consistent', _platform.cpu_math_is_consistent())\n"
+        "import pallas_kernels as pk\n"
+        "print('consistent', pk.cpu_math_is_consistent())\n"
         "try:\n"
         "    bijax.LLM('tiny', max_model_len=64, num_kv_blocks=8)\n"
         "except RuntimeError as e:\n"

@@ -1,6 +1,6 @@
 """One process of the two-process tensor-parallel check (tests/bijax/test_tp_multiprocess.py).
 
-``python -m tests.bijax._tp_worker PORT PROCESS_ID OUT.json``: joins a 2-process
+``python -m tests.bijax.tp_worker PORT PROCESS_ID OUT.json``: joins a 2-process
 ``jax.distributed`` job on 127.0.0.1:PORT with one CPU device (CPU collectives: gloo), serves
 the fixed requests at tensor_parallel_size=2 and writes ``record(llm)`` to OUT.json, with the
 same record of the XLA path (invariant=False) as a negative control.
