@@ -15,7 +15,7 @@ compile_cache.enable()  # before anything compiles: JAX decides once per process
 
 from bijax.config import EngineConfig  # noqa: E402
 from bijax.llm import LLM  # noqa: E402
-from bijax.llm_engine import Engine  # noqa: E402
+from bijax.llm_engine import Engine, EngineStats, ValidPrompt  # noqa: E402
 from bijax.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from bijax.rl import logprobs  # noqa: E402
 from bijax.sampling_params import SamplingParams  # noqa: E402
@@ -26,7 +26,9 @@ __all__ = [
     "CompletionOutput",
     "Engine",
     "EngineConfig",
+    "EngineStats",
     "RequestOutput",
     "SamplingParams",
+    "ValidPrompt",
     "logprobs",
 ]

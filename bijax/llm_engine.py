@@ -130,10 +130,13 @@ class Engine:
         it, or the ``ValidPrompt`` it returned (then ``params`` must be None or the same)."""
         if not isinstance(request_id, str) or request_id in self._requests:
             raise ValueError(f"request_id must be a new str, got {request_id!r}")
-        if isinstance(prompt, ValidPrompt) and prompt.engine_id == id(self):
+        if isinstance(prompt, ValidPrompt):
             if params is not None and params is not prompt.params:
                 raise ValueError("a ValidPrompt carries its SamplingParams: pass params=None")
             valid = prompt
+            if prompt.engine_id != id(self):  # validated by another engine: check against this one
+                self._check(list(prompt.token_ids), prompt.params)
+                valid = dataclasses.replace(prompt, engine_id=id(self))
         else:
             valid = self.validate(prompt, params)
         text, ids, params = valid.text, list(valid.token_ids), valid.params

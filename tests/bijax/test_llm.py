@@ -113,3 +113,42 @@ def test_unknown_model_name_or_path():
         bijax.LLM("no-such-model")
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         bijax.LLM("tiny", tensor_parallel_size=2)
+
+
+def test_engine_public_door(llm):
+    """validate -> ValidPrompt -> add_request (no second check), on_output streaming, stats,
+    and the idle-only operations refused mid-flight."""
+    import bijax
+
+    eng = llm.engine
+    sp = SP(temperature=0, max_tokens=4, ignore_eos=True)
+    v = eng.validate(PROMPT, sp)
+    assert v.token_ids == tuple(PROMPT) and v.params is sp and v.text is None
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        eng.validate([1, 10**6], sp)
+    with pytest.raises(ValueError, match="carries its SamplingParams"):
+        eng.add_request("door-bad", v, SP(max_tokens=2))
+    other = _llm("tiny", budget=32).engine  # a ValidPrompt of another engine is checked again
+    other.add_request("door-other", v)
+    while other.has_unfinished_requests():
+        other.step()
+    seen = []
+    ref = llm.generate(PROMPT, sp, use_tqdm=False)[0]
+    before = eng.stats()
+    out = llm.generate([PROMPT, PROMPT], sp, use_tqdm=False, on_output=lambda i, o: seen.append((i, o.finished)))
+    assert out[0].token_ids == ref.token_ids and {i for i, _ in seen} == {0, 1}
+    assert [f for i, f in seen if i == 0][-1] and len([1 for i, _ in seen if i == 0]) == 4  # 4 steps streamed
+    after = eng.stats()
+    assert isinstance(after, bijax.EngineStats) and after.num_unfinished_requests == 0
+    assert after.prefix_cache_hit_blocks >= before.prefix_cache_hit_blocks
+    assert after.num_compiled_buckets == eng.num_compiled_buckets > 0
+    eng.add_request("door-busy", v)
+    with pytest.raises(RuntimeError, match="no generation is in flight"):
+        eng.limit_kv_pool(8)
+    with pytest.raises(RuntimeError, match="no generation is in flight"):
+        eng.set_weights(llm.model)
+    eng.abort("door-busy")
+    while eng.has_unfinished_requests():
+        eng.step()
+    with pytest.raises(ValueError, match="num_blocks must be an int"):
+        eng.limit_kv_pool(1)
