@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 import pallas_kernels as pk
+from bijax.sampler import tempered_logprobs
 from models.llama import Llama, check_tokens
 
 __all__ = ["logprobs"]
@@ -237,8 +238,9 @@ def _logprobs(graphdef, state, tokens, segment_ids, temp, *, max_segments, invar
     c = m.config
     b, length = tokens.shape
     logits = m.forward_packed(tokens, segment_ids, max_segments=max_segments, invariant=invariant)
-    z = pk.tempered(logits.reshape(b * length, c.vocab_size), jnp.repeat(temp, length))
-    lp = pk.log_softmax(z) if invariant else jax.nn.log_softmax(z, axis=-1)
+    lp = tempered_logprobs(
+        logits.reshape(b * length, c.vocab_size), jnp.repeat(temp, length), invariant=invariant
+    )
     # Row i's distribution scores the next token, i + 1.
     targets = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1).reshape(-1)
     nxt = jnp.take_along_axis(lp, targets[:, None], axis=1).reshape(b, length)

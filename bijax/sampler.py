@@ -34,7 +34,7 @@ def sample_reference(logits, temperature, top_k, top_p, min_p, gumbel):
     keep_sorted &= (top_p[:, None] >= 1.0) | (before < top_p[:, None])
     keep = jnp.zeros((r, v), bool).at[jnp.arange(r)[:, None], order].set(keep_sorted)
     keep &= (min_p <= 0)[:, None] | (lp >= (jnp.log(jnp.maximum(min_p, 1e-30)) + lp.max(-1))[:, None])
-    score = jnp.where((temperature <= 0)[:, None], z, jnp.where(keep, z + gumbel, -jnp.inf))
+    score = jnp.where(pk.greedy_rows(temperature)[:, None], z, jnp.where(keep, z + gumbel, -jnp.inf))
     return jnp.argmax(score, axis=-1).astype(jnp.int32), lp
 
 
@@ -62,9 +62,16 @@ def sample_rows(
     return tok, tok_lp, top
 
 
+def tempered_logprobs(logits, temperature, *, invariant):
+    """log_softmax(logits / T) per row (raw for greedy rows), float32 [R, V]: the one home of
+    the formula that makes scoring and trainer logprobs equal generate's
+    (``pk.tempered_log_softmax``); ``invariant=False``: XLA's log_softmax on the same scaling."""
+    if invariant:
+        return pk.tempered_log_softmax(logits, temperature)
+    return jax.nn.log_softmax(pk.tempered(logits, temperature), axis=-1)
+
+
 def target_logprobs(logits, targets, temperature, *, invariant):
-    """Logprob of ``targets`` [R] under log_softmax(logits / T) (raw for T <= 0): what ``score``
-    returns; the same kernel and scaling as sampling, so the bits equal generate's."""
-    z = pk.tempered(logits, temperature)
-    lp = pk.log_softmax(z) if invariant else jax.nn.log_softmax(z, axis=-1)
-    return lp[jnp.arange(z.shape[0]), targets]
+    """Logprob of ``targets`` [R] under ``tempered_logprobs``: what ``score`` returns."""
+    lp = tempered_logprobs(logits, temperature, invariant=invariant)
+    return lp[jnp.arange(lp.shape[0]), targets]

@@ -41,8 +41,8 @@ from jax import lax
 
 import pallas_kernels as pk
 from models.configs import LlamaConfig
-from pallas_kernels.attention import attention, attention_reference
-from pallas_kernels.matmul import K_SHARDS
+from pallas_kernels.attention import attention, attention_reference, write_kv
+from pallas_kernels.plan import K_SHARDS
 
 # Block size of the paged view the full-sequence forward builds of its own KV. The
 # attention kernel's bits do not depend on the block size (<= 64), so this matches the
@@ -441,7 +441,7 @@ class Llama(nnx.Module):
 
         def attend(i, q, k, v):
             kc, vc = new_cache[i]
-            kc, vc = _store_kv(kc, vc, k, v, slot_mapping)
+            kc, vc = write_kv(kc, vc, k.astype(kc.dtype), v.astype(vc.dtype), slot_mapping)
             new_cache[i] = (kc, vc)
             fn = attention if invariant else attention_reference
             return fn(q, kc, vc, block_tables, context_lens, token_seq, token_pos)
@@ -451,17 +451,6 @@ class Llama(nnx.Module):
         if logit_rows is not None:
             h = h[logit_rows]
         return self._lm_head(h, invariant=invariant, tp=tp), new_cache
-
-
-def _store_kv(k_cache, v_cache, k, v, slots):
-    """Writes k/v [T, Hkv, D] at their slots; padding (slot < 0) goes to the null block 0."""
-    bs = k_cache.shape[1]
-    null = jnp.arange(slots.shape[0], dtype=jnp.int32) % bs
-    slots = jnp.where(slots < 0, null, slots)
-    blk, off = slots // bs, slots % bs
-    return k_cache.at[blk, off].set(k.astype(k_cache.dtype)), v_cache.at[blk, off].set(
-        v.astype(v_cache.dtype)
-    )
 
 
 def _dense_causal(q, k, v, b, length):

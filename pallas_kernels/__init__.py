@@ -15,12 +15,14 @@ from pallas_kernels.matmul import MatmulPlan, matmul, matmul_partial, matmul_ref
 from pallas_kernels.rms_norm import rms_norm, rms_norm_reference
 from pallas_kernels.softmax import (
     argmax,
+    greedy_rows,
     log_softmax,
     log_softmax_reference,
     logsumexp,
     logsumexp_reference,
     sample,
     tempered,
+    tempered_log_softmax,
     top_n,
 )
 
@@ -30,6 +32,7 @@ __all__ = [
     "require_consistent_cpu_math",
     "MatmulPlan",
     "argmax",
+    "greedy_rows",
     "gather_last",
     "log_softmax",
     "log_softmax_reference",
@@ -43,6 +46,7 @@ __all__ = [
     "rms_norm_reference",
     "sample",
     "tempered",
+    "tempered_log_softmax",
     "top_n",
     "tree_psum",
     "tree_sum",

@@ -221,6 +221,18 @@ def argmax(x: jax.Array) -> jax.Array:
     return _argmax(x)
 
 
+def greedy_rows(temperature) -> jax.Array:
+    """The rule every sampling and scoring path follows: a row with temperature <= 0 is greedy
+    (argmax, raw log_softmax); others sample from log_softmax(logits / T)."""
+    return jnp.asarray(temperature) <= 0
+
+
+def _inverse_temperature(t) -> jax.Array:
+    """float32 1 / T per row, 1 for greedy rows."""
+    hot = ~greedy_rows(t)
+    return jnp.where(hot, 1.0 / jnp.where(hot, t, 1.0), 1.0).astype(jnp.float32)
+
+
 def _tempered(logits, temperature):
     """logits * (1 / T) per row in float32 (T <= 0: the logits unchanged), stored once.
 
@@ -229,8 +241,7 @@ def _tempered(logits, temperature):
     and may fuse the scaling into its consumers; this way every program (sampling, scoring,
     a trainer's step) gets the same bits.
     """
-    t = temperature.astype(jnp.float32)
-    inv = jnp.where(t > 0, 1.0 / jnp.where(t > 0, t, 1.0), 1.0).astype(jnp.float32)
+    inv = _inverse_temperature(temperature.astype(jnp.float32))
     return lax.optimization_barrier(logits.astype(jnp.float32) * inv[:, None])
 
 
@@ -247,8 +258,8 @@ def _tempered_vjp_bwd(res, g):
     """d/dlogits = g / T; d/dT = -sum(g * logits) / T**2 (0 for rows with T <= 0)."""
     logits, temperature = res
     t = temperature.astype(jnp.float32)
-    hot = t > 0
-    inv = jnp.where(hot, 1.0 / jnp.where(hot, t, 1.0), 1.0).astype(jnp.float32)
+    hot = ~greedy_rows(t)
+    inv = _inverse_temperature(t)
     gf = g.astype(jnp.float32)
     d_logits = (gf * inv[:, None]).astype(logits.dtype)
     d_t = jnp.where(hot, -jnp.sum(gf * logits.astype(jnp.float32), axis=-1) * inv * inv, 0.0)
@@ -268,10 +279,17 @@ def tempered(logits: jax.Array, temperature) -> jax.Array:
     return _tempered_vjp(logits, jnp.asarray(temperature, jnp.float32))
 
 
+def tempered_log_softmax(logits: jax.Array, temperature) -> jax.Array:
+    """float32 log_softmax(logits / T) per row of logits[R, V] (raw log_softmax for greedy
+    rows): the logprobs ``sample`` reports, and what scoring and a trainer's logprobs use -
+    the same kernels in the same order, so their bits are the sampler's. Differentiable."""
+    return log_softmax(tempered(logits, temperature))
+
+
 @_platform.kernel_op("sample")
 def _sample(logits, temperature, top_k, top_p, min_p, gumbel):
     r, v = logits.shape
-    greedy = temperature <= 0
+    greedy = greedy_rows(temperature)
     z = _tempered(logits, temperature)
     lp = _softmax(z, log_probs=True, backend="auto", interpret=False)
     all_kept = jnp.ones((r, v), bool)

@@ -135,7 +135,9 @@ def test_engine_public_door(llm):
     seen = []
     ref = llm.generate(PROMPT, sp, use_tqdm=False)[0]
     before = eng.stats()
-    out = llm.generate([PROMPT, PROMPT], sp, use_tqdm=False, on_output=lambda i, o: seen.append((i, o.finished)))
+    out = llm.generate(
+        [PROMPT, PROMPT], sp, use_tqdm=False, on_output=lambda i, o: seen.append((i, o.finished))
+    )
     assert out[0].token_ids == ref.token_ids and {i for i, _ in seen} == {0, 1}
     assert [f for i, f in seen if i == 0][-1] and len([1 for i, _ in seen if i == 0]) == 4  # 4 steps streamed
     after = eng.stats()
