@@ -169,12 +169,12 @@ assert history[-1] > history[0] + 0.2, history"""),
 
 `update_weights` swaps the arrays the compiled steps take as an argument. Count the engine's
 compiled step programs before and after another weight update and a generate call: the same."""),
-    code("""from bijax.model_runner import _step
+    code("""from bijax.model_runner import num_compiled_steps
 
-before = _step._cache_size()
+before = num_compiled_steps()
 llm.update_weights(params)
 llm.generate(prompts, SamplingParams(n=G, temperature=1.0, seed=7, max_tokens=T, ignore_eos=True), use_tqdm=False)
-after = _step._cache_size()
+after = num_compiled_steps()
 print("compiled step programs: before", before, "after", after)
 assert before == after"""),
     md("""## Negative control: the same loop on plain XLA ops
