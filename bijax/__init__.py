@@ -1,7 +1,7 @@
 """bijax: batch-invariant LLM inference for JAX.
 
 ``LLM`` / ``SamplingParams`` / ``RequestOutput`` / ``Engine`` follow vLLM's names; the
-kernels they run on are in ``pallas_kernels``. See DESIGN.md for the invariance contract.
+kernels they run on are in ``pallas_kernels``. See docs/design.md for the invariance contract.
 """
 
 __version__ = "0.1.0"

@@ -1,7 +1,7 @@
 """The invariance suite behind ``bijax check``: does a request's output depend on anything but
 the request?
 
-Every dimension of the contract (DESIGN.md) is exercised against one model: each request is
+Every dimension of the contract (docs/design.md) is exercised against one model: each request is
 first generated alone on a fresh engine (the reference), then again under one change - sharing
 a batch, arriving mid-flight among other requests ("needle in a batch"), scored by prefill
 instead of decoded, prefilled in different chunk sizes, served from the prefix cache, preempted

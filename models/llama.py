@@ -16,7 +16,7 @@ it gives the same bits as the paged forward. ``invariant=False`` uses plain XLA 
 negative control and the speed baseline, never a fallback.
 
 Weights are stored [in, out] (HF's [out, in] is transposed once at load). Row-parallel
-weights (o, down) use the model's ``k_shards`` (DESIGN.md); column-parallel ones (q, k, v,
+weights (o, down) use the model's ``k_shards`` (docs/design.md); column-parallel ones (q, k, v,
 gate, up, the LM head) go through in ``k_shards`` column blocks. Logits are float32.
 
 Tensor parallelism (``forward_paged(..., tp=TensorParallel(axis, size))``, inside

@@ -1,4 +1,4 @@
-"""Tensor-parallel layout of a ``Llama`` over one mesh axis (DESIGN.md, "k_shards").
+"""Tensor-parallel layout of a ``Llama`` over one mesh axis (docs/design.md, "k_shards").
 
 * column-parallel, split along N: ``wq``, ``wk``, ``wv`` (and their biases), ``w_gate``,
   ``w_up`` - a rank holds whole heads (KV head r*Hkv/P ... with its query heads) and 1/P of
