@@ -87,7 +87,6 @@ class LLM:
             if isinstance(model, str) and model in PRESETS:  # fail before building a large model
                 check_tensor_parallel(PRESETS[model], tensor_parallel_size, k_shards)
             self.model = load_model(model, dtype=dtype, k_shards=k_shards, seed=seed, progress=True)
-        check_tensor_parallel(self.model.config, tensor_parallel_size, self.model.k_shards)
         if (
             tokenizer is None
             and not isinstance(model, Llama)

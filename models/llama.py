@@ -41,8 +41,7 @@ from jax import lax
 
 import pallas_kernels as pk
 from models.configs import LlamaConfig
-from pallas_kernels.attention import attention, attention_reference, write_kv
-from pallas_kernels.plan import K_SHARDS
+from pallas_kernels import K_SHARDS, attention, attention_reference, write_kv
 
 # Block size of the paged view the full-sequence forward builds of its own KV. The
 # attention kernel's bits do not depend on the block size (<= 64), so this matches the

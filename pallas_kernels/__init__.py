@@ -10,23 +10,31 @@ from pallas_kernels._platform import (  # first: sets XLA's CPU flags before JAX
     cpu_math_is_consistent,
     require_consistent_cpu_math,
 )
+from pallas_kernels.attention import attention, attention_reference, write_kv
 from pallas_kernels.collectives import gather_last, tree_psum
-from pallas_kernels.matmul import MatmulPlan, matmul, matmul_partial, matmul_reference, plan_matmul, tree_sum
+from pallas_kernels.matmul import matmul, matmul_partial, matmul_reference
+from pallas_kernels.plan import K_SHARDS, MatmulPlan, plan_matmul, tree_sum
 from pallas_kernels.rms_norm import rms_norm, rms_norm_reference
-from pallas_kernels.softmax import (
+from pallas_kernels.sampling import (
     argmax,
     greedy_rows,
-    log_softmax,
-    log_softmax_reference,
-    logsumexp,
-    logsumexp_reference,
     sample,
     tempered,
     tempered_log_softmax,
     top_n,
 )
+from pallas_kernels.softmax import (
+    log_softmax,
+    log_softmax_reference,
+    logsumexp,
+    logsumexp_reference,
+)
 
 __all__ = [
+    "K_SHARDS",
+    "attention",
+    "attention_reference",
+    "write_kv",
     "CPU_CONSISTENT_MATH",
     "cpu_math_is_consistent",
     "require_consistent_cpu_math",

@@ -1,0 +1,213 @@
+"""Batch-invariant sampling over the vocabulary: the tempered log_softmax, argmax, top-k, top-p,
+min-p and Gumbel-max, and the top-n logprobs.
+
+Sampling needs, per row: the tempered log_softmax, an argmax, the k-th largest value (top-k)
+and a probability-mass threshold (top-p). Max, argmax and integer counts are exact, so any
+reduction order gives the same bits; every float sum goes through the invariant logsumexp of
+``softmax``. Thresholds are found by a bitwise search over the float32 total order (32 steps),
+never by sorting.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import _platform
+from pallas_kernels._validate import check_float_dtype, check_rank, check_rows
+from pallas_kernels.softmax import log_softmax, logsumexp
+
+
+def _order_key(x):
+    """float32 -> uint32 with the same order (-inf < ... < -0.0 < +0.0 < ... < +inf)."""
+    b = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    return jnp.where((b >> 31) == 1, ~b, b | jnp.uint32(0x80000000))
+
+
+def _largest_key(ok, rows: int):
+    """Per row, the largest uint32 t with ok(t) True, for ok monotone non-increasing in t
+    with ok(0) True (a bitwise search from the top bit: 32 exact steps)."""
+
+    def step(i, t):  # a loop, not 32 unrolled copies: a fraction of the compile time
+        cand = t | (jnp.uint32(1) << (31 - i).astype(jnp.uint32))
+        return jnp.where(ok(cand), cand, t)
+
+    return lax.fori_loop(0, 32, step, jnp.zeros((rows,), jnp.uint32))
+
+
+def _argmax_rows(x):
+    """First index of the row maximum (exact; order-free)."""
+    return jnp.argmax(x, axis=-1).astype(jnp.int32)
+
+
+@_platform.kernel_op("argmax")
+def _argmax(x):
+    return _argmax_rows(x)
+
+
+def argmax(x: jax.Array) -> jax.Array:
+    """Row-wise argmax of x[T, V] (the first index on ties) -> int32 [T]."""
+    check_rank("argmax", "x", x, 2)
+    check_rows("argmax", "x", x)
+    check_float_dtype("argmax", x=x)
+    return _argmax(x)
+
+
+def greedy_rows(temperature) -> jax.Array:
+    """The rule every sampling and scoring path follows: a row with temperature <= 0 is greedy
+    (argmax, raw log_softmax); others sample from log_softmax(logits / T)."""
+    return jnp.asarray(temperature) <= 0
+
+
+def _inverse_temperature(t) -> jax.Array:
+    """float32 1 / T per row, 1 for greedy rows."""
+    hot = ~greedy_rows(t)
+    return jnp.where(hot, 1.0 / jnp.where(hot, t, 1.0), 1.0).astype(jnp.float32)
+
+
+def _tempered(logits, temperature):
+    """logits * (1 / T) per row in float32 (T <= 0: the logits unchanged), stored once.
+
+    A multiply by the rounded reciprocal, behind an optimization barrier: XLA may turn a
+    division by a broadcast into a reciprocal multiply in one program and not in another,
+    and may fuse the scaling into its consumers; this way every program (sampling, scoring,
+    a trainer's step) gets the same bits.
+    """
+    inv = _inverse_temperature(temperature.astype(jnp.float32))
+    return lax.optimization_barrier(logits.astype(jnp.float32) * inv[:, None])
+
+
+@jax.custom_vjp
+def _tempered_vjp(logits, temperature):
+    return _tempered(logits, temperature)
+
+
+def _tempered_vjp_fwd(logits, temperature):
+    return _tempered(logits, temperature), (logits, temperature)
+
+
+def _tempered_vjp_bwd(res, g):
+    """d/dlogits = g / T; d/dT = -sum(g * logits) / T**2 (0 for rows with T <= 0)."""
+    logits, temperature = res
+    t = temperature.astype(jnp.float32)
+    hot = ~greedy_rows(t)
+    inv = _inverse_temperature(t)
+    gf = g.astype(jnp.float32)
+    d_logits = (gf * inv[:, None]).astype(logits.dtype)
+    d_t = jnp.where(hot, -jnp.sum(gf * logits.astype(jnp.float32), axis=-1) * inv * inv, 0.0)
+    return d_logits, d_t.astype(temperature.dtype)
+
+
+_tempered_vjp.defvjp(_tempered_vjp_fwd, _tempered_vjp_bwd)
+
+
+def tempered(logits: jax.Array, temperature) -> jax.Array:
+    """The tempered logits sampling and scoring use: float32 ``logits * (1 / T)`` per row of
+    logits[R, V] (rows with T <= 0 unchanged). Differentiable in logits and temperature
+    (``jax.custom_vjp``; the forward bits are those of sampling)."""
+    check_rank("tempered", "logits", logits, 2)
+    if tuple(jnp.shape(temperature)) != (logits.shape[0],):
+        raise ValueError(f"tempered: temperature must have shape ({logits.shape[0]},)")
+    return _tempered_vjp(logits, jnp.asarray(temperature, jnp.float32))
+
+
+def tempered_log_softmax(logits: jax.Array, temperature) -> jax.Array:
+    """float32 log_softmax(logits / T) per row of logits[R, V] (raw log_softmax for greedy
+    rows): the logprobs ``sample`` reports, and what scoring and a trainer's logprobs use -
+    the same kernels in the same order, so their bits are the sampler's. Differentiable."""
+    return log_softmax(tempered(logits, temperature))
+
+
+@_platform.kernel_op("sample")
+def _sample(logits, temperature, top_k, top_p, min_p, gumbel):
+    r, v = logits.shape
+    greedy = greedy_rows(temperature)
+    z = _tempered(logits, temperature)
+    lp = log_softmax(z)
+    all_kept = jnp.ones((r, v), bool)
+    # Each filter runs only when some row uses it, and rows that do not use it keep every
+    # token explicitly - so a row's result never depends on which branch ran.
+    # top-k: the k-th largest scaled logit, by counting (exact).
+    use_k = (top_k > 0) & (top_k < v) & ~greedy
+
+    def top_k_mask():
+        zkey = _order_key(z)
+        kth = _largest_key(lambda t: jnp.sum((zkey >= t[:, None]).astype(jnp.int32), axis=-1) >= top_k, r)
+        return ~use_k[:, None] | (zkey >= kth[:, None])
+
+    keep = lax.cond(jnp.any(use_k), top_k_mask, lambda: all_kept)
+    # top-p over what top-k kept: the largest threshold whose mass still reaches top_p.
+    use_p = (top_p < 1.0) & ~greedy
+
+    def top_p_mask():
+        lp_key = _order_key(lp)
+        kept_lse = logsumexp(jnp.where(keep, lp, -jnp.inf))
+        target = jnp.log(jnp.clip(top_p, 1e-30, 1.0)).astype(jnp.float32) + kept_lse
+
+        def mass_reaches(t):
+            sel = keep & (lp_key >= t[:, None])
+            return logsumexp(jnp.where(sel, lp, -jnp.inf)) >= target
+
+        thr = _largest_key(mass_reaches, r)
+        return ~use_p[:, None] | (lp_key >= thr[:, None])
+
+    keep = keep & lax.cond(jnp.any(use_p), top_p_mask, lambda: all_kept)
+    # min-p: probability at least min_p times the most likely token's.
+    lp_max = jnp.max(lp, axis=-1)
+    keep = keep & ((min_p <= 0)[:, None] | (lp >= (jnp.log(jnp.maximum(min_p, 1e-30)) + lp_max)[:, None]))
+    # Gumbel-max over the kept tokens = a draw from softmax(z) restricted to them.
+    score = jnp.where(greedy[:, None], z, jnp.where(keep, z + gumbel, -jnp.inf))
+    return _argmax_rows(score), lp
+
+
+def sample(logits, *, temperature, top_k, top_p, min_p, gumbel):
+    """One token per row of logits[R, V], batch invariant; also the row's float32 logprobs.
+
+    Per row: ``temperature`` (0 = greedy argmax), ``top_k`` (-1 = off), ``top_p`` (1 = off),
+    ``min_p`` (0 = off), ``gumbel`` [R, V] noise. The logits are scaled by 1 / T (``tempered``);
+    top-k keeps the k largest; top-p keeps the most likely tokens whose probability mass
+    (within what top-k kept) reaches top_p; min-p keeps tokens at least min_p times as likely
+    as the most likely one; the token is the argmax of scaled logits + noise over the kept
+    set. Returns (tokens int32 [R], log_softmax(tempered logits) float32 [R, V]; raw log_softmax
+    for greedy rows) - the distribution before truncation.
+    """
+    check_rank("sample", "logits", logits, 2)
+    check_rows("sample", "logits", logits)
+    check_float_dtype("sample", logits=logits)
+    r, v = logits.shape
+    for name, a in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("min_p", min_p)):
+        if tuple(jnp.shape(a)) != (r,):
+            raise ValueError(f"sample: {name} must have shape ({r},), got {tuple(jnp.shape(a))}")
+    if tuple(jnp.shape(gumbel)) != (r, v):
+        raise ValueError(f"sample: gumbel must have shape ({r}, {v}), got {tuple(jnp.shape(gumbel))}")
+    return _sample(
+        logits,
+        jnp.asarray(temperature, jnp.float32),
+        jnp.asarray(top_k, jnp.int32),
+        jnp.asarray(top_p, jnp.float32),
+        jnp.asarray(min_p, jnp.float32),
+        jnp.asarray(gumbel, jnp.float32),
+    )
+
+
+@_platform.kernel_op("top_n", static_argnames=("n",))
+def _top_n(lp, *, n):
+    ids, vals = [], []
+    x = lp.astype(jnp.float32)
+    rows = jnp.arange(x.shape[0])
+    for _ in range(n):
+        i = _argmax_rows(x)
+        ids.append(i)
+        vals.append(x[rows, i])
+        x = x.at[rows, i].set(-jnp.inf)
+    return jnp.stack(ids, axis=1), jnp.stack(vals, axis=1)
+
+
+def top_n(logprobs: jax.Array, n: int):
+    """The n largest entries of each row of logprobs[R, V] (ties: lower index first) ->
+    (ids int32 [R, n], values float32 [R, n]); exact selection, batch invariant."""
+    check_rank("top_n", "logprobs", logprobs, 2)
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= logprobs.shape[1]:
+        raise ValueError(f"top_n: n must be an int in [1, {logprobs.shape[1]}], got {n!r}")
+    return _top_n(logprobs, n=n)
