@@ -28,7 +28,7 @@ class ValidPrompt:
     text: str | None
     token_ids: tuple[int, ...]
     params: SamplingParams
-    engine_id: int
+    checked_by: object  # the validating engine's token (an object, so no id() can be reused)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +56,7 @@ class Engine:
         self.config = config
         self.model_config = model.config
         self.tokenizer = tokenizer
+        self._token = object()  # marks the ValidPrompts this engine checked
         self.runner = ModelRunner(model, config)
         self.blocks = BlockManager(
             config.num_kv_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
@@ -79,7 +80,7 @@ class Engine:
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         text, ids = self._tokenize(prompt)
         self._check(ids, params)
-        return ValidPrompt(text, tuple(ids), params, id(self))
+        return ValidPrompt(text, tuple(ids), params, self._token)
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         """(text or None, token ids) of a prompt: a str, a list of token ids, or
@@ -134,9 +135,8 @@ class Engine:
             if params is not None and params is not prompt.params:
                 raise ValueError("a ValidPrompt carries its SamplingParams: pass params=None")
             valid = prompt
-            if prompt.engine_id != id(self):  # validated by another engine: check against this one
+            if prompt.checked_by is not self._token:  # checked by another engine: check here too
                 self._check(list(prompt.token_ids), prompt.params)
-                valid = dataclasses.replace(prompt, engine_id=id(self))
         else:
             valid = self.validate(prompt, params)
         text, ids, params = valid.text, list(valid.token_ids), valid.params
@@ -295,7 +295,7 @@ class Engine:
         """float32 logprob of each token at index >= prompt_len given the tokens before it,
         under log_softmax(logits / T) (raw for T = 0) - bit-equal to generate's logprobs."""
         self._require_idle("score")
-        self.runner.check_params()
+        self.check_weights()
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0:
             raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
         if len(token_ids) != len(prompt_lens):

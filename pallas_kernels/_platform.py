@@ -26,6 +26,8 @@ import jax
 import numpy as np
 from jax import lax
 
+from pallas_kernels.plan import H200_SMS
+
 BACKENDS = ("auto", "jnp", "triton")
 
 # --------------------------------------------------------------------------- CPU numerics
@@ -130,7 +132,7 @@ def dispatch(backend: str, jnp_fn: Callable, triton_fn: Callable, *args: Any) ->
 
 
 @contextlib.contextmanager
-def abstract_gpu(device_kind: str = "NVIDIA H200", num_cores: int = 132):
+def abstract_gpu(device_kind: str = "NVIDIA H200", num_cores: int = H200_SMS):
     """Lets a machine without a GPU lower Pallas Triton kernels for ``device_kind``."""
     device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=num_cores, platform="cuda")
     mesh = jax.sharding.AbstractMesh(
