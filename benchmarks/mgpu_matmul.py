@@ -1,5 +1,8 @@
 """Mosaic GPU (wgmma) matmul vs the Pallas Triton path: bit identity and kernel time, on the H200.
 
+(Over 400 lines: it is one device run - every phase shares the compiled kernels and the time
+budget of a single call - so its phases stay in one script.)
+
 Run from the repo root:
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/mgpu_matmul.py [--budget 250] [--phases A,T,B]
 
@@ -33,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 mm = importlib.import_module("pallas_kernels.matmul")
-mg = importlib.import_module("pallas_kernels._matmul_mgpu")
+mg = importlib.import_module("pallas_kernels.matmul_mgpu")
 
 WEIGHTS = [(576, 1536), (1536, 576), (576, 49152), (4096, 6144), (4096, 14336), (14336, 4096), (4096, 128256)]
 MS = (1, 7, 16, 64, 100, 128, 255, 512, 2048, 4096)

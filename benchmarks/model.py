@@ -22,7 +22,8 @@ import numpy as np
 from flax import nnx
 
 from models.configs import preset
-from models.llama import Llama, init_kv_cache
+from models.llama import Llama
+from models.paged import PagedBatch, init_kv_cache
 from tests.models.harness import Paged, chunked, interleaved
 
 FAILURES: list[str] = []
@@ -112,7 +113,8 @@ def time_steps(name, model, num_seqs, ctx, new_tokens, iters=10):
         @functools.partial(jax.jit, donate_argnums=(1,))
         def step(state, cache, toks, seq, pos, slot, tables, lens, rows, inv=inv):
             m = nnx.merge(graphdef, state)
-            return m.forward_paged(toks, seq, pos, slot, cache, tables, lens, logit_rows=rows, invariant=inv)
+            batch = PagedBatch(toks, seq, pos, slot, tables, lens, rows)
+            return m.forward_paged(batch, cache, invariant=inv)
 
         args = [jnp.asarray(a, jnp.int32) for a in (seq, pos, slot)]
         t0 = time.time()

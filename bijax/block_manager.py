@@ -67,7 +67,7 @@ class BlockManager:
 
     def _key(self, seq, i: int, parent):
         bs = self.block_size
-        return (parent, tuple(seq.tokens[i * bs : (i + 1) * bs]))
+        return (parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
 
     def match_prefix(self, seq) -> int:
         """For a sequence with no blocks: takes the cached blocks of its longest cached prefix

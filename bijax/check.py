@@ -83,12 +83,14 @@ class Report:
 
 @dataclasses.dataclass
 class _Out:
-    tokens: list[int]
+    token_ids: list[int]
     logprobs: np.ndarray
 
 
 def _same(a: _Out, b: _Out) -> bool:
-    return a.tokens == b.tokens and np.array_equal(a.logprobs.view(np.uint32), b.logprobs.view(np.uint32))
+    return a.token_ids == b.token_ids and np.array_equal(
+        a.logprobs.view(np.uint32), b.logprobs.view(np.uint32)
+    )
 
 
 def _requests(vocab: int, eos: set[int], n: int, max_tokens: int, budget: int, seed: int, max_len: int):
@@ -151,7 +153,7 @@ def _compare(ref: list[_Out], got: list[_Out], idx=None) -> tuple[int, int, int]
     """(requests identical, requests compared, tokens compared)."""
     idx = range(len(ref)) if idx is None else idx
     same = sum(_same(ref[i], got[j]) for j, i in enumerate(idx))
-    return same, len(idx), sum(len(ref[i].tokens) for i in idx)
+    return same, len(idx), sum(len(ref[i].token_ids) for i in idx)
 
 
 def _fillers(suite: _Suite, n: int, seed: int):
@@ -197,10 +199,12 @@ def _dimensions(
         for temp in sorted({p.temperature for _, p in reqs}):
             idx = [i for i, (_, p) in enumerate(reqs) if p.temperature == temp]
             lps = eng.score(
-                [reqs[i][0] + solo[i].tokens for i in idx], [len(reqs[i][0]) for i in idx], temperature=temp
+                [reqs[i][0] + solo[i].token_ids for i in idx],
+                [len(reqs[i][0]) for i in idx],
+                temperature=temp,
             )
             for i, lp in zip(idx, lps, strict=True):
-                scored[i] = _Out(solo[i].tokens, lp)
+                scored[i] = _Out(solo[i].token_ids, lp)
         return [("prefill vs decode", _compare(solo, scored), "score() of the generated tokens")]
 
     def batch():

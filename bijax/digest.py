@@ -9,7 +9,7 @@ would say nothing about the machine.
 
 What is a device class (the unit within which bits are promised): the platform, the device
 model and the JAX build. On CPU the model of the x86-64 processor does NOT matter once XLA runs
-with consistent CPU math (``pallas_kernels._platform``): measured on AVX-512 Zen 4 and, under
+with consistent CPU math (``pallas_kernels.runtime``): measured on AVX-512 Zen 4 and, under
 qemu-x86_64, AVX2 Haswell and Zen 2 - so the class is the architecture and its required ISA
 (x86-64 with AVX2+FMA). On GPU it is the device kind (``NVIDIA H200``). The test suite's golden
 digests (tests/bijax/golden.json) are keyed by ``device_class()``.

@@ -15,7 +15,7 @@ from bijax.block_manager import BlockManager
 from bijax.config import EngineConfig
 from bijax.model_runner import ModelRunner
 from bijax.outputs import CompletionOutput, RequestOutput
-from bijax.sampling_params import MAX_LOGPROBS, SamplingParams
+from bijax.sampling_params import MAX_LOGPROBS, SamplingParams, check_temperature
 from bijax.scheduler import Scheduler
 from bijax.sequence import Sequence, Status
 
@@ -44,8 +44,8 @@ class EngineStats:
 
 
 class _Request:
-    def __init__(self, request_id, prompt, prompt_ids, params, seed, seqs):
-        self.request_id, self.prompt, self.prompt_ids = request_id, prompt, prompt_ids
+    def __init__(self, request_id, prompt, prompt_token_ids, params, seed, seqs):
+        self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
         self.params, self.seed, self.seqs = params, seed, seqs
 
 
@@ -180,9 +180,9 @@ class Engine:
         """Compiles every pending step bucket (and with ``logprobs`` the top-logprobs variant);
         ``on_bucket(num_seqs, num_tokens, with_logprobs)`` after each."""
         pairs = self.pending_buckets(logprobs=logprobs)
-        for num_top in [0, MAX_LOGPROBS] if logprobs else [0]:
-            tick = None if on_bucket is None else (lambda s, t, n=num_top: on_bucket(s, t, bool(n)))
-            self.runner.warmup(pairs, num_top, tick)
+        for num_logprobs in [0, MAX_LOGPROBS] if logprobs else [0]:
+            tick = None if on_bucket is None else (lambda s, t, n=num_logprobs: on_bucket(s, t, bool(n)))
+            self.runner.warmup(pairs, num_logprobs, tick)
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -233,15 +233,15 @@ class Engine:
             return outputs
         self.runner.check_params()  # before scheduling: a failure leaves every request as it was
         chunks = self.scheduler.schedule()
-        num_top = MAX_LOGPROBS if any(s.params.logprobs for s, _ in chunks) else 0
-        tok, lp, top = self.runner.step(chunks, num_top)
+        num_logprobs = MAX_LOGPROBS if any(s.params.logprobs for s, _ in chunks) else 0
+        tok, lp, top = self.runner.step(chunks, num_logprobs)
         touched = {}
         for r, (seq, n) in enumerate(chunks):
             seq.num_computed += n
             self.blocks.register(seq)
             if seq.num_computed < len(seq):
                 continue  # mid-prompt chunk: nothing sampled yet
-            seq.output_ids.append(int(tok[r]))
+            seq.output_token_ids.append(int(tok[r]))
             seq.logprobs.append(lp[r])
             if seq.params.logprobs:
                 k = seq.params.logprobs
@@ -260,16 +260,16 @@ class Engine:
     # ------------------------------------------------------------------ internals
 
     def _maybe_finish(self, seq: Sequence) -> None:
-        p, last = seq.params, seq.output_ids[-1]
+        p, last = seq.params, seq.output_token_ids[-1]
         if (not p.ignore_eos and last in self.eos_ids) or last in p.stop_token_ids:
             return self.scheduler.finish(seq, "stop")
         if p.stop and self.tokenizer is not None:
-            text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
             hits = [i for i in (text.find(s) for s in p.stop) if i >= 0]
             if hits:
                 seq.text = text[: min(hits)]
                 return self.scheduler.finish(seq, "stop")
-        if len(seq.output_ids) >= p.max_tokens or len(seq) >= self.config.max_model_len:
+        if len(seq.output_token_ids) >= p.max_tokens or len(seq) >= self.config.max_model_len:
             return self.scheduler.finish(seq, "length")
 
     def _output(self, req: _Request) -> RequestOutput:
@@ -277,11 +277,11 @@ class Engine:
         for s in req.seqs:
             text = s.text
             if not (s.finish_reason == "stop" and s.text) and self.tokenizer is not None:
-                text = self.tokenizer.decode(s.output_ids, skip_special_tokens=True)
+                text = self.tokenizer.decode(s.output_token_ids, skip_special_tokens=True)
             outs.append(
                 CompletionOutput(
                     index=s.sample_index,
-                    token_ids=list(s.output_ids),
+                    token_ids=list(s.output_token_ids),
                     logprobs=np.asarray(s.logprobs, np.float32).reshape(-1),
                     text=text,
                     finish_reason=s.finish_reason,
@@ -289,15 +289,16 @@ class Engine:
                 )
             )
         done = all(s.status == Status.FINISHED for s in req.seqs)
-        return RequestOutput(req.request_id, req.prompt, list(req.prompt_ids), req.seed, outs, done)
+        return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), req.seed, outs, done)
 
     def score(self, token_ids, prompt_lens, temperature: float = 1.0) -> list[np.ndarray]:
         """float32 logprob of each token at index >= prompt_len given the tokens before it,
         under log_softmax(logits / T) (raw for T = 0) - bit-equal to generate's logprobs."""
         self._require_idle("score")
         self.check_weights()
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0:
-            raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
+        check_temperature(temperature)
+        if np.ndim(temperature):
+            raise TypeError(f"temperature must be one number, got shape {np.shape(temperature)}")
         if len(token_ids) != len(prompt_lens):
             raise ValueError(f"{len(token_ids)} sequences but {len(prompt_lens)} prompt_lens")
         seqs = []
@@ -321,7 +322,7 @@ class Engine:
                 i = -1 - seq.seq_id
                 for p in range(seq.num_computed, seq.num_computed + n):
                     want = prompt_lens[i] <= p + 1 < len(seq)
-                    targets.append(seq.tokens[p + 1] if want else -1)
+                    targets.append(seq.token_ids[p + 1] if want else -1)
                     where.append((i, p + 1 - prompt_lens[i]) if want else None)
             lp = self.runner.score_step(chunks, np.asarray(targets, np.int32), float(temperature))
             for v, w in zip(lp, where, strict=True):

@@ -23,18 +23,15 @@ from jax.sharding import PartitionSpec as P
 
 import pallas_kernels as pk
 from bijax.config import EngineConfig, bucket
-from bijax.sampler import sample_rows, target_logprobs
+from bijax.sampler import SamplingRows, sample_rows, target_logprobs
 from models import sharding
-from models.llama import Llama, TensorParallel, init_kv_cache
+from models.llama import Llama, TensorParallel
+from models.paged import PagedBatch, init_kv_cache
 
 
-def _forward(params, cache, batch, *, graphdef, invariant, rows, tp=None):
-    """The model's paged forward over one padded batch; ``rows``: the token rows to take logits of."""
-    model = nnx.merge(graphdef, params)
-    return model.forward_paged(
-        batch["tokens"], batch["seq"], batch["pos"], batch["slot"], cache, batch["tables"], batch["ctx"],
-        logit_rows=rows, invariant=invariant, tp=tp,
-    )  # fmt: skip
+def _forward(params, cache, batch: PagedBatch, *, graphdef, invariant, tp=None):
+    """The model's paged forward over one padded batch."""
+    return nnx.merge(graphdef, params).forward_paged(batch, cache, invariant=invariant, tp=tp)
 
 
 def _over_mesh(body, mesh, params, cache, *args):
@@ -54,28 +51,27 @@ def _over_mesh(body, mesh, params, cache, *args):
 
 
 @functools.partial(
-    jax.jit, static_argnames=("graphdef", "invariant", "num_top", "mesh"), donate_argnames=("cache",)
+    jax.jit, static_argnames=("graphdef", "invariant", "num_logprobs", "mesh"), donate_argnames=("cache",)
 )
-def step_program(params, cache, batch, sampling, *, graphdef, invariant, num_top, mesh=None):
-    def body(params, cache, batch, s, tp):
-        logits, cache = _forward(
-            params, cache, batch, graphdef=graphdef, invariant=invariant, rows=batch["rows"], tp=tp
-        )
-        out = sample_rows(
-            logits, s["temperature"], s["top_k"], s["top_p"], s["min_p"], s["seed"], s["sample_index"],
-            s["position"], invariant=invariant, num_top=num_top,
-        )  # fmt: skip
-        return out, cache
+def step_program(
+    params, cache, batch: PagedBatch, sampling: SamplingRows, *, graphdef, invariant, num_logprobs, mesh=None
+):
+    """One engine step: the paged forward of ``batch`` (logits of its ``logit_rows``, one per
+    sequence row) and a sampled token per row, with ``num_logprobs`` top logprobs (0: none)."""
+
+    def body(params, cache, batch, sampling, tp):
+        logits, cache = _forward(params, cache, batch, graphdef=graphdef, invariant=invariant, tp=tp)
+        return sample_rows(logits, sampling, invariant=invariant, num_logprobs=num_logprobs), cache
 
     return _over_mesh(body, mesh, params, cache, batch, sampling)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "invariant", "mesh"), donate_argnames=("cache",))
-def score_program(params, cache, batch, targets, temperature, *, graphdef, invariant, mesh=None):
+def score_program(params, cache, batch: PagedBatch, targets, temperature, *, graphdef, invariant, mesh=None):
+    """The paged forward of ``batch`` (every token row) and each row's logprob of its target."""
+
     def body(params, cache, batch, targets, temperature, tp):
-        logits, cache = _forward(
-            params, cache, batch, graphdef=graphdef, invariant=invariant, rows=None, tp=tp
-        )
+        logits, cache = _forward(params, cache, batch, graphdef=graphdef, invariant=invariant, tp=tp)
         return target_logprobs(logits, targets, temperature, invariant=invariant), cache
 
     return _over_mesh(body, mesh, params, cache, batch, targets, temperature)
@@ -85,19 +81,6 @@ def num_compiled_steps() -> int:
     """How many engine step programs this process has compiled (all engines together): a
     constant across calls shows that nothing recompiled."""
     return step_program._cache_size()
-
-
-def _greedy_rows(s: int) -> dict:
-    """Per-row sampling inputs for ``s`` rows, every filter off, greedy (padding rows keep these)."""
-    return dict(
-        temperature=np.zeros(s, np.float32),
-        top_k=np.full(s, -1, np.int32),
-        top_p=np.ones(s, np.float32),
-        min_p=np.zeros(s, np.float32),
-        seed=np.zeros(s, np.uint32),
-        sample_index=np.zeros(s, np.int32),
-        position=np.zeros(s, np.int32),
-    )
 
 
 class ModelRunner:
@@ -140,60 +123,52 @@ class ModelRunner:
         rep = NamedSharding(self.mesh, P())
         return jax.tree_util.tree_map(lambda a: sharding.to_global(np.asarray(a), rep), tree)
 
-    def _batch(self, chunks):
-        """Flat padded inputs for [(sequence, tokens to compute)], in order."""
+    def _batch(self, chunks, *, logit_rows: bool = True) -> PagedBatch:
+        """Flat padded inputs for [(sequence, tokens to compute)], in order; ``logit_rows``: the
+        last token row of each chunk (else every token row goes through the LM head)."""
         cfg = self.config
-        n_tok = sum(n for _, n in chunks)
-        t = bucket(n_tok, cfg.token_buckets)
+        t = bucket(sum(n for _, n in chunks), cfg.token_buckets)
         s = bucket(len(chunks), cfg.seq_buckets)
         bs = cfg.block_size
-        tokens = np.zeros(t, np.int32)
-        seq = np.zeros(t, np.int32)
-        pos = np.full(t, -1, np.int32)
-        slot = np.full(t, -1, np.int32)
-        tables = np.zeros((s, cfg.max_blocks_per_seq), np.int32)
-        ctx = np.zeros(s, np.int32)
-        rows = np.zeros(s, np.int32)
+        b = PagedBatch.padding(s, t, cfg.max_blocks_per_seq, logit_rows=logit_rows)
         i = 0
         for r, (sq, n) in enumerate(chunks):
             p = np.arange(sq.num_computed, sq.num_computed + n, dtype=np.int32)
             table = np.asarray(sq.block_table, np.int32)
-            tokens[i : i + n] = sq.tokens[sq.num_computed : sq.num_computed + n]
-            seq[i : i + n] = r
-            pos[i : i + n] = p
-            slot[i : i + n] = table[p // bs] * bs + p % bs
-            tables[r, : len(table)] = table
-            ctx[r] = sq.num_computed + n
-            rows[r] = i + n - 1
+            b.tokens[i : i + n] = sq.token_ids[sq.num_computed : sq.num_computed + n]
+            b.token_seq[i : i + n] = r
+            b.token_pos[i : i + n] = p
+            b.slot_mapping[i : i + n] = table[p // bs] * bs + p % bs
+            b.block_tables[r, : len(table)] = table
+            b.context_lens[r] = sq.num_computed + n
+            if logit_rows:
+                b.logit_rows[r] = i + n - 1
             i += n
         self.compiled_buckets.add((s, t))
-        return dict(tokens=tokens, seq=seq, pos=pos, slot=slot, tables=tables, ctx=ctx, rows=rows), s
+        return b
 
-    def step(self, chunks, num_top: int = 0):
+    def step(self, chunks, num_logprobs: int = 0):
         """Runs one step; returns per chunk (token, logprob, top) sampled from its last row.
 
         Rows of sequences that are still mid-prompt are sampled too; the caller ignores them.
         """
-        batch, s = self._batch(chunks)
-        sampling = _greedy_rows(s)
+        batch = self._batch(chunks)
+        sampling = SamplingRows.greedy(len(batch.context_lens))
         for r, (sq, n) in enumerate(chunks):
             p = sq.params
-            for key, value in (
-                ("temperature", p.temperature),
-                ("top_k", p.top_k),
-                ("top_p", p.top_p),
-                ("min_p", p.min_p),
-                ("seed", sq.seed),
-                ("sample_index", sq.sample_index),
-                ("position", sq.num_computed + n),
-            ):
-                sampling[key][r] = value
-        tok, tok_lp, top = self._run(batch, sampling, num_top)
+            sampling.temperature[r] = p.temperature
+            sampling.top_k[r] = p.top_k
+            sampling.top_p[r] = p.top_p
+            sampling.min_p[r] = p.min_p
+            sampling.seed[r] = sq.seed
+            sampling.sample_index[r] = sq.sample_index
+            sampling.position[r] = sq.num_computed + n
+        tok, tok_lp, top = self._run(batch, sampling, num_logprobs)
         tok, tok_lp = sharding.host(tok), sharding.host(tok_lp)
         top = None if top is None else (sharding.host(top[0]), sharding.host(top[1]))
         return tok[: len(chunks)], tok_lp[: len(chunks)], top
 
-    def _run(self, batch, sampling, num_top):
+    def _run(self, batch: PagedBatch, sampling: SamplingRows, num_logprobs: int):
         """One jitted step; keeps the donated cache; returns (tokens, logprobs, top)."""
         out, self.cache = step_program(
             self.params,
@@ -202,15 +177,15 @@ class ModelRunner:
             self._inputs(sampling),
             graphdef=self.graphdef,
             invariant=self.config.invariant,
-            num_top=num_top,
+            num_logprobs=num_logprobs,
             mesh=self.mesh,
         )
         return out
 
     def score_step(self, chunks, targets, temperature: float):
         """Logprobs of ``targets`` (one per computed token; -1: not wanted) for one step."""
-        batch, _ = self._batch(chunks)
-        t = len(batch["tokens"])
+        batch = self._batch(chunks, logit_rows=False)
+        t = batch.num_tokens
         tg = np.zeros(t, np.int32)
         tg[: len(targets)] = np.maximum(targets, 0)
         temp = np.full(t, temperature, np.float32)
@@ -230,38 +205,30 @@ class ModelRunner:
         cfg = self.config
         return [(s, t) for s in cfg.seq_buckets for t in cfg.token_buckets if t >= s]
 
-    def padding_batch(self, s: int, t: int) -> dict:
+    def padding_batch(self, s: int, t: int) -> PagedBatch:
         """A (sequences, tokens) bucket's inputs that are all padding: position -1, slot -1 (it
         writes only the reserved null block and reads nothing)."""
-        return dict(
-            tokens=np.zeros(t, np.int32),
-            seq=np.zeros(t, np.int32),
-            pos=np.full(t, -1, np.int32),
-            slot=np.full(t, -1, np.int32),
-            tables=np.zeros((s, self.config.max_blocks_per_seq), np.int32),
-            ctx=np.zeros(s, np.int32),
-            rows=np.zeros(s, np.int32),
-        )
+        return PagedBatch.padding(s, t, self.config.max_blocks_per_seq)
 
-    def compiled_text(self, s: int, t: int, num_top: int = 0) -> str:
+    def compiled_text(self, s: int, t: int, num_logprobs: int = 0) -> str:
         """The compiled step of one bucket as HLO text (what the device runs; for audits)."""
         lowered = step_program.lower(
             self.params,
             self.cache,
             self._inputs(self.padding_batch(s, t)),
-            self._inputs(_greedy_rows(s)),
+            self._inputs(SamplingRows.greedy(s)),
             graphdef=self.graphdef,
             invariant=self.config.invariant,
-            num_top=num_top,
+            num_logprobs=num_logprobs,
             mesh=self.mesh,
         )
         return lowered.compile().as_text()
 
-    def warmup(self, pairs, num_top: int = 0, progress=None) -> None:
+    def warmup(self, pairs, num_logprobs: int = 0, progress=None) -> None:
         """Compiles the step for each (sequences, tokens) bucket by running it on padding
         (position -1, slot -1: it writes only the reserved null block and reads nothing)."""
         for s, t in pairs:
-            jax.block_until_ready(self._run(self.padding_batch(s, t), _greedy_rows(s), num_top))
+            jax.block_until_ready(self._run(self.padding_batch(s, t), SamplingRows.greedy(s), num_logprobs))
             self.compiled_buckets.add((s, t))
             if progress is not None:
                 progress(s, t)

@@ -29,6 +29,7 @@ from flax import nnx
 
 import pallas_kernels as pk
 from bijax.sampler import tempered_logprobs
+from bijax.sampling_params import check_temperature
 from models.llama import Llama, check_tokens
 
 __all__ = ["logprobs"]
@@ -90,22 +91,19 @@ def _segment_positions(seg: np.ndarray) -> np.ndarray:
 
 def _temperature(temperature, b: int):
     if isinstance(temperature, bool):
-        raise TypeError("temperature must be a float or a float array, got a bool")
+        raise TypeError("temperature must be a real number or array, got a bool")
     t = temperature if hasattr(temperature, "dtype") else np.asarray(temperature)
     if not (jnp.issubdtype(t.dtype, jnp.floating) or jnp.issubdtype(t.dtype, jnp.integer)):
         raise TypeError(f"temperature must be a real number or array, got dtype {t.dtype}")
+    concrete = _concrete(t)
+    if concrete is not None:
+        check_temperature(concrete)
     if t.ndim == 0:
         t = jnp.broadcast_to(jnp.asarray(t, jnp.float32), (b,))
     elif tuple(t.shape) != (b,):
         raise ValueError(
             f"temperature must be a scalar or have shape ({b},) (one per row), got {tuple(t.shape)}"
         )
-    concrete = _concrete(t)
-    if concrete is not None:
-        if not np.isfinite(concrete).all():
-            raise ValueError("temperature must be finite")
-        if (concrete < 0).any():
-            raise ValueError(f"temperature must be >= 0 (0 = greedy: raw log_softmax), got {concrete.min()}")
     return jnp.asarray(t, jnp.float32)
 
 

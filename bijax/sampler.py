@@ -7,11 +7,46 @@ depends on its request alone. With ``invariant=False`` the same math runs on pla
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 import pallas_kernels as pk
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingRows:
+    """Per-row sampling inputs of one step (numpy on the host, arrays under jit; a pytree).
+
+    temperature float32 [S] (<= 0: greedy), top_k int32 (-1: off), top_p float32 (1: off),
+    min_p float32 (0: off), seed uint32, sample_index int32 (which of a request's n samples),
+    position int32 (the sampled token's position: keys ``row_keys``).
+    """
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    min_p: jax.Array
+    seed: jax.Array
+    sample_index: jax.Array
+    position: jax.Array
+
+    @classmethod
+    def greedy(cls, num_rows: int) -> SamplingRows:
+        """``num_rows`` rows with every filter off, greedy (padding rows keep these); fill in place."""
+        return cls(
+            temperature=np.zeros(num_rows, np.float32),
+            top_k=np.full(num_rows, -1, np.int32),
+            top_p=np.ones(num_rows, np.float32),
+            min_p=np.zeros(num_rows, np.float32),
+            seed=np.zeros(num_rows, np.uint32),
+            sample_index=np.zeros(num_rows, np.int32),
+            position=np.zeros(num_rows, np.int32),
+        )
 
 
 def row_keys(seeds, sample_index, positions):
@@ -38,26 +73,24 @@ def sample_reference(logits, temperature, top_k, top_p, min_p, gumbel):
     return jnp.argmax(score, axis=-1).astype(jnp.int32), lp
 
 
-def sample_rows(
-    logits, temperature, top_k, top_p, min_p, seeds, sample_index, positions, *, invariant, num_top
-):
-    """-> (tokens int32 [R], their logprobs float32 [R], (top ids [R, n], top logprobs) or None)."""
+def sample_rows(logits, rows: SamplingRows, *, invariant: bool, num_logprobs: int):
+    """-> (tokens int32 [R], their logprobs float32 [R], (top ids [R, n], top logprobs) or None)
+    with n = ``num_logprobs`` (0: None)."""
     r, v = logits.shape
-    keys = row_keys(seeds, sample_index, positions)
+    keys = row_keys(rows.seed, rows.sample_index, rows.position)
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (v,), jnp.float32))(keys)
+    filters = dict(temperature=rows.temperature, top_k=rows.top_k, top_p=rows.top_p, min_p=rows.min_p)
     if invariant:
-        tok, lp = pk.sample(
-            logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, gumbel=gumbel
-        )
+        tok, lp = pk.sample(logits, **filters, gumbel=gumbel)
     else:
-        tok, lp = sample_reference(logits, temperature, top_k, top_p, min_p, gumbel)
+        tok, lp = sample_reference(logits, **filters, gumbel=gumbel)
     tok_lp = lp[jnp.arange(r), tok]
     top = None
-    if num_top:
+    if num_logprobs:
         if invariant:
-            top = pk.top_n(lp, num_top)
+            top = pk.top_n(lp, num_logprobs)
         else:
-            vals, ids = lax.top_k(lp, num_top)
+            vals, ids = lax.top_k(lp, num_logprobs)
             top = (ids.astype(jnp.int32), vals)
     return tok, tok_lp, top
 

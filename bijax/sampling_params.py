@@ -5,12 +5,32 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
+
 MAX_LOGPROBS = 20  # top-n logprobs per token at most
 MAX_SEED = 2**32
 
 
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_temperature(value, name: str = "temperature") -> None:
+    """The one rule for a temperature (SamplingParams, ``score``, ``bijax.logprobs``): a real
+    number, or a concrete array of them, finite and >= 0 (0 = greedy). TypeError for a wrong
+    type, ValueError for a wrong value, naming ``name``."""
+    dtype = getattr(value, "dtype", None)
+    if isinstance(value, bool) or (dtype is not None and np.dtype(dtype) == np.bool_):
+        raise TypeError(f"{name} must be a real number, got a bool")
+    if dtype is None and not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a real number, got {value!r}")
+    a = np.asarray(value)
+    if not (np.issubdtype(a.dtype, np.floating) or np.issubdtype(a.dtype, np.integer)):
+        raise TypeError(f"{name} must be a real number or array, got dtype {a.dtype}")
+    if not np.isfinite(a).all():
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    if (a < 0).any():
+        raise ValueError(f"{name} must be >= 0 (0 = greedy), got {a.min()!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,12 +60,11 @@ class SamplingParams:
         def bad(field, why):
             raise ValueError(f"SamplingParams.{field} {why}, got {getattr(self, field)!r}")
 
-        for f in ("temperature", "top_p", "min_p"):
+        check_temperature(self.temperature, "SamplingParams.temperature")
+        for f in ("top_p", "min_p"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise TypeError(f"SamplingParams.{f} must be a finite number, got {v!r}")
-        if self.temperature < 0:
-            bad("temperature", "must be >= 0 (0 = greedy)")
         if not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
         if not 0 <= self.min_p <= 1:

@@ -24,7 +24,7 @@ class Sequence:
         self,
         seq_id: int,
         request_id: str,
-        prompt_ids: list[int],
+        prompt_token_ids: list[int],
         params: SamplingParams,
         seed: int,
         sample_index: int,
@@ -32,8 +32,8 @@ class Sequence:
     ):
         self.seq_id = seq_id
         self.request_id = request_id
-        self.prompt_ids = list(prompt_ids)
-        self.output_ids: list[int] = []
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
         self.logprobs: list = []  # float32 scalars (numpy), bits preserved
         self.top_logprobs: list[list[tuple[int, float]]] = []
         self.params = params
@@ -49,11 +49,12 @@ class Sequence:
         self.text = ""
 
     @property
-    def tokens(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def token_ids(self) -> list[int]:
+        """Prompt then generated token ids."""
+        return self.prompt_token_ids + self.output_token_ids
 
     def __len__(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
     def num_pending(self) -> int:

@@ -1,19 +1,21 @@
 """Flax NNX Llama-family decoder (Llama 2/3, SmolLM2, Qwen2) on the batch-invariant kernels.
 
-Three entry points:
+Two entry points, both running the same decoder stack (``_layers``) and differing only in
+where attention finds its keys:
 
-* ``Llama.forward(tokens[B, L])`` - the plain full-sequence forward (positions 0..L-1);
-* ``Llama.forward_packed(tokens[B, L], segment_ids[B, L])`` - the same over packed rows
-  (several sequences per row, padding anywhere): the trainer's layout (``bijax.rl``);
-* ``Llama.forward_paged(...)`` - the engine's forward over a flat, ragged batch of tokens
-  (prefill chunks and decode tokens mixed) against a paged KV cache.
+* ``Llama.forward_packed(tokens[B, L], segment_ids[B, L])`` - causal forward over packed rows
+  (several sequences per row, padding anywhere): the trainer's layout (``bijax.rl``). Its
+  shorthand ``Llama.forward(tokens[B, L])`` is one sequence per row, positions 0..L-1;
+* ``Llama.forward_paged(PagedBatch, kv_cache)`` - the engine's forward over a flat, ragged
+  batch of tokens (prefill chunks and decode tokens mixed) against a paged KV cache
+  (``models.paged``).
 
 With ``invariant=True`` (the default) every matmul (the LM head included), norm and
 attention goes through ``pallas_kernels``; the rest is per-token gathers and elementwise
 math in float32, so a token's logits depend only on its sequence, never on the batch. The
-full-sequence forward runs the same attention kernel over a paged view of its own KV, so
-it gives the same bits as the paged forward. ``invariant=False`` uses plain XLA ops - the
-negative control and the speed baseline, never a fallback.
+packed forward runs the same attention kernel over a paged view of its own KV, so it gives
+the same bits as the paged forward. ``invariant=False`` uses plain XLA ops (the kernels'
+``*_reference`` functions) - the negative control and the speed baseline, never a fallback.
 
 Weights are stored [in, out] (HF's [out, in] is transposed once at load). Row-parallel
 weights (o, down) use the model's ``k_shards`` (docs/design.md); column-parallel ones (q, k, v,
@@ -30,7 +32,6 @@ bits of one device.
 
 from __future__ import annotations
 
-import dataclasses
 import zlib
 
 import jax
@@ -41,14 +42,11 @@ from jax import lax
 
 import pallas_kernels as pk
 from models.configs import LlamaConfig
-from pallas_kernels import K_SHARDS, attention, attention_reference, write_kv
+from models.ops import TensorParallel, col_mm, norm, rope, row_mm
+from models.paged import KVCache, PagedBatch, init_kv_cache
+from pallas_kernels import K_SHARDS
 
-# Block size of the paged view the full-sequence forward builds of its own KV. The
-# attention kernel's bits do not depend on the block size (<= 64), so this matches the
-# engine's paged cache.
-FULL_FORWARD_BLOCK = 64
-
-KVCache = list  # per layer: (k [num_blocks, block_size, Hkv, D], v [same])
+__all__ = ["Llama", "TensorParallel", "check_tokens", "init_kv_cache", "param_state", "rope_table"]
 
 
 class RopeTable(nnx.Variable):
@@ -86,71 +84,6 @@ def _ones(shape, dtype) -> nnx.Param:
 
 def _zeros(shape, dtype) -> nnx.Param:
     return nnx.Param(jnp.zeros(shape, dtype))
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorParallel:
-    """The model runs inside ``jax.shard_map`` over mesh axis ``axis`` of ``size`` ranks, each
-    holding its shards of the weights and KV cache (``models.sharding``)."""
-
-    axis: str
-    size: int
-
-
-# --------------------------------------------------------------------------- ops by path
-
-
-def _col_mm(x, w, *, invariant: bool, col_blocks: int, tp: TensorParallel | None, out_dtype=None):
-    """Column-parallel x[M, K] @ w[K, N]: ``w`` is the whole weight, or under ``tp`` this
-    rank's N/P columns (planned for the whole weight: same bits as one device)."""
-    if not invariant:
-        return pk.matmul_reference(x, w, out_dtype=out_dtype)
-    full_n = w.shape[1] * (1 if tp is None else tp.size)
-    return pk.matmul(x, w, out_dtype=out_dtype, col_blocks=col_blocks, full_n=full_n)
-
-
-def _row_mm(x, w, *, invariant: bool, k_shards: int, tp_parts: int, tp: TensorParallel | None):
-    """Row-parallel x[M, K] @ w[K, N] (o, down): ``w`` is the whole weight, or under ``tp`` this
-    rank's K/P rows. Each rank reduces its k_shards/P shards (the tree's lower levels), the
-    ranks' float32 partials meet in ``tree_psum`` (its upper levels). ``tp_parts`` > 1 runs
-    the same split on one device (a check of k_shards without a mesh)."""
-    if tp is not None:
-        if not invariant:  # the baseline: the library's all-reduce, in whatever order it likes
-            y = jax.lax.psum(jnp.dot(x, w, preferred_element_type=jnp.float32), tp.axis)
-            return y.astype(x.dtype)
-        plan = pk.plan_matmul(w.shape[0] * tp.size, w.shape[1], w.dtype, k_shards=k_shards)
-        return pk.tree_psum(pk.matmul_partial(x, w, plan=plan), tp.axis).astype(x.dtype)
-    if not invariant:
-        return pk.matmul_reference(x, w)
-    if tp_parts == 1:
-        return pk.matmul(x, w, k_shards=k_shards)
-    k, n = w.shape
-    plan = pk.plan_matmul(k, n, w.dtype, k_shards=k_shards)
-    per = plan.shard_k * (k_shards // tp_parts)
-    parts = [
-        pk.matmul_partial(x[:, r * per : (r + 1) * per], w[r * per : (r + 1) * per], plan=plan)
-        for r in range(tp_parts)
-    ]
-    return pk.tree_sum(parts).astype(x.dtype)
-
-
-def _norm(x, w, eps, *, invariant: bool, residual=None):
-    if invariant:
-        return pk.rms_norm(x, w, eps=eps, residual=residual)
-    return pk.rms_norm_reference(x, w, eps=eps, residual=residual)
-
-
-def _rope(x, cos_sin):
-    """x [T, H, D] rotated by the half-split convention (HF's rotate_half), in float32."""
-    cos, sin = cos_sin[:, None, 0], cos_sin[:, None, 1]  # [T, 1, D/2]
-    xf = x.astype(jnp.float32)
-    x1, x2 = jnp.split(xf, 2, axis=-1)
-    # The products are rounded before the add, in every program: without the barrier XLA may
-    # fuse a product into the add (one rounding, an FMA) in one program and not in another
-    # (a trainer's grad step keeps them for the backward), and a bit would differ.
-    a, b, c, d = lax.optimization_barrier((x1 * cos, x2 * sin, x2 * cos, x1 * sin))
-    out = jnp.concatenate([a - b, c + d], axis=-1)
-    return out.astype(x.dtype)
 
 
 # --------------------------------------------------------------------------- modules
@@ -264,7 +197,7 @@ class Llama(nnx.Module):
             w = lax.dynamic_slice_in_dim(w, lax.axis_index(tp.axis) * part, part, axis=axis)
         if tied:
             w = w.T
-        y = _col_mm(x, w, invariant=invariant, col_blocks=self.k_shards, tp=tp, out_dtype=jnp.float32)
+        y = col_mm(x, w, invariant=invariant, col_blocks=self.k_shards, tp=tp, out_dtype=jnp.float32)
         if tp is not None:
             y = pk.gather_last(y, tp.axis)
         return y[:, :v] if vp != v else y
@@ -277,9 +210,9 @@ class Llama(nnx.Module):
         def proj(w, b):
             w = w[...]
             if b is None:
-                y = _col_mm(x, w, invariant=invariant, col_blocks=self.k_shards, tp=tp)
+                y = col_mm(x, w, invariant=invariant, col_blocks=self.k_shards, tp=tp)
             else:
-                y = _col_mm(x, w, invariant=invariant, col_blocks=self.k_shards, tp=tp, out_dtype=jnp.float32)
+                y = col_mm(x, w, invariant=invariant, col_blocks=self.k_shards, tp=tp, out_dtype=jnp.float32)
                 y = (y + b[...].astype(jnp.float32)).astype(x.dtype)
             return y.reshape(x.shape[0], w.shape[1] // c.head_dim, c.head_dim)
 
@@ -288,15 +221,15 @@ class Llama(nnx.Module):
         k = proj(layer.wk, layer.bk if bias else None)
         v = proj(layer.wv, layer.bv if bias else None)
         cos_sin = self.rope[...][jnp.clip(pos, 0, c.max_position_embeddings - 1)]  # [T, 2, D/2]
-        return _rope(q, cos_sin), _rope(k, cos_sin), v
+        return rope(q, cos_sin), rope(k, cos_sin), v
 
     def _row(self, x, w, *, invariant: bool, tp: TensorParallel | None):
-        return _row_mm(x, w, invariant=invariant, k_shards=self.k_shards, tp_parts=self.tp_parts, tp=tp)
+        return row_mm(x, w, invariant=invariant, k_shards=self.k_shards, tp_parts=self.tp_parts, tp=tp)
 
     def _mlp(self, mlp: MLP, x, *, invariant: bool, tp: TensorParallel | None = None):
         cb = self.k_shards
-        g = _col_mm(x, mlp.w_gate[...], invariant=invariant, col_blocks=cb, tp=tp).astype(jnp.float32)
-        u = _col_mm(x, mlp.w_up[...], invariant=invariant, col_blocks=cb, tp=tp).astype(jnp.float32)
+        g = col_mm(x, mlp.w_gate[...], invariant=invariant, col_blocks=cb, tp=tp).astype(jnp.float32)
+        u = col_mm(x, mlp.w_up[...], invariant=invariant, col_blocks=cb, tp=tp).astype(jnp.float32)
         h = (g * jax.nn.sigmoid(g) * u).astype(x.dtype)  # SwiGLU in float32, rounded once
         return self._row(h, mlp.w_down[...], invariant=invariant, tp=tp)
 
@@ -307,51 +240,29 @@ class Llama(nnx.Module):
         residual = None
         for i, blk in enumerate(self.layers):
             if residual is None:
-                h, residual = _norm(x, blk.attn_norm[...], eps, invariant=invariant), x
+                h, residual = norm(x, blk.attn_norm[...], eps, invariant=invariant), x
             else:
-                h, residual = _norm(x, blk.attn_norm[...], eps, invariant=invariant, residual=residual)
+                h, residual = norm(x, blk.attn_norm[...], eps, invariant=invariant, residual=residual)
             q, k, v = self._qkv(blk.attn, h, pos, invariant=invariant, tp=tp)
             o = attend(i, q, k, v).reshape(x.shape[0], -1)
             x = self._row(o, blk.attn.wo[...], invariant=invariant, tp=tp)
-            h, residual = _norm(x, blk.mlp_norm[...], eps, invariant=invariant, residual=residual)
+            h, residual = norm(x, blk.mlp_norm[...], eps, invariant=invariant, residual=residual)
             x = self._mlp(blk.mlp, h, invariant=invariant, tp=tp)
-        out, _ = _norm(x, self.final_norm[...], eps, invariant=invariant, residual=residual)
+        out, _ = norm(x, self.final_norm[...], eps, invariant=invariant, residual=residual)
         return out
 
     # ------------------------------------------------------------------ entry points
 
     def forward(self, tokens: jax.Array, *, invariant: bool = True) -> jax.Array:
-        """Full-sequence causal forward: tokens int [B, L] at positions 0..L-1 -> float32 logits [B, L, V].
+        """Full-sequence causal forward: tokens int [B, L] at positions 0..L-1 -> float32 logits
+        [B, L, V]. ``forward_packed`` with one sequence per row (the same bits).
 
         Right padding is harmless (causal: a token never sees later ones).
         """
-        c = self.config
-        tokens = check_tokens(tokens, c, ndim=2)
-        b, length = tokens.shape
-        flat = tokens.reshape(-1)
-        pos = jnp.tile(jnp.arange(length, dtype=jnp.int32), b)
-        seq = jnp.repeat(jnp.arange(b, dtype=jnp.int32), length)
-        bs = FULL_FORWARD_BLOCK
-        nb = -(-length // bs)
-        # Paged view of this call's own KV: block 0 is the null block, sequence s owns
-        # blocks 1 + s*nb ... ; the same kernel as the engine's paged forward.
-        tables = 1 + jnp.arange(b * nb, dtype=jnp.int32).reshape(b, nb)
-        lens = jnp.full((b,), length, jnp.int32)
-
-        def paged(k):
-            k = k.reshape(b, length, c.num_kv_heads, c.head_dim)
-            k = jnp.pad(k, ((0, 0), (0, nb * bs - length), (0, 0), (0, 0)))
-            k = k.reshape(b * nb, bs, c.num_kv_heads, c.head_dim)
-            return jnp.concatenate([jnp.zeros_like(k[:1]), k])
-
-        def attend(i, q, k, v):
-            if invariant:
-                return attention(q, paged(k), paged(v), tables, lens, seq, pos)
-            return _dense_causal(q, k, v, b, length)
-
-        x = self.embed[...][flat]
-        h = self._layers(x, pos, attend, invariant=invariant)
-        return self._lm_head(h, invariant=invariant).reshape(b, length, c.vocab_size)
+        tokens = check_tokens(tokens, self.config, ndim=2)
+        return self.forward_packed(
+            tokens, jnp.zeros(tokens.shape, jnp.int32), max_segments=1, invariant=invariant
+        )
 
     def forward_packed(
         self,
@@ -397,8 +308,8 @@ class Llama(nnx.Module):
 
         def attend(i, q, k, v):
             if invariant:
-                return attention(q, flat_cache(k), flat_cache(v), tables, count, seq, pos)
-            return _dense_segments(q, k, v, segment_ids.reshape(b, length).astype(jnp.int32))
+                return pk.attention(q, flat_cache(k), flat_cache(v), tables, count, seq, pos)
+            return pk.segment_attention_reference(q, k, v, segment_ids.reshape(b, length).astype(jnp.int32))
 
         x = self.embed[...][flat]
         h = self._layers(x, pos, attend, invariant=invariant)
@@ -406,73 +317,43 @@ class Llama(nnx.Module):
 
     def forward_paged(
         self,
-        tokens: jax.Array,
-        token_seq: jax.Array,
-        token_pos: jax.Array,
-        slot_mapping: jax.Array,
+        batch: PagedBatch,
         kv_cache: KVCache,
-        block_tables: jax.Array,
-        context_lens: jax.Array,
         *,
-        logit_rows: jax.Array | None = None,
         invariant: bool = True,
         tp: TensorParallel | None = None,
     ) -> tuple[jax.Array, KVCache]:
         """The engine's forward over a flat, ragged batch of T tokens against a paged KV cache.
 
         Args:
-          tokens, token_seq, token_pos: int [T] token id, sequence index and absolute
-            position of each token (padding tokens: position -1, slot -1).
-          slot_mapping: int [T] cache slot (block * block_size + offset) where each token's
-            K/V is written before attention.
+          batch: the step's tokens, positions, cache slots and block tables (``models.paged``);
+            each token's K/V is written at its slot before attention.
           kv_cache: from ``init_kv_cache``; returned updated (donate it under jit).
-          block_tables, context_lens: int [S, max_blocks] and [S] (this step's tokens included).
-          logit_rows: optional int [R]: only these token rows go through the LM head.
           tp: inside ``jax.shard_map`` with sharded weights and cache (``models.sharding``);
             the inputs are replicated, the logits come out whole on every rank.
-        Returns (float32 logits [T or R, V], updated kv_cache).
+        Returns (float32 logits [T, V], or [R, V] for ``batch.logit_rows``; updated kv_cache).
         """
         c = self.config
-        tokens = check_tokens(tokens, c, ndim=1)
+        if not isinstance(batch, PagedBatch):
+            raise TypeError(f"batch must be a models.paged.PagedBatch, got {type(batch).__name__}")
+        tokens = check_tokens(batch.tokens, c, ndim=1)
         if len(kv_cache) != c.num_layers:
             raise ValueError(f"kv_cache has {len(kv_cache)} layers, the model {c.num_layers}")
         new_cache = list(kv_cache)
+        b = batch
 
         def attend(i, q, k, v):
             kc, vc = new_cache[i]
-            kc, vc = write_kv(kc, vc, k.astype(kc.dtype), v.astype(vc.dtype), slot_mapping)
+            kc, vc = pk.write_kv(kc, vc, k.astype(kc.dtype), v.astype(vc.dtype), b.slot_mapping)
             new_cache[i] = (kc, vc)
-            fn = attention if invariant else attention_reference
-            return fn(q, kc, vc, block_tables, context_lens, token_seq, token_pos)
+            fn = pk.attention if invariant else pk.attention_reference
+            return fn(q, kc, vc, b.block_tables, b.context_lens, b.token_seq, b.token_pos)
 
         x = self.embed[...][tokens]
-        h = self._layers(x, token_pos, attend, invariant=invariant, tp=tp)
-        if logit_rows is not None:
-            h = h[logit_rows]
+        h = self._layers(x, b.token_pos, attend, invariant=invariant, tp=tp)
+        if b.logit_rows is not None:
+            h = h[b.logit_rows]
         return self._lm_head(h, invariant=invariant, tp=tp), new_cache
-
-
-def _dense_causal(q, k, v, b, length):
-    """Plain XLA causal attention of B sequences of length L (the batch-variant baseline)."""
-    return _dense_segments(q, k, v, jnp.zeros((b, length), jnp.int32))
-
-
-def _dense_segments(q, k, v, segment_ids):
-    """Plain XLA attention of B packed rows: token i sees tokens j <= i of its own segment
-    (padding, segment -1, sees earlier padding of its row: never NaN, never used)."""
-    b, length = segment_ids.shape
-    hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
-    g = hq // hkv
-    q = q.reshape(b, length, hkv, g, d)
-    k = k.reshape(b, length, hkv, d)
-    v = v.reshape(b, length, hkv, d)
-    s = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=jnp.float32) * np.float32(d**-0.5)
-    same = segment_ids[:, :, None] == segment_ids[:, None, :]
-    mask = same & jnp.tril(jnp.ones((length, length), bool))[None]
-    s = jnp.where(mask[:, None, None], s, -jnp.inf)
-    p = jax.nn.softmax(s, axis=-1)
-    o = jnp.einsum("bhgqk,bkhd->bqhgd", p, v.astype(jnp.float32))
-    return o.reshape(b * length, hq, d).astype(q.dtype)
 
 
 def check_tokens(tokens, config: LlamaConfig, *, ndim: int):
@@ -494,20 +375,6 @@ def check_tokens(tokens, config: LlamaConfig, *, ndim: int):
         bad = concrete[(concrete < 0) | (concrete >= config.vocab_size)][0]
         raise ValueError(f"token id {int(bad)} is outside the vocabulary [0, {config.vocab_size})")
     return jnp.asarray(tokens, jnp.int32)
-
-
-def init_kv_cache(config: LlamaConfig, num_blocks: int, block_size: int, dtype, sharding=None) -> KVCache:
-    """Zeroed paged KV cache: per layer (k, v) [num_blocks, block_size, Hkv, D]. Block 0 is the
-    reserved null block that padding tokens write to; allocate sequences from block 1.
-    ``sharding``: a ``jax.sharding.Sharding`` to create each array in directly (tensor
-    parallelism: each device allocates only its KV heads, never the whole cache)."""
-    if num_blocks < 2:
-        raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
-    shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
-    if sharding is None:
-        return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(config.num_layers)]
-    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-    return [(zeros(), zeros()) for _ in range(config.num_layers)]
 
 
 def param_state(model: Llama) -> nnx.State:

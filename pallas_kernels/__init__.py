@@ -3,14 +3,27 @@
 Each op: Pallas kernel (GPU) -> pallas_call wrapper -> fixed-shape CPU
 formulation -> public entry (keyword-only static args) -> ``*_reference``
 (plain XLA, batch-variant: the negative control and the speed baseline).
+An op whose GPU kernel is large keeps it in a module of its own
+(``matmul_triton``, ``matmul_mgpu``, ``attention_triton``; ``attention_cpu``,
+``attention_math`` for what attention's paths share); ``plan`` holds the
+matmul's reduction plan and fixed tree, ``runtime`` the per-platform dispatch.
 """
 
-from pallas_kernels._platform import (  # first: sets XLA's CPU flags before JAX starts
+# ruff: noqa: I001  (runtime first: it sets XLA's CPU flags before any JAX backend starts)
+
+from pallas_kernels.runtime import (  # first: sets XLA's CPU flags before JAX starts
     CPU_CONSISTENT_MATH,
     cpu_math_is_consistent,
     require_consistent_cpu_math,
 )
-from pallas_kernels.attention import attention, attention_reference, write_kv
+from pallas_kernels.attention import (
+    SPLIT_SIZE,
+    AttentionSpec,
+    attention,
+    attention_reference,
+    segment_attention_reference,
+    write_kv,
+)
 from pallas_kernels.collectives import gather_last, tree_psum
 from pallas_kernels.matmul import matmul, matmul_partial, matmul_reference
 from pallas_kernels.plan import K_SHARDS, MatmulPlan, plan_matmul, tree_sum
@@ -32,8 +45,11 @@ from pallas_kernels.softmax import (
 
 __all__ = [
     "K_SHARDS",
+    "SPLIT_SIZE",
+    "AttentionSpec",
     "attention",
     "attention_reference",
+    "segment_attention_reference",
     "write_kv",
     "CPU_CONSISTENT_MATH",
     "cpu_math_is_consistent",

@@ -2,7 +2,7 @@
 axis is cut into ``k_shards`` virtual shards and leaves, and how the partial sums combine.
 
 Planned from the weight alone (K, N, dtype, k_shards, platform), never from M. Imported by the
-Triton kernel (``matmul``), the Mosaic GPU kernel (``_matmul_mgpu``) and the fixed-order
+Triton kernel (``matmul``), the Mosaic GPU kernel (``matmul_mgpu``) and the fixed-order
 collectives (``collectives``): the one home of these rules.
 """
 

@@ -16,8 +16,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import _platform
-from pallas_kernels._validate import check_eps, check_float_dtype, check_rank, check_rows, check_same_dtype
+from pallas_kernels import runtime
+from pallas_kernels.checks import check_eps, check_float_dtype, check_rank, check_rows, check_same_dtype
 
 CPU_TILE_T = 16
 
@@ -97,7 +97,7 @@ def _rms_norm_jnp(x, weight, residual, *, eps: float):
     return out if residual is None else (out, summed)
 
 
-@_platform.kernel_op("rms_norm", static_argnames=("eps", "backend", "interpret"))
+@runtime.kernel_op("rms_norm", static_argnames=("eps", "backend", "interpret"))
 def _rms_norm(x, weight, residual, *, eps, backend, interpret):
     return _rms_norm_vjp(x, weight, residual, eps, backend, interpret)
 
@@ -122,7 +122,7 @@ _rms_norm_vjp.defvjp(_rms_norm_vjp_fwd, _rms_norm_vjp_bwd)
 
 
 def _rms_norm_impl(x, weight, residual, eps, backend, interpret):
-    return _platform.dispatch(
+    return runtime.dispatch(
         backend,
         lambda x, w, r: _rms_norm_jnp(x, w, r, eps=eps),
         lambda x, w, r: _rms_norm_pallas(x, w, r, eps=eps, interpret=interpret),
@@ -158,7 +158,7 @@ def rms_norm(
     if residual is not None and tuple(residual.shape) != tuple(x.shape):
         raise ValueError(f"rms_norm: residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
     eps = check_eps("rms_norm", eps)
-    _platform.check_backend(backend, interpret)
+    runtime.check_backend(backend, interpret)
     return _rms_norm(x, weight, residual, eps=eps, backend=backend, interpret=interpret)
 
 

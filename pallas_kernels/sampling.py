@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import _platform
-from pallas_kernels._validate import check_float_dtype, check_rank, check_rows
+from pallas_kernels import runtime
+from pallas_kernels.checks import check_float_dtype, check_rank, check_rows
 from pallas_kernels.softmax import log_softmax, logsumexp
 
 
@@ -41,7 +41,7 @@ def _argmax_rows(x):
     return jnp.argmax(x, axis=-1).astype(jnp.int32)
 
 
-@_platform.kernel_op("argmax")
+@runtime.kernel_op("argmax")
 def _argmax(x):
     return _argmax_rows(x)
 
@@ -119,7 +119,7 @@ def tempered_log_softmax(logits: jax.Array, temperature) -> jax.Array:
     return log_softmax(tempered(logits, temperature))
 
 
-@_platform.kernel_op("sample")
+@runtime.kernel_op("sample")
 def _sample(logits, temperature, top_k, top_p, min_p, gumbel):
     r, v = logits.shape
     greedy = greedy_rows(temperature)
@@ -191,7 +191,7 @@ def sample(logits, *, temperature, top_k, top_p, min_p, gumbel):
     )
 
 
-@_platform.kernel_op("top_n", static_argnames=("n",))
+@runtime.kernel_op("top_n", static_argnames=("n",))
 def _top_n(lp, *, n):
     ids, vals = [], []
     x = lp.astype(jnp.float32)

@@ -18,8 +18,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import _platform
-from pallas_kernels._validate import check_float_dtype, check_rank, check_rows
+from pallas_kernels import runtime
+from pallas_kernels.checks import check_float_dtype, check_rank, check_rows
 
 CHUNK = 1024  # lanes per step inside a segment
 SEGMENT = 4096  # columns per program; a row is cut into fixed segments from V alone
@@ -110,7 +110,7 @@ def _softmax_jnp(x, *, log_probs: bool):
     return y.reshape((tp, v) if log_probs else (tp,))[:t]
 
 
-@_platform.kernel_op("softmax", static_argnames=("log_probs", "backend", "interpret"))
+@runtime.kernel_op("softmax", static_argnames=("log_probs", "backend", "interpret"))
 def _softmax(x, *, log_probs, backend, interpret):
     return _softmax_vjp(x, log_probs, backend, interpret)
 
@@ -136,7 +136,7 @@ _softmax_vjp.defvjp(_softmax_vjp_fwd, _softmax_vjp_bwd)
 
 
 def _softmax_impl(x, log_probs, backend, interpret):
-    return _platform.dispatch(
+    return runtime.dispatch(
         backend,
         lambda x: _softmax_jnp(x, log_probs=log_probs),
         lambda x: _softmax_pallas(x, log_probs=log_probs, interpret=interpret),
@@ -148,7 +148,7 @@ def _check(op, x, backend, interpret):
     check_rank(op, "logits", x, 2)
     check_rows(op, "logits", x)
     check_float_dtype(op, logits=x)
-    _platform.check_backend(backend, interpret)
+    runtime.check_backend(backend, interpret)
 
 
 def log_softmax(logits: jax.Array, *, backend: str = "auto", interpret: bool = False) -> jax.Array:

@@ -15,9 +15,11 @@ from jax.extend import core as jcore
 
 import bijax
 from bijax.model_runner import score_program, step_program
+from bijax.sampler import SamplingRows
 from models.configs import preset
 from models.llama import Llama
-from pallas_kernels._platform import KERNEL_PREFIX
+from models.paged import PagedBatch
+from pallas_kernels.runtime import KERNEL_PREFIX
 
 REDUCTIONS = {
     "dot_general",
@@ -80,41 +82,34 @@ def runner_inputs():
         num_kv_blocks=16,
     )
     r = llm.engine.runner
-    t, s, mb = 32, 4, llm.config.max_blocks_per_seq
-    i32 = lambda *shape: np.zeros(shape, np.int32)
-    batch = dict(
-        tokens=i32(t), seq=i32(t), pos=i32(t), slot=i32(t), tables=i32(s, mb), ctx=i32(s), rows=i32(s)
-    )
-    sampling = dict(
-        temperature=np.ones(s, np.float32),
-        top_k=i32(s),
-        top_p=np.ones(s, np.float32),
-        min_p=np.zeros(s, np.float32),
-        seed=np.zeros(s, np.uint32),
-        sample_index=i32(s),
-        position=i32(s),
-    )
+    batch = PagedBatch.padding(4, 32, llm.config.max_blocks_per_seq)
+    sampling = SamplingRows.greedy(4)
+    sampling.temperature[:] = 1.0  # sampled rows: the filters' code is in the step
     return r, batch, sampling
 
 
-def _step_jaxpr(r, batch, sampling, invariant, num_top=0):
+def _step_jaxpr(r, batch, sampling, invariant, num_logprobs=0):
     fn = lambda p, c, b, s: step_program(
-        p, c, b, s, graphdef=r.graphdef, invariant=invariant, num_top=num_top
+        p, c, b, s, graphdef=r.graphdef, invariant=invariant, num_logprobs=num_logprobs
     )
     return jax.make_jaxpr(fn)(r.params, r.cache, batch, sampling).jaxpr
 
 
 def _score_jaxpr(r, batch, invariant):
-    t = len(batch["tokens"])
+    batch = batch.replace(logit_rows=None)
+    t = batch.num_tokens
     fn = lambda p, c, b: score_program(
         p, c, b, np.zeros(t, np.int32), np.ones(t, np.float32), graphdef=r.graphdef, invariant=invariant
     )
     return jax.make_jaxpr(fn)(r.params, r.cache, batch).jaxpr
 
 
-@pytest.mark.parametrize("num_top", [0, 5])
-def test_engine_step_has_no_reduction_outside_the_kernels(runner_inputs, num_top):
-    assert reductions_outside_kernels(_step_jaxpr(*runner_inputs, invariant=True, num_top=num_top)) == []
+@pytest.mark.parametrize("num_logprobs", [0, 5])
+def test_engine_step_has_no_reduction_outside_the_kernels(runner_inputs, num_logprobs):
+    assert (
+        reductions_outside_kernels(_step_jaxpr(*runner_inputs, invariant=True, num_logprobs=num_logprobs))
+        == []
+    )
 
 
 def test_score_step_has_no_reduction_outside_the_kernels(runner_inputs):
@@ -124,7 +119,7 @@ def test_score_step_has_no_reduction_outside_the_kernels(runner_inputs):
 
 def test_negative_control_the_audit_finds_xla_reductions(runner_inputs):
     """The XLA path is full of them: dots, reductions, sorts and cumsums."""
-    found = set(reductions_outside_kernels(_step_jaxpr(*runner_inputs, invariant=False, num_top=5)))
+    found = set(reductions_outside_kernels(_step_jaxpr(*runner_inputs, invariant=False, num_logprobs=5)))
     assert {"dot_general", "reduce_max", "cumsum", "sort"} <= found
     r, batch, _ = runner_inputs
     assert "dot_general" in reductions_outside_kernels(_score_jaxpr(r, batch, invariant=False))

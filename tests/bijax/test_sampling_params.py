@@ -17,7 +17,8 @@ def test_defaults_and_normalisation():
     "kw, err, match",
     [
         ({"temperature": -0.1}, ValueError, "temperature"),
-        ({"temperature": float("nan")}, TypeError, "temperature"),
+        ({"temperature": float("nan")}, ValueError, "temperature"),
+        ({"temperature": True}, TypeError, "temperature"),
         ({"top_p": 0.0}, ValueError, "top_p"),
         ({"top_p": 1.5}, ValueError, "top_p"),
         ({"top_k": 0}, ValueError, "top_k"),

@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 from flax import nnx
 
-from models.llama import Llama, init_kv_cache
+from models.llama import Llama
+from models.paged import PagedBatch, init_kv_cache
 
 _FWD = nnx.jit(Llama.forward_paged, static_argnames="invariant", donate_argnames="kv_cache")
 
@@ -57,9 +58,8 @@ class Paged:
                 bt[slots[i], : len(tables[i])] = tables[i]
                 ctx[slots[i]] = done[i]
             assert t <= bucket, "step does not fit the bucket"
-            logits, self.cache = _FWD(
-                self.model, tok, seq, pos, slot, self.cache, bt, ctx, invariant=invariant
-            )
+            batch = PagedBatch(tok, seq, pos, slot, bt, ctx)
+            logits, self.cache = _FWD(self.model, batch, self.cache, invariant=invariant)
             logits = np.asarray(logits)
             for i, p, r in rows:
                 out[i][p] = logits[r]
@@ -126,7 +126,7 @@ def greedy(model, prompt, new_tokens: int, *, invariant=True, block_size=16, pre
 
 
 def _fwd_rows(model, tok, seq, pos, slot, cache, table, ctx, rows, *, invariant):
-    return model.forward_paged(tok, seq, pos, slot, cache, table, ctx, logit_rows=rows, invariant=invariant)
+    return model.forward_paged(PagedBatch(tok, seq, pos, slot, table, ctx, rows), cache, invariant=invariant)
 
 
 _FWD_ROWS = nnx.jit(_fwd_rows, static_argnames="invariant", donate_argnames="cache")

@@ -1,5 +1,8 @@
 """Make the Hugging Face transformers reference fixtures for the SmolLM2-135M-Instruct GGUF file.
 
+(Over 400 lines: a self-contained generator run once, by hand, in its own environment with
+transformers and gguf; it shares no code with the package on purpose.)
+
 Usage, from the repo root:
 
     /work/venv311/bin/python tests/models/make_gguf_fixtures.py PATH/TO/SmolLM2-135M-Instruct.Q4_1.gguf

@@ -13,8 +13,9 @@ import pytest
 from flax import nnx
 
 from models.configs import preset
-from models.llama import Llama, init_kv_cache, param_state
+from models.llama import Llama, param_state
 from models.loading import load_hf
+from models.paged import PagedBatch, init_kv_cache
 from tests.conftest import bits
 from tests.models.harness import Paged, chunked, interleaved
 
@@ -202,14 +203,16 @@ def test_paged_kv_cache_layer_count_checked(tiny):
     cache = init_kv_cache(tiny.config, 4, 16, tiny.dtype)[:1]
     z = np.zeros(1, np.int32)
     with pytest.raises(ValueError, match="layers"):
-        tiny.forward_paged(z, z, z, z, cache, np.zeros((1, 1), np.int32), np.ones(1, np.int32))
+        tiny.forward_paged(PagedBatch(z, z, z, z, np.zeros((1, 1), np.int32), np.ones(1, np.int32)), cache)
+    with pytest.raises(TypeError, match="PagedBatch"):
+        tiny.forward_paged((z, z, z, z, np.zeros((1, 1), np.int32), np.ones(1, np.int32)), cache)
 
 
 # --------------------------------------------------------------------------- GPU lowering
 
 
 def _export_paged(invariant: bool) -> str:
-    from pallas_kernels._platform import cuda_export
+    from pallas_kernels.runtime import cuda_export
 
     model = Llama(preset("tiny"), dtype=jnp.bfloat16, seed=0)
     graphdef, state = nnx.split(model)
@@ -218,7 +221,7 @@ def _export_paged(invariant: bool) -> str:
 
     def step(state, cache, tok, seq, pos, slot, tables, lens):
         m = nnx.merge(graphdef, state)
-        return m.forward_paged(tok, seq, pos, slot, cache, tables, lens, invariant=invariant)
+        return m.forward_paged(PagedBatch(tok, seq, pos, slot, tables, lens), cache, invariant=invariant)
 
     spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels._platform import TRITON_CUSTOM_CALL, cuda_export
 from pallas_kernels.attention import attention, attention_reference, write_kv
+from pallas_kernels.runtime import TRITON_CUSTOM_CALL, cuda_export
 from tests.conftest import bits, rand
 
 BACKENDS = [("jnp", False), ("triton", True)]

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 import pallas_kernels as pk
-from pallas_kernels._platform import MOSAIC_GPU_CUSTOM_CALL, TRITON_CUSTOM_CALL, cuda_export
+from pallas_kernels.runtime import MOSAIC_GPU_CUSTOM_CALL, TRITON_CUSTOM_CALL, cuda_export
 
 S = jax.ShapeDtypeStruct
 BF16 = jnp.bfloat16

@@ -1,6 +1,6 @@
 """Mosaic GPU (Hopper wgmma) path of the batch-invariant matmul.
 
-Drop-in for ``matmul._matmul_pallas`` / ``matmul._triton_partial``: the same leaf layout in
+Drop-in for ``matmul_triton``'s kernel / ``matmul_triton.triton_partial``: the same leaf layout in
 (``x[M, L*leaf_k]``, ``w[L*leaf_k, N]``, made by ``plan.to_leaves``), the same result out
 (``L == 1``: ``[M, N]`` in ``out_dtype``; ``L > 1``: fp32 partials per leaf combined by
 ``plan.combine_leaves``). Every leaf is the fp32 sum over its K in ascending order, like the
@@ -366,7 +366,7 @@ def mgpu_partial(
     pad_small_m: bool = False,
     interpret=None,
 ):
-    """Mosaic GPU twin of ``matmul._triton_partial`` (same arguments, same bits)."""
+    """Mosaic GPU twin of ``matmul_triton.triton_partial`` (same arguments, same bits)."""
 
     xl = to_leaves(x, plan, num_shards, axis=1)
     wl = to_leaves(w, plan, num_shards, axis=0)

@@ -1,0 +1,39 @@
+"""``bijax`` command line: ``generate``, ``check``, ``bench``.
+
+Text and JSON go to stdout; progress bars and status lines to stderr. Bad input exits with
+status 2 and a one-line error; ``check`` exits 1 when any dimension's bits differ (or, with
+``--against FILE``, when the recorded digest suite's bits differ). One module per command
+(``generate``, ``check``, ``bench``: its flags and its ``run``); ``common`` holds the engine
+and sampling flags they share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from bijax.cli import bench, check, generate
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bijax", description="Batch-invariant LLM inference for JAX.")
+    sub = p.add_subparsers(dest="command", required=True)
+    for command in (generate, check, bench):
+        command.add_parser(sub)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    for name in ("requests", "num_prompts", "input_len", "output_len", "repeats", "max_tokens"):
+        v = getattr(args, name, None)
+        if v is not None and v < 1:
+            print(f"bijax: error: --{name.replace('_', '-')} must be >= 1, got {v}", file=sys.stderr)
+            return 2
+    try:
+        return args.func(args)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        print(f"bijax: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

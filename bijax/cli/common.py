@@ -1,0 +1,121 @@
+"""What the ``bijax`` commands share: engine and sampling flags (vLLM's names), building the
+``LLM`` from them, warm-up, status lines on stderr."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def info(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def on_cpu() -> bool:
+    import jax
+
+    return jax.default_backend() == "cpu"
+
+
+def engine_args(p: argparse.ArgumentParser) -> None:
+    from models.loading import DEFAULT_MODEL
+
+    g = p.add_argument_group("model and engine (names as bijax.LLM / vLLM)")
+    g.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"preset (tiny, llama3-8b), embedded model, .gguf file, HF or orbax directory (default {DEFAULT_MODEL})",
+    )
+    g.add_argument("--dtype", choices=DTYPES, help="weights/activations dtype (default: the checkpoint's)")
+    g.add_argument(
+        "--max-model-len", type=int, help="longest prompt + output (default: 1024 on CPU, 8192 on GPU)"
+    )
+    g.add_argument("--max-num-seqs", type=int, help="sequences per step")
+    g.add_argument("--max-num-batched-tokens", type=int, help="tokens per step (the prefill chunk size)")
+    g.add_argument("--block-size", type=int, default=16, help="KV block size (default 16)")
+    g.add_argument("--num-kv-blocks", type=int, help="KV pool size in blocks")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--k-shards", type=int, default=1, help="virtual K shards of o/down (1, 2, 4, 8)")
+    g.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="devices to split the model over (a divisor of --k-shards; use --k-shards 8)",
+    )
+    g.add_argument(
+        "--model-seed", type=int, default=0, help="engine seed (draws request seeds; preset weights)"
+    )
+    g.add_argument("--no-prefix-caching", action="store_true")
+
+
+def sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling (names as SamplingParams)")
+    g.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--seed", type=int, help="the request's seed (default: drawn and reported)")
+    g.add_argument("--n", type=int, default=1, help="samples per prompt")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--stop-token-ids", type=lambda s: [int(x) for x in s.replace(",", " ").split()])
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--logprobs", type=int, help="also the top-N logprobs of each step (JSON output)")
+
+
+def dtype_arg(name):
+    if name is None:
+        return None
+    import jax.numpy as jnp
+
+    return jnp.dtype(name)
+
+
+def make_llm(
+    args, *, max_num_seqs: int, max_num_batched_tokens: int, invariant: bool | None = None, model=None
+):
+    from bijax import LLM
+
+    if invariant is None:
+        invariant = not getattr(args, "no_invariant", False)
+    kwargs = dict(
+        invariant=invariant,
+        max_model_len=args.max_model_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        tensor_parallel_size=args.tensor_parallel_size,
+        k_shards=args.k_shards,
+        seed=args.model_seed,
+        enable_prefix_caching=not args.no_prefix_caching,
+    )
+    if model is not None:
+        return LLM(model.model, tokenizer=model.tokenizer, **kwargs)
+    return LLM(args.model, dtype=dtype_arg(args.dtype), **kwargs)
+
+
+def sizes(args, num_seqs: int) -> tuple[int, int]:
+    """Engine limits: the user's, else sized to the work (few buckets to compile on a CPU)."""
+    s = args.max_num_seqs or min(16, pow2_at_least(num_seqs))
+    t = args.max_num_batched_tokens or max(s, 64 if on_cpu() else 512)
+    return s, t
+
+
+def warmup(llm, args, logprobs: bool) -> None:
+    if args.no_warmup:
+        return
+    from bijax import compile_cache
+
+    took = llm.warmup(logprobs=logprobs)
+    where = compile_cache.directory()
+    info(f"warm-up: {llm.engine.num_compiled_buckets} step buckets ready in {took:.1f}s")
+    if where:
+        info(f"         (compiled steps are cached in {where}: the next start loads them)")

@@ -1,0 +1,154 @@
+"""The matmul's GPU kernel (Pallas, Triton lowering) and its launch shapes.
+
+One program per (leaf, row tile, column tile) sums its leaf in ``tile_k`` chunks in ascending
+order into an fp32 accumulator; the leaves are combined by ``plan.combine_leaves``. The launch
+shape (``GpuTiles``) may follow M: a row's bits do not depend on it (benchmarks/kernels.py
+checks a dozen shapes bit for bit on the H200).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.plan import GPU_MIN_TILE_N, H200_SMS, MatmulPlan, combine_leaves, to_leaves
+
+# Row tile groups that share column tiles in consecutive programs (L2 reuse at large M).
+_GPU_GROUP_M = 8
+# GPU row tiles chosen from M (rows are bit-identical across these; proven on
+# the H200 by benchmarks/kernels.py, which compares every choice bit for bit).
+GPU_TILE_M = (16, 32, 64, 128)
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuTiles:
+    """Launch shape of the GPU kernel. It may depend on M: a row's bits do not depend on
+    it (benchmarks/kernels.py checks a dozen shapes bit for bit on the GPU)."""
+
+    tile_m: int
+    tile_n: int
+    num_warps: int
+    num_stages: int
+
+
+def gpu_tile_m(m: int) -> int:
+    """Row tile for the GPU kernel: the smallest of GPU_TILE_M that covers m, else the largest."""
+    for t in GPU_TILE_M:
+        if m <= t:
+            return t
+    return GPU_TILE_M[-1]
+
+
+def gpu_tiles(plan: MatmulPlan, m: int) -> GpuTiles:
+    """Widest column tile that still gives the GPU enough programs at this M.
+
+    Measured on the H200 (benchmarks/RESULTS.md): 128-row tiles are heavy enough
+    that ~96 programs fill it; decode-sized tiles want 2 warps and a deeper pipeline.
+    """
+    tile_m = gpu_tile_m(m)
+    programs = -(-m // tile_m) * plan.num_leaves
+    enough = 96 if tile_m >= 128 else H200_SMS
+    for tile_n in (256, 128, 64, GPU_MIN_TILE_N):
+        if tile_n == 256 and tile_m < 128:
+            continue
+        if programs * -(-plan.n // tile_n) >= enough:
+            break
+    if tile_m <= 32 and tile_n <= 64:
+        return GpuTiles(tile_m, tile_n, 2, 4)
+    return GpuTiles(tile_m, tile_n, 8 if tile_m * tile_n >= 128 * 128 else 4, 3)
+
+
+def _matmul_kernel(x_ref, w_ref, o_ref, *, tile_k: int, leaf_k: int):
+    """One (leaf, row tile, column tile): fp32 sum over the leaf in tile_k chunks, in ascending order."""
+    tile_m, tile_n = o_ref.shape[-2:]
+
+    def body(c, acc):
+        xk = x_ref[:, pl.ds(c * tile_k, tile_k)]
+        wk = w_ref[pl.ds(c * tile_k, tile_k), :]
+        # HIGHEST: float32 inputs use full-precision IEEE products, never TF32.
+        return acc + jnp.dot(xk, wk, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+    acc = lax.fori_loop(0, leaf_k // tile_k, body, jnp.zeros((tile_m, tile_n), jnp.float32))
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+
+def _swizzle(pid, row_tiles: int, col_tiles: int):
+    """Program id -> (leaf, row tile, column tile); groups of _GPU_GROUP_M row tiles walk the
+    column tiles together so consecutive programs share weight tiles in L2."""
+    tiles = row_tiles * col_tiles
+    leaf, t = pid // tiles, pid % tiles
+    width = _GPU_GROUP_M * col_tiles
+    first = (t // width) * _GPU_GROUP_M
+    size = jnp.minimum(row_tiles - first, _GPU_GROUP_M)
+    return leaf, first + (t % width) % size, (t % width) // size
+
+
+def _matmul_pallas(x, w, *, plan: MatmulPlan, num_leaves: int, out_dtype, tiles: GpuTiles, interpret: bool):
+    """x[M, L*leaf_k], w[L*leaf_k, N] (leaf layout) -> combined result in out_dtype."""
+    m, n = x.shape[0], w.shape[1]
+    tm, tn = tiles.tile_m, tiles.tile_n
+    mp, np_ = -(-m // tm) * tm, -(-n // tn) * tn
+    if mp != m:
+        x = jnp.pad(x, ((0, mp - m), (0, 0)))
+    if np_ != n:
+        w = jnp.pad(w, ((0, 0), (0, np_ - n)))
+    lk = plan.leaf_k
+    rt, ct = mp // tm, np_ // tn
+    ids = functools.partial(_swizzle, row_tiles=rt, col_tiles=ct)
+
+    def x_map(pid):
+        leaf, i, _ = ids(pid)
+        return i, leaf
+
+    def w_map(pid):
+        leaf, _, j = ids(pid)
+        return leaf, j
+
+    def o_map(pid):
+        leaf, i, j = ids(pid)
+        return (i, j) if num_leaves == 1 else (leaf, i, j)
+
+    if num_leaves == 1:
+        out_spec = pl.BlockSpec((tm, tn), o_map)
+        out_shape = jax.ShapeDtypeStruct((mp, np_), out_dtype)
+    else:
+        out_spec = pl.BlockSpec((pl.squeezed, tm, tn), o_map)
+        out_shape = jax.ShapeDtypeStruct((num_leaves, mp, np_), jnp.float32)
+    out = pl.pallas_call(
+        functools.partial(_matmul_kernel, tile_k=plan.tile_k, leaf_k=lk),
+        grid=(num_leaves * rt * ct,),
+        in_specs=[pl.BlockSpec((tm, lk), x_map), pl.BlockSpec((lk, tn), w_map)],
+        out_specs=out_spec,
+        out_shape=out_shape,
+        compiler_params=pltriton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
+        interpret=interpret,
+        name="bijax_matmul",
+    )(x, w)
+    out = out[..., :m, :n]
+    if num_leaves == 1:
+        return out
+    return combine_leaves([out[g] for g in range(num_leaves)], plan.split_k).astype(out_dtype)
+
+
+def triton_partial(x, w, *, plan, num_shards, out_dtype, tiles, interpret):
+    xl = to_leaves(x, plan, num_shards, axis=1)
+    wl = to_leaves(w, plan, num_shards, axis=0)
+    if tiles is None:
+        # Interpret mode computes each block with the CPU's dot, whose bits depend on
+        # the block shape: keep one fixed tile there.
+        tiles = GpuTiles(16, plan.tile_n, 4, 3) if interpret else gpu_tiles(plan, x.shape[0])
+    return _matmul_pallas(
+        xl,
+        wl,
+        plan=plan,
+        num_leaves=num_shards * plan.split_k,
+        out_dtype=out_dtype,
+        tiles=tiles,
+        interpret=interpret,
+    )
