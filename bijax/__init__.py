@@ -7,7 +7,8 @@ kernels they run on are in ``pallas_kernels``. See docs/design.md for the invari
 __version__ = "0.1.0"
 
 # Bumped whenever a change alters output bits (kernels, reduction plans, sampling).
-NUMERICS_VERSION = 4
+# 5: GPU attention folds its splits in Triton (tiles and tokens kernels); CPU bits as in 4.
+NUMERICS_VERSION = 5
 
 from bijax import compile_cache  # noqa: E402
 

@@ -48,27 +48,28 @@ __all__ = [
 # --------------------------------------------------------------------------- the op
 
 
-@runtime.kernel_op("attention", static_argnames=("spec", "backend", "interpret"))
-def _attention(q, k_cache, v_cache, index, *, spec, backend, interpret):
+@runtime.kernel_op("attention", static_argnames=("spec", "run"))
+def _attention(q, k_cache, v_cache, index, *, spec, run):
     block_tables, context_lens, token_seq, token_pos = index
     # Padding tokens may carry any sequence index: clamp it so no read goes out of bounds.
     token_seq = jnp.clip(token_seq, 0, block_tables.shape[0] - 1)
     index = (block_tables, context_lens, token_seq, token_pos)
-    return _attention_vjp(q, k_cache, v_cache, index, spec, backend, interpret)
+    return _attention_vjp(q, k_cache, v_cache, index, spec, run)
 
 
 # Differentiable in q, k_cache and v_cache: the forward is the kernel (bits unchanged), the
 # backward the VJP of the plain XLA ``attention_reference``; the integer index gets no cotangent.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _attention_vjp(q, k_cache, v_cache, index, spec, backend, interpret):
-    return _attention_impl(q, k_cache, v_cache, index, spec, backend, interpret)
+# ``run`` = (backend, interpret, gpu_kernel): how to run it, never what it computes.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _attention_vjp(q, k_cache, v_cache, index, spec, run):
+    return _attention_impl(q, k_cache, v_cache, index, spec, run)
 
 
-def _attention_vjp_fwd(q, k_cache, v_cache, index, spec, backend, interpret):
-    return _attention_impl(q, k_cache, v_cache, index, spec, backend, interpret), (q, k_cache, v_cache, index)
+def _attention_vjp_fwd(q, k_cache, v_cache, index, spec, run):
+    return _attention_impl(q, k_cache, v_cache, index, spec, run), (q, k_cache, v_cache, index)
 
 
-def _attention_vjp_bwd(spec, backend, interpret, res, g):
+def _attention_vjp_bwd(spec, run, res, g):
     q, k_cache, v_cache, index = res
 
     def ref(q, k, v):
@@ -83,23 +84,21 @@ def _attention_vjp_bwd(spec, backend, interpret, res, g):
 _attention_vjp.defvjp(_attention_vjp_fwd, _attention_vjp_bwd)
 
 
-def _attention_impl(q, k_cache, v_cache, index, spec, backend, interpret):
+def _attention_impl(q, k_cache, v_cache, index, spec, run):
+    backend, interpret, gpu_kernel = run
     t, hq, d = q.shape
     hkv = k_cache.shape[2]
     group = hq // hkv
     qg = q.reshape(t, hkv, group, d)
-    fold = functools.partial(fold_splits, pos=index[3], spec=spec)
-    # Both branches fold their split states themselves (platform_dependent needs equal output types).
-    out = runtime.dispatch(
-        backend,
-        lambda *a: fold(*attention_cpu.split_states(*a, spec=spec)),
-        lambda *a: fold(*attention_triton.split_states(*a, spec=spec, interpret=interpret))[:, :, :group],
-        qg,
-        k_cache,
-        v_cache,
-        index,
-    )  # fmt: skip  [T, Hkv, G, D]
-    return out.reshape(t, hq, d).astype(q.dtype)
+
+    def cpu(*args):
+        return fold_splits(*attention_cpu.split_states(*args, spec=spec), index[3], spec).astype(q.dtype)
+
+    def gpu(*args):
+        return attention_triton.attend(*args, spec=spec, interpret=interpret, kernel=gpu_kernel)
+
+    # Both return the normalised output [T, Hkv, G, D] (platform_dependent needs equal types).
+    return runtime.dispatch(backend, cpu, gpu, qg, k_cache, v_cache, index).reshape(t, hq, d)
 
 
 # --------------------------------------------------------------------------- input checks
@@ -195,6 +194,7 @@ def attention(
     split_size: int = SPLIT_SIZE,
     backend: str = "auto",
     interpret: bool = False,
+    gpu_kernel: str = "auto",
 ) -> jax.Array:
     """Causal paged attention for a flat, ragged batch of query tokens. Batch invariant.
 
@@ -209,6 +209,8 @@ def attention(
       logit_softcap: ``c * tanh(s / c)`` on the scaled logits.
       split_size: fixed split size in tokens (a multiple of max(64, block_size)); part of
         the numerics: a token's bits depend on it, never on the batch.
+      gpu_kernel: "auto", "tokens" (a program per token and split) or "tiles" (a program per
+        tile of tokens, splits folded in registers): how the GPU runs it, never its bits.
     Returns [T, Hq, D] in q's dtype.
 
     The KV of this step's tokens must already be in the cache (``write_kv``). Differentiable
@@ -216,6 +218,10 @@ def attention(
     ``attention_reference``, plain XLA over each token's densely gathered keys).
     """
     runtime.check_backend(backend, interpret)
+    if gpu_kernel not in attention_triton.GPU_KERNELS:
+        raise ValueError(
+            f"attention: gpu_kernel must be one of {attention_triton.GPU_KERNELS}, got {gpu_kernel!r}"
+        )
     index = (block_tables, context_lens, token_seq, token_pos)
     _check_arrays(q, k_cache, v_cache, *index)
     spec = AttentionSpec.create(
@@ -232,7 +238,7 @@ def attention(
         )
     _check_index_values(k_cache, *index)
     index = tuple(jnp.asarray(a, jnp.int32) for a in index)
-    return _attention(q, k_cache, v_cache, index, spec=spec, backend=backend, interpret=interpret)
+    return _attention(q, k_cache, v_cache, index, spec=spec, run=(backend, interpret, gpu_kernel))
 
 
 @runtime.kernel_op("write_kv", donate_argnums=(0, 1))

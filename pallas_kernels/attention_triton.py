@@ -1,9 +1,24 @@
-"""The GPU attention kernel (Pallas, Triton lowering): one program per (token, KV head, split).
+"""The GPU attention kernels (Pallas, Triton lowering).
 
-A program reduces one split of its token's keys into an fp32 softmax state (max, sum, acc),
-online over KV tiles of ``kv_tile(block_size)`` tokens at absolute multiples; the group of
-query heads sharing the KV head forms the rows of the dot (padded to 16), so no other token
-touches its arithmetic. The splits are folded by ``attention_math.fold_splits``.
+Two kernels compute the same per-row arithmetic - ``attention_math.kv_tile_step`` over KV
+tiles of ``kv_tile(block_size)`` keys at absolute multiples, one fp32 online-softmax state per
+split of ``split_size`` keys, splits combined by ``attention_math.fold_step`` - and differ only
+in how rows are grouped into programs:
+
+* ``tokens`` (decode): one program per (token, KV head, split); the group of query heads that
+  share the KV head forms the rows of the dot (padded to 16). The split states go through HBM
+  to a small combine kernel that folds them (many splits in flight for few, long sequences).
+* ``tiles`` (prefill chunks, mixed steps): one program per (tile of consecutive flat tokens,
+  KV head) whose rows are the tile's tokens times their query heads. It walks every split
+  its rows need and folds them in registers (no HBM round trip), and for each sequence in
+  the tile reads that sequence's KV tiles once for all of its rows. A KV tile a row sees
+  nothing of leaves the row's state unchanged bit for bit (``kv_tile_step``), and a dot's
+  rows do not depend on the other rows, so a token's bits do not depend on which kernel or
+  tile it lands in - ``benchmarks/attention.py`` checks it on the H200.
+
+Both fold in Triton with the same function, so a token's output is the same operations in
+the same order on either path (an XLA fold would be a different compiler, whose choice of
+fused multiply-adds need not match the kernel's).
 """
 
 from __future__ import annotations
@@ -16,100 +31,297 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.attention_math import AttentionSpec, key_mask, kv_tile, scores
+from pallas_kernels.attention_math import (
+    AttentionSpec,
+    fold_finish,
+    fold_step,
+    key_mask,
+    kv_tile,
+    kv_tile_step,
+    split_used,
+)
 
 MIN_ROWS = 16  # the GPU dot needs at least 16 rows; the head group is padded to this
+TILE_ROWS = 64  # rows (tokens x padded query heads) of a ``tiles`` program
+GPU_KERNELS = ("auto", "tokens", "tiles")
+_BIG = 2**30
 
 
-def _kernel(
-    seq_ref, pos_ref, ctx_ref, bt_ref, q_ref, k_ref, v_ref, m_out, l_out, acc_out,
-    *, spec: AttentionSpec, block_size: int, max_blocks: int,
-):  # fmt: skip
-    """One (token, KV head, split): fp32 softmax state of the split, online over KV tiles."""
-    t, split = pl.program_id(0), pl.program_id(2)
-    seq, pos = seq_ref[t], pos_ref[t]
-    ctx = ctx_ref[jnp.maximum(seq, 0)]
-    rows, d = q_ref.shape
-    tile = kv_tile(block_size)
-    pages = tile // block_size
-    start = split * spec.split_size
-    q = q_ref[...]
-
-    # Tiles of this split that hold keys the token may see (none for padding tokens).
-    hi = jnp.clip(pos + 1 - start, 0, spec.split_size)
-    num_tiles = (hi + tile - 1) // tile
-    first = 0
-    if spec.window is not None:
-        first = jnp.clip((pos - spec.window + 1 - start) // tile, 0, num_tiles)
-
-    def body(i, carry):
-        m, l, acc = carry
-        tile_start = start + i * tile
-        page = jnp.minimum(tile_start // block_size + jnp.arange(pages), max_blocks - 1)
-        phys = bt_ref[jnp.maximum(seq, 0), page]
-        k = k_ref[phys].reshape(tile, d)
-        v = v_ref[phys].reshape(tile, d)
-        j = tile_start + jnp.arange(tile)
-        ok = key_mask(j, pos, ctx, spec.window)
-        s = jnp.dot(q, k.T, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-        s = jnp.where(ok[None, :], scores(s, spec), -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp(m - m_safe)
-        p = jnp.where(ok[None, :], jnp.exp(s - m_safe[:, None]), 0.0)
-        v = jnp.where(ok[:, None], v, 0.0)
-        pv = jnp.dot(
-            p.astype(v.dtype), v, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32
-        )
-        return m_new, l * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + pv
-
-    init = (
+def _empty_state(rows: int, d: int):
+    return (
         jnp.full((rows,), -jnp.inf, jnp.float32),
         jnp.zeros((rows,), jnp.float32),
         jnp.zeros((rows, d), jnp.float32),
     )
-    m, l, acc = lax.fori_loop(first, num_tiles, body, init)
+
+
+def _load_kv(k_ref, v_ref, bt_ref, seq, tile_start, *, block_size: int, max_blocks: int, d: int):
+    """The KV tile of ``kv_tile(block_size)`` keys starting at ``tile_start`` of sequence ``seq``."""
+    tile = kv_tile(block_size)
+    page = jnp.minimum(tile_start // block_size + jnp.arange(tile // block_size), max_blocks - 1)
+    phys = bt_ref[seq, page]
+    return k_ref[phys].reshape(tile, d), v_ref[phys].reshape(tile, d)
+
+
+# --------------------------------------------------------------------------- tokens: decode
+
+
+def _tokens_kernel(
+    seq_ref, pos_ref, ctx_ref, bt_ref, q_ref, k_ref, v_ref, m_out, l_out, acc_out,
+    *, spec: AttentionSpec, block_size: int, max_blocks: int,
+):  # fmt: skip
+    """One (token, KV head, split): the fp32 softmax state of the split."""
+    t, split = pl.program_id(0), pl.program_id(2)
+    seq, pos = jnp.maximum(seq_ref[t], 0), pos_ref[t]
+    ctx = ctx_ref[seq]
+    rows, d = q_ref.shape
+    tile = kv_tile(block_size)
+    start = split * spec.split_size
+    q = q_ref[...]
+    # Tiles of this split that hold keys the token may see (none for padding tokens).
+    num_tiles = (jnp.clip(pos + 1 - start, 0, spec.split_size) + tile - 1) // tile
+    first = 0
+    if spec.window is not None:
+        first = jnp.clip((pos - spec.window + 1 - start) // tile, 0, num_tiles)
+
+    def body(i, state):
+        tile_start = start + i * tile
+        k, v = _load_kv(
+            k_ref, v_ref, bt_ref, seq, tile_start, block_size=block_size, max_blocks=max_blocks, d=d
+        )
+        ok = key_mask(tile_start + jnp.arange(tile), pos, ctx, spec.window)
+        v = jnp.where(ok[:, None], v, 0.0)
+        return kv_tile_step(state, q, k, v, ok[None, :], spec)
+
+    m, l, acc = lax.fori_loop(first, num_tiles, body, _empty_state(rows, d))
     m_out[...] = m
     l_out[...] = l
     acc_out[...] = acc
 
 
-def split_states(q, k_cache, v_cache, index, *, spec: AttentionSpec, interpret: bool):
-    """q [T, Hkv, G, D] -> per-split states m, l [T, Hkv, S, R], acc [T, Hkv, S, R, D]
-    (R: G padded to at least 16 rows). ``index``: (block_tables, context_lens, token_seq, token_pos)."""
+def _combine_kernel(pos_ref, m_ref, l_ref, acc_ref, o_ref, *, spec: AttentionSpec):
+    """One (token, KV head): the left fold of its split states."""
+    pos = pos_ref[pl.program_id(0)]
+    splits, rows, d = acc_ref.shape
+
+    def body(s, carry):
+        use = jnp.broadcast_to(split_used(s, pos, spec), (rows,))
+        return fold_step(carry, (m_ref[s], l_ref[s], acc_ref[s]), use)
+
+    init = _empty_state(rows, d) + (jnp.zeros((rows,), bool),)
+    o_ref[...] = fold_finish(lax.fori_loop(0, splits, body, init)).astype(o_ref.dtype)
+
+
+def token_states(
+    qg,
+    k_cache,
+    v_cache,
+    index,
+    *,
+    spec: AttentionSpec,
+    interpret: bool,
+    num_warps: int = 2,
+    num_stages: int = 2,
+):
+    """The ``tokens`` kernel's per-split states m, l [T, Hkv, S, R], acc [T, Hkv, S, R, D]."""
     block_tables, context_lens, token_seq, token_pos = index
-    t, hkv, group, d = q.shape
+    t, hkv, group, d = qg.shape
     rows = max(MIN_ROWS, pl.next_power_of_2(group))
-    q = jnp.pad(q, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+    q = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
     num_blocks, block_size = k_cache.shape[:2]
-    max_blocks = block_tables.shape[1]
-    splits = spec.num_splits(max_blocks * block_size)
-    smem = lambda shape: pl.BlockSpec(shape, lambda i, h, s: (0,) * len(shape))
+    num_splits = spec.num_splits(block_tables.shape[1] * block_size)
+    whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
     cache = pl.BlockSpec((num_blocks, block_size, pl.squeezed, d), lambda i, h, s: (0, 0, h, 0))
     state = lambda *shape: pl.BlockSpec(
         (pl.squeezed, pl.squeezed, pl.squeezed) + shape, lambda i, h, s: (i, h, s) + (0,) * len(shape)
     )
-    kernel = functools.partial(_kernel, spec=spec, block_size=block_size, max_blocks=max_blocks)
     f32 = jnp.float32
-    return pl.pallas_call(
-        kernel,
-        grid=(t, hkv, splits),
+    m, l, acc = pl.pallas_call(
+        functools.partial(_tokens_kernel, spec=spec, block_size=block_size, max_blocks=block_tables.shape[1]),
+        grid=(t, hkv, num_splits),
         in_specs=[
-            smem(token_seq.shape),
-            smem(token_pos.shape),
-            smem(context_lens.shape),
-            smem(block_tables.shape),
+            whole(token_seq),
+            whole(token_pos),
+            whole(context_lens),
+            whole(block_tables),
             pl.BlockSpec((pl.squeezed, pl.squeezed, rows, d), lambda i, h, s: (i, h, 0, 0)),
             cache,
             cache,
         ],
         out_specs=[state(rows), state(rows), state(rows, d)],
         out_shape=[
-            jax.ShapeDtypeStruct((t, hkv, splits, rows), f32),
-            jax.ShapeDtypeStruct((t, hkv, splits, rows), f32),
-            jax.ShapeDtypeStruct((t, hkv, splits, rows, d), f32),
+            jax.ShapeDtypeStruct((t, hkv, num_splits, rows), f32),
+            jax.ShapeDtypeStruct((t, hkv, num_splits, rows), f32),
+            jax.ShapeDtypeStruct((t, hkv, num_splits, rows, d), f32),
         ],
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="bijax_attention",
     )(token_seq, token_pos, context_lens, block_tables, q, k_cache, v_cache)
+    return m, l, acc
+
+
+def combine(m, l, acc, token_pos, *, spec: AttentionSpec, interpret: bool, dtype):
+    """The ``tokens`` kernel's split states -> normalised output [T, Hkv, R, D] in ``dtype``."""
+    t, hkv, num_splits, rows, d = acc.shape
+    states = lambda *shape: pl.BlockSpec(
+        (pl.squeezed, pl.squeezed) + shape, lambda i, h: (i, h) + (0,) * len(shape)
+    )
+    return pl.pallas_call(
+        functools.partial(_combine_kernel, spec=spec),
+        grid=(t, hkv),
+        in_specs=[
+            pl.BlockSpec(token_pos.shape, lambda i, h: (0,)),
+            states(num_splits, rows),
+            states(num_splits, rows),
+            states(num_splits, rows, d),
+        ],
+        out_specs=states(rows, d),
+        out_shape=jax.ShapeDtypeStruct((t, hkv, rows, d), dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="bijax_attention_combine",
+    )(token_pos, m, l, acc)
+
+
+# --------------------------------------------------------------------------- tiles: prefill
+
+
+def _tiles_kernel(
+    rseq_ref, rpos_ref, ctx_ref, bt_ref, q_ref, k_ref, v_ref, o_ref,
+    *, spec: AttentionSpec, block_size: int, max_blocks: int,
+):  # fmt: skip
+    """One (tile of rows, KV head): every split its rows use, folded in registers."""
+    rows, d = q_ref.shape
+    tile = kv_tile(block_size)
+    ss, window = spec.split_size, spec.window
+    q = q_ref[...]
+    rseq, rpos = rseq_ref[...], rpos_ref[...]
+
+    def more(c):
+        return jnp.max(c[0].astype(jnp.int32)) > 0
+
+    def one_sequence(c):  # the rows of one sequence (the smallest index left)
+        remaining, carry = c[0], c[1:]
+        seq = jnp.min(jnp.where(remaining, rseq, _BIG))
+        mine = remaining & (rseq == seq)
+        hi = jnp.max(jnp.where(mine, rpos, -1))
+        lo = jnp.min(jnp.where(mine, rpos, _BIG))
+        ctx = ctx_ref[seq]
+        first_split = 0 if window is None else jnp.maximum(lo - window + 1, 0) // ss
+
+        def one_split(split, carry):
+            start = split * ss
+            num_tiles = (jnp.clip(hi + 1 - start, 0, ss) + tile - 1) // tile
+            first = 0
+            if window is not None:
+                first = jnp.clip((lo - window + 1 - start) // tile, 0, num_tiles)
+
+            def one_tile(i, state):
+                tile_start = start + i * tile
+                k, v = _load_kv(
+                    k_ref, v_ref, bt_ref, seq, tile_start, block_size=block_size, max_blocks=max_blocks, d=d
+                )
+                j = tile_start + jnp.arange(tile)
+                ok = key_mask(j[None, :], rpos[:, None], ctx, window) & mine[:, None]
+                seen = key_mask(j, hi, ctx, None)  # keys some row of this sequence may see
+                if window is not None:
+                    seen &= j > lo - window
+                v = jnp.where(seen[:, None], v, 0.0)
+                return kv_tile_step(state, q, k, v, ok, spec)
+
+            state = lax.fori_loop(first, num_tiles, one_tile, _empty_state(rows, d))
+            return fold_step(carry, state, split_used(split, rpos, spec) & mine)
+
+        carry = lax.fori_loop(first_split, hi // ss + 1, one_split, carry)
+        return (remaining & ~mine, *carry)
+
+    init = (rpos >= 0, *_empty_state(rows, d), jnp.zeros((rows,), bool))
+    carry = lax.while_loop(more, one_sequence, init)[1:]
+    o_ref[...] = fold_finish(carry).astype(o_ref.dtype)
+
+
+def _tiles(
+    qg, k_cache, v_cache, index, *, spec: AttentionSpec, interpret: bool, tile_rows: int, num_warps: int
+):
+    block_tables, context_lens, token_seq, token_pos = index
+    t, hkv, group, d = qg.shape
+    gp = pl.next_power_of_2(group)
+    tq = max(1, tile_rows // gp)  # tokens per tile
+    rows = tq * gp
+    nt = -(-t // tq)
+    pad_t = nt * tq - t
+    # [T, Hkv, G, D] -> [tiles, Hkv, tq * gp, D]; row r of a tile is token r // gp, head r % gp.
+    q = jnp.pad(qg, ((0, pad_t), (0, 0), (0, gp - group), (0, 0)))
+    q = q.reshape(nt, tq, hkv, gp, d).transpose(0, 2, 1, 3, 4).reshape(nt, hkv, rows, d)
+    head_real = (jnp.arange(gp) < group)[None, None, :]
+    rpos = jnp.pad(token_pos, (0, pad_t), constant_values=-1).reshape(nt, tq, 1)
+    rpos = jnp.where(head_real, rpos, -1).reshape(nt, rows)  # padded heads: padding rows
+    rseq = jnp.broadcast_to(jnp.pad(token_seq, (0, pad_t)).reshape(nt, tq, 1), (nt, tq, gp)).reshape(nt, rows)
+    num_blocks, block_size = k_cache.shape[:2]
+    whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
+    per_tile = pl.BlockSpec((pl.squeezed, rows), lambda i, h: (i, 0))
+    cache = pl.BlockSpec((num_blocks, block_size, pl.squeezed, d), lambda i, h: (0, 0, h, 0))
+    block = pl.BlockSpec((pl.squeezed, pl.squeezed, rows, d), lambda i, h: (i, h, 0, 0))
+    out = pl.pallas_call(
+        functools.partial(_tiles_kernel, spec=spec, block_size=block_size, max_blocks=block_tables.shape[1]),
+        grid=(nt, hkv),
+        in_specs=[per_tile, per_tile, whole(context_lens), whole(block_tables), block, cache, cache],
+        out_specs=block,
+        out_shape=jax.ShapeDtypeStruct((nt, hkv, rows, d), qg.dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=2),
+        interpret=interpret,
+        name="bijax_attention_tiles",
+    )(rseq, rpos, context_lens, block_tables, q, k_cache, v_cache)
+    out = out.reshape(nt, hkv, tq, gp, d).transpose(0, 2, 1, 3, 4).reshape(nt * tq, hkv, gp, d)
+    return out[:t, :, :group]
+
+
+def attend(
+    qg,
+    k_cache,
+    v_cache,
+    index,
+    *,
+    spec: AttentionSpec,
+    interpret: bool,
+    kernel: str = "auto",
+    tile_rows: int = TILE_ROWS,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+):
+    """q [T, Hkv, G, D] -> normalised output [T, Hkv, G, D] in q's dtype.
+
+    ``kernel``: "tokens", "tiles", or "auto" - tiles when the step has more tokens than
+    sequence rows (prefill chunks), tokens otherwise (decode). Same bits either way on the GPU.
+    In interpret mode (CPU) "auto" is always "tokens": there each block's dot is the CPU's,
+    whose bits depend on the row count, so the two kernels agree only to rounding.
+    ``num_warps`` (default: 2 for tokens, 4 for tiles, the fastest measured on the H200),
+    ``tile_rows`` and ``num_stages`` are launch shapes: they never change the bits.
+    """
+    block_tables = index[0]
+    if kernel == "auto":
+        kernel = "tiles" if qg.shape[0] > block_tables.shape[0] and not interpret else "tokens"
+    if kernel == "tokens":
+        states = token_states(
+            qg,
+            k_cache,
+            v_cache,
+            index,
+            spec=spec,
+            interpret=interpret,
+            num_warps=num_warps,
+            num_stages=num_stages,
+        )
+        out = combine(*states, index[3], spec=spec, interpret=interpret, dtype=qg.dtype)
+        return out[:, :, : qg.shape[2]]
+    return _tiles(
+        qg,
+        k_cache,
+        v_cache,
+        index,
+        spec=spec,
+        interpret=interpret,
+        tile_rows=tile_rows,
+        num_warps=num_warps or 4,
+    )

@@ -12,7 +12,10 @@ from pallas_kernels.attention import attention, attention_reference, write_kv
 from pallas_kernels.runtime import TRITON_CUSTOM_CALL, cuda_export
 from tests.conftest import bits, rand
 
-BACKENDS = [("jnp", False), ("triton", True)]
+# (backend, interpret, gpu_kernel): the CPU formulation, and each GPU kernel in interpret mode
+# (each compared with itself: interpret mode's CPU dot bits depend on the row count, so the
+# two GPU kernels agree bit for bit only on the GPU - benchmarks/attention.py checks that).
+BACKENDS = [("jnp", False, "auto"), ("triton", True, "tokens"), ("triton", True, "tiles")]
 
 
 class Paged:
@@ -49,7 +52,7 @@ class Paged:
             kc, vc, jnp.concatenate(self.k), jnp.concatenate(self.v), jnp.asarray(slots, jnp.int32)
         )
 
-    def run(self, tokens, *, backend="jnp", interpret=False, **kw):
+    def run(self, tokens, *, backend="jnp", interpret=False, gpu_kernel="auto", **kw):
         """tokens: list of (seq, pos); pos -1 = padding. Returns [T, Hq, D]."""
         seq = np.array([s for s, _ in tokens], np.int32)
         pos = np.array([p for _, p in tokens], np.int32)
@@ -61,7 +64,7 @@ class Paged:
         rows = np.array([self._start[s] + p if p >= 0 else len(self._qpad) - 1 for s, p in tokens])
         q = self._qpad[rows]
         args = (q, self.kc, self.vc, self.bt, np.array(self.lens, np.int32), seq, pos)
-        return attention(*args, backend=backend, interpret=interpret, **kw)
+        return attention(*args, backend=backend, interpret=interpret, gpu_kernel=gpu_kernel, **kw)
 
     def f64(self, s, p, *, window=None, softcap=None):
         if not hasattr(self, "_np"):
@@ -85,44 +88,58 @@ def all_tokens(paged):
 
 
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
-@pytest.mark.parametrize("backend,interpret", BACKENDS)
+@pytest.mark.parametrize("backend,interpret,gpu_kernel", BACKENDS)
 @pytest.mark.parametrize("d", [64, 128])
-def test_accuracy(dtype, tol, backend, interpret, d):
+def test_accuracy(dtype, tol, backend, interpret, gpu_kernel, d):
     # lengths 1, bs - 1, bs, bs + 1 and several 64-token splits
     paged = Paged([1, 15, 16, 17, 150], d=d, dtype=dtype)
     tokens = all_tokens(paged)
-    out = np.asarray(paged.run(tokens, backend=backend, interpret=interpret, split_size=64), np.float64)
+    out = np.asarray(
+        paged.run(tokens, backend=backend, interpret=interpret, gpu_kernel=gpu_kernel, split_size=64),
+        np.float64,
+    )
     ref = np.stack([paged.f64(s, p) for s, p in tokens])
     assert np.abs(out - ref).max() / np.abs(ref).max() <= tol
 
 
-@pytest.mark.parametrize("backend,interpret", BACKENDS)
-def test_sliding_window_and_softcap(backend, interpret):
+@pytest.mark.parametrize("backend,interpret,gpu_kernel", BACKENDS)
+def test_sliding_window_and_softcap(backend, interpret, gpu_kernel):
     paged = Paged([130, 40], hq=4, hkv=4)
     tokens = all_tokens(paged)
     out = np.asarray(
         paged.run(
-            tokens, backend=backend, interpret=interpret, split_size=64, sliding_window=37, logit_softcap=5.0
+            tokens,
+            backend=backend,
+            interpret=interpret,
+            gpu_kernel=gpu_kernel,
+            split_size=64,
+            sliding_window=37,
+            logit_softcap=5.0,
         )
     )
     ref = np.stack([paged.f64(s, p, window=37, softcap=5.0) for s, p in tokens])
     assert np.abs(out - ref).max() / np.abs(ref).max() <= 1e-5
 
 
-@pytest.mark.parametrize("backend,interpret", BACKENDS)
-def test_padding_tokens_give_zeros_and_touch_nothing(backend, interpret):
+@pytest.mark.parametrize("backend,interpret,gpu_kernel", BACKENDS)
+def test_padding_tokens_give_zeros_and_touch_nothing(backend, interpret, gpu_kernel):
     paged = Paged([20, 5])
-    real = paged.run([(0, 19), (1, 4)], backend=backend, interpret=interpret)
-    padded = paged.run([(0, -1), (0, 19), (0, -1), (1, 4), (0, -1)], backend=backend, interpret=interpret)
+    real = paged.run([(0, 19), (1, 4)], backend=backend, interpret=interpret, gpu_kernel=gpu_kernel)
+    padded = paged.run(
+        [(0, -1), (0, 19), (0, -1), (1, 4), (0, -1)],
+        backend=backend,
+        interpret=interpret,
+        gpu_kernel=gpu_kernel,
+    )
     assert np.all(np.asarray(padded)[[0, 2, 4]] == 0)
     np.testing.assert_array_equal(bits(padded[np.array([1, 3])]), bits(real))
 
 
-def _chunked_rows(paged, s, p, chunk, backend, interpret, others):
+def _chunked_rows(paged, s, p, chunk, backend, interpret, others, gpu_kernel="auto"):
     """Token (s, p) inside a prefill chunk of `chunk` tokens ending at p, among other tokens."""
     chunk_tokens = [(s, q) for q in range(p - chunk + 1, p + 1)]
     tokens = others[:2] + chunk_tokens + others[2:]
-    out = paged.run(tokens, backend=backend, interpret=interpret, split_size=64)
+    out = paged.run(tokens, backend=backend, interpret=interpret, gpu_kernel=gpu_kernel, split_size=64)
     return bits(out[2 + chunk - 1])
 
 
@@ -139,36 +156,53 @@ def test_invariance_decode_vs_prefill_chunks_cpu(dtype):
             np.testing.assert_array_equal(got, decode, err_msg=f"p={p} chunk={chunk}")
 
 
-def test_invariance_decode_vs_prefill_chunks_pallas_interpret():
+@pytest.mark.parametrize("gpu_kernel", ["tokens", "tiles"])
+def test_invariance_decode_vs_prefill_chunks_pallas_interpret(gpu_kernel):
+    """Each GPU kernel in interpret mode: a token alone == inside chunks among other tokens
+    (for ``tiles``: at any row of a tile, with other sequences' rows in the same tile)."""
     paged = Paged([150, 30], hq=4, hkv=2)
     others = [(1, 29), (1, 3)]
     for p in (149, 70):
-        decode = bits(paged.run([(0, p)], backend="triton", interpret=True, split_size=64))[0]
-        for chunk in (1, 3, 17):
-            got = _chunked_rows(paged, 0, p, chunk, "triton", True, others)
+        decode = bits(
+            paged.run([(0, p)], backend="triton", interpret=True, gpu_kernel=gpu_kernel, split_size=64)
+        )[0]
+        for chunk in (1, 3, 17, 40):
+            got = _chunked_rows(paged, 0, p, chunk, "triton", True, others, gpu_kernel)
             np.testing.assert_array_equal(got, decode, err_msg=f"p={p} chunk={chunk}")
 
 
-@pytest.mark.parametrize("backend,interpret", BACKENDS)
-def test_invariance_batch_composition_and_slots(backend, interpret):
+@pytest.mark.parametrize("backend,interpret,gpu_kernel", BACKENDS)
+def test_invariance_batch_composition_and_slots(backend, interpret, gpu_kernel):
     paged = Paged([90, 33, 64, 7, 120], seed=3)
     rng = np.random.default_rng(1)
     target = (0, 89)
-    alone = bits(paged.run([target], backend=backend, interpret=interpret, split_size=64))[0]
+    alone = bits(
+        paged.run([target], backend=backend, interpret=interpret, gpu_kernel=gpu_kernel, split_size=64)
+    )[0]
     pool = all_tokens(paged)
     for trial in range(3):
         picks = [pool[i] for i in rng.choice(len(pool), size=int(rng.integers(1, 12)), replace=False)]
         slot = int(rng.integers(0, len(picks) + 1))
         tokens = picks[:slot] + [target] + picks[slot:]
-        out = bits(paged.run(tokens, backend=backend, interpret=interpret, split_size=64))
+        out = bits(
+            paged.run(tokens, backend=backend, interpret=interpret, gpu_kernel=gpu_kernel, split_size=64)
+        )
         np.testing.assert_array_equal(out[slot], alone, err_msg=f"trial {trial}")
 
 
-@pytest.mark.parametrize("backend,interpret", BACKENDS)
-def test_invariance_kv_in_other_physical_blocks(backend, interpret):
+@pytest.mark.parametrize("backend,interpret,gpu_kernel", BACKENDS)
+def test_invariance_kv_in_other_physical_blocks(backend, interpret, gpu_kernel):
     """Prefix caching and preemption move a sequence's KV: its results must not change."""
     a = Paged([100, 50], seed=5)
-    ref = bits(a.run([(0, 99), (0, 40), (1, 49)], backend=backend, interpret=interpret, split_size=64))
+    ref = bits(
+        a.run(
+            [(0, 99), (0, 40), (1, 49)],
+            backend=backend,
+            interpret=interpret,
+            gpu_kernel=gpu_kernel,
+            split_size=64,
+        )
+    )
     b = Paged([100, 50], seed=5)  # same data ...
     b.k, b.v, b.q = a.k, a.v, a.q
     b.num_blocks = a.num_blocks + 10  # ... in other physical blocks
@@ -176,7 +210,15 @@ def test_invariance_kv_in_other_physical_blocks(backend, interpret):
     b.bt = np.where(np.arange(a.bt.shape[1]) < np.array([[7], [4]]), remap[a.bt], 0).astype(np.int32)
     b.fill()
     assert not np.array_equal(a.bt[0], b.bt[0])
-    got = bits(b.run([(0, 99), (0, 40), (1, 49)], backend=backend, interpret=interpret, split_size=64))
+    got = bits(
+        b.run(
+            [(0, 99), (0, 40), (1, 49)],
+            backend=backend,
+            interpret=interpret,
+            gpu_kernel=gpu_kernel,
+            split_size=64,
+        )
+    )
     np.testing.assert_array_equal(got, ref)
 
 
@@ -213,13 +255,17 @@ def test_write_kv_places_rows_and_sends_padding_to_the_null_block():
     assert float(jnp.abs(kc[2]).max()) == 0.0
 
 
-@pytest.mark.parametrize("backend,interpret", BACKENDS)
-def test_nan_in_a_visible_key_propagates(backend, interpret):
+@pytest.mark.parametrize("backend,interpret,gpu_kernel", BACKENDS)
+def test_nan_in_a_visible_key_propagates(backend, interpret, gpu_kernel):
     """Bad data must show, not be dropped: a NaN key the token can see makes its output NaN."""
     paged = Paged([100], hq=4, hkv=2)
     paged.k[0] = paged.k[0].at[80].set(jnp.nan)
     paged.fill()
-    out = np.asarray(paged.run([(0, 99), (0, 50)], backend=backend, interpret=interpret, split_size=64))
+    out = np.asarray(
+        paged.run(
+            [(0, 99), (0, 50)], backend=backend, interpret=interpret, gpu_kernel=gpu_kernel, split_size=64
+        )
+    )
     assert np.isnan(out[0]).all()  # sees key 80
     assert np.isfinite(out[1]).all()  # position 50 does not
 
