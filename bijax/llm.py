@@ -258,6 +258,11 @@ class LLM:
                 bar.close()
         return time.perf_counter() - t0
 
+    def reset_prefix_cache(self) -> None:
+        """Empties the prefix cache (vLLM's name): later prompts are computed from scratch.
+        Outputs do not change (a cache hit gives the same bits); only timing does."""
+        self.engine.reset_prefix_cache()
+
     def update_weights(self, weights) -> None:
         """Replaces the engine's weights with ``weights`` - a ``models.Llama``, its parameter
         state (``nnx.state(model, nnx.Param)``, e.g. a trainer's updated params) or that state

@@ -13,7 +13,7 @@ import numpy as np
 
 from bijax.block_manager import BlockManager
 from bijax.config import EngineConfig
-from bijax.model_runner import ModelRunner
+from bijax.model_runner import ModelRunner, num_compiled_steps
 from bijax.outputs import CompletionOutput, RequestOutput
 from bijax.sampling_params import MAX_LOGPROBS, SamplingParams, check_temperature
 from bijax.scheduler import Scheduler
@@ -41,6 +41,7 @@ class EngineStats:
     num_free_blocks: int
     num_compiled_buckets: int
     num_unfinished_requests: int
+    num_compiled_steps: int  # step programs this process has compiled, all engines together
 
 
 class _Request:
@@ -164,7 +165,7 @@ class Engine:
         recompiles) and empties the prefix cache, whose KV came from the old weights."""
         self._require_idle("set_weights")
         self.runner.set_model(model)
-        self.blocks.reset_prefix_cache()
+        self.blocks.reset_prefix_cache()  # its KV came from the old weights
 
     @property
     def num_compiled_buckets(self) -> int:
@@ -191,7 +192,14 @@ class Engine:
             num_free_blocks=self.blocks.num_free,
             num_compiled_buckets=self.num_compiled_buckets,
             num_unfinished_requests=len(self._requests),
+            num_compiled_steps=num_compiled_steps(),
         )
+
+    def reset_prefix_cache(self) -> None:
+        """Empties the prefix cache (only while idle): the next requests compute every prompt
+        token, as on a fresh engine - what a benchmark's timed run must start from."""
+        self._require_idle("reset_prefix_cache")
+        self.blocks.reset_prefix_cache()
 
     def limit_kv_pool(self, num_blocks: int) -> None:
         """Schedules into the first ``num_blocks`` KV blocks only (block 0 reserved), without

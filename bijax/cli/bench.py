@@ -25,14 +25,25 @@ def add_parser(sub) -> None:
 
 
 def _bench_run(llm, reqs):
-    """All requests submitted at once; returns (seconds, per-request latency, time to first token)."""
-    first, done = {}, {}
+    """One run of all requests, submitted at once, from the same engine state every time (prefix
+    cache emptied first). Returns (seconds, per-request latency, time to first token,
+    inter-token gaps, step programs compiled during the run)."""
+    llm.reset_prefix_cache()
+    compiled = llm.engine.stats().num_compiled_steps
+    first, done, last, gaps = {}, {}, {}, []
     t0 = time.perf_counter()
 
     def on_output(i, out):
         now = time.perf_counter() - t0
-        if out.token_ids and i not in first:
+        n = len(out.outputs[0].token_ids) if out.outputs else 0
+        if n and i not in first:
             first[i] = now
+        elif n > last.get(i, (0, 0))[0]:
+            # tokens that arrived together share the step's time: gap / their number each
+            k = n - last[i][0]
+            gaps.extend([(now - last[i][1]) / k] * k)
+        if n:
+            last[i] = (n, now)
         if out.finished:
             done[i] = now
 
@@ -45,7 +56,20 @@ def _bench_run(llm, reqs):
     total = time.perf_counter() - t0
     lat = np.array([done[i] for i in range(len(reqs))])
     ttft = np.array([first[i] for i in range(len(reqs))])
-    return total, lat, ttft
+    compiles = llm.engine.stats().num_compiled_steps - compiled
+    return total, lat, ttft, np.array(gaps or [np.nan]), compiles
+
+
+def _floors(llm) -> dict:
+    """What one decode step must move and compute at least: every weight read once, 2 FLOP per
+    weight per token (attention and the KV cache come on top)."""
+    import jax
+
+    from models import param_state
+
+    leaves = [a for a in jax.tree_util.tree_leaves(param_state(llm.model)) if hasattr(a, "nbytes")]
+    n = sum(int(a.size) for a in leaves)
+    return {"weight_bytes": sum(int(a.nbytes) for a in leaves), "flop_per_token": 2 * n}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -74,13 +98,11 @@ def run(args: argparse.Namespace) -> int:
             llm = make_llm(args, max_num_seqs=s, max_num_batched_tokens=t, invariant=False, model=inv)
         info(f"{name}: warm-up run (compiles every bucket the workload uses)")
         _bench_run(llm, reqs)
-        times = []
+        runs = []
         for r in range(args.repeats):
-            total, lat, ttft = _bench_run(llm, reqs)
-            times.append(total)
-            info(f"{name}: run {r + 1}/{args.repeats}: {total:.3f}s")
-        best = int(np.argmin(times))
-        total = times[best]
+            runs.append(_bench_run(llm, reqs))
+            info(f"{name}: run {r + 1}/{args.repeats}: {runs[-1][0]:.3f}s, {runs[-1][4]} compiles")
+        total, lat, ttft, gaps, _ = min(runs, key=lambda x: x[0])
         rows.append(
             dict(
                 path=name,
@@ -92,25 +114,42 @@ def run(args: argparse.Namespace) -> int:
                 latency_p50_s=float(np.percentile(lat, 50)),
                 latency_p99_s=float(np.percentile(lat, 99)),
                 ttft_mean_s=float(ttft.mean()),
+                itl_p50_s=float(np.nanpercentile(gaps, 50)) if not np.isnan(gaps).all() else None,
+                itl_p99_s=float(np.nanpercentile(gaps, 99)) if not np.isnan(gaps).all() else None,
+                compiles_in_timed_runs=int(sum(x[4] for x in runs)),
             )
         )
         del llm
     ratio = rows[0]["seconds"] / rows[1]["seconds"]
+    floors = _floors(inv)
+    compiled = {r["path"]: r["compiles_in_timed_runs"] for r in rows if r["compiles_in_timed_runs"]}
     if args.json:
-        print(json.dumps({"model": args.model, "rows": rows, "invariant_over_xla_time": ratio}))
-        return 0
-    print(
-        f"bijax bench: {args.model}, {args.num_prompts} requests x ({args.input_len} prompt + "
-        f"{args.output_len} output) tokens, {s} seqs / {t} tokens per step, best of {args.repeats}\n"
-    )
-    hdr = f"{'path':<22} {'time s':>8} {'req/s':>8} {'out tok/s':>10} {'tok/s':>9} {'lat mean':>9} {'lat p50':>8} {'lat p99':>8} {'TTFT':>8}"
-    print(hdr)
-    print("-" * len(hdr))
-    for r in rows:
+        print(json.dumps({"model": args.model, "rows": rows, "invariant_over_xla_time": ratio, **floors}))
+    else:
         print(
-            f"{r['path']:<22} {r['seconds']:>8.3f} {r['requests_per_s']:>8.2f} {r['output_tok_per_s']:>10.1f} "
-            f"{r['total_tok_per_s']:>9.1f} {r['latency_mean_s']:>9.3f} {r['latency_p50_s']:>8.3f} "
-            f"{r['latency_p99_s']:>8.3f} {r['ttft_mean_s']:>8.3f}"
+            f"bijax bench: {args.model}, {args.num_prompts} requests x ({args.input_len} prompt + "
+            f"{args.output_len} output) tokens, {s} seqs / {t} tokens per step, best of {args.repeats}; "
+            "every run starts with an empty prefix cache\n"
         )
-    print(f"\ninvariant / XLA time: {ratio:.3f}x  (same requests, same engine limits, one process)")
+        hdr = (f"{'path':<22} {'time s':>8} {'req/s':>8} {'out tok/s':>10} {'tok/s':>9} {'lat p50':>8} "
+               f"{'lat p99':>8} {'TTFT':>8} {'ITL p50':>8} {'ITL p99':>8} {'compiles':>8}")  # fmt: skip
+        print(hdr)
+        print("-" * len(hdr))
+        ms = lambda x: "n/a" if x is None else f"{x * 1e3:.1f}ms"
+        for r in rows:
+            print(
+                f"{r['path']:<22} {r['seconds']:>8.3f} {r['requests_per_s']:>8.2f} {r['output_tok_per_s']:>10.1f} "
+                f"{r['total_tok_per_s']:>9.1f} {r['latency_p50_s']:>8.3f} {r['latency_p99_s']:>8.3f} "
+                f"{r['ttft_mean_s']:>8.3f} {ms(r['itl_p50_s']):>8} {ms(r['itl_p99_s']):>8} "
+                f"{r['compiles_in_timed_runs']:>8}"
+            )
+        print(f"\ninvariant / XLA time: {ratio:.3f}x  (same requests, same engine limits, one process)")
+        print(
+            f"floor per decode step: {floors['weight_bytes'] / 1e9:.3f} GB of weights read, "
+            f"{floors['flop_per_token'] / 1e9:.3f} GFLOP per token (plus attention and the KV cache)"
+        )
+    if compiled:
+        info(f"bijax bench: error: step programs compiled inside timed runs ({compiled}): the timings "
+             "include compile time; warm-up did not cover the workload")  # fmt: skip
+        return 1
     return 0

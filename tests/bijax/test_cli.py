@@ -215,14 +215,50 @@ def test_check_says_so_when_the_control_finds_nothing(capsys, monkeypatch):
     assert cli.main(["check", *TINY_CHECK, "--strict"]) == 3
 
 
-def test_bench_reports_both_paths_and_the_ratio(capsys):
-    argv = ["bench", "--model", "tiny", "--dtype", "float32", "--num-prompts", "3", "--input-len", "20",
-            "--output-len", "4", "--max-num-seqs", "2", "--max-num-batched-tokens", "32", "--max-model-len", "128", "--json"]  # fmt: skip
+BENCH = ["bench", "--model", "tiny", "--dtype", "float32", "--num-prompts", "3", "--input-len", "40",
+         "--output-len", "4", "--max-num-seqs", "2", "--max-num-batched-tokens", "32", "--max-model-len", "128",
+         "--json"]  # fmt: skip
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_bench_reports_both_paths_and_compiles_nothing_in_timed_runs(capsys, prefix_caching):
+    argv = BENCH + ([] if prefix_caching else ["--no-prefix-caching"])
     assert cli.main(argv) == 0
     r = json.loads(capsys.readouterr().out)
     assert [x["path"] for x in r["rows"]] == ["invariant", "XLA (--no-invariant)"]
     assert all(x["seconds"] > 0 and x["output_tok_per_s"] > 0 for x in r["rows"])
+    assert all(x["compiles_in_timed_runs"] == 0 and x["itl_p50_s"] > 0 for x in r["rows"])
     assert r["invariant_over_xla_time"] == pytest.approx(r["rows"][0]["seconds"] / r["rows"][1]["seconds"])
+    assert r["weight_bytes"] > 0 and r["flop_per_token"] > 0
+
+
+def test_bench_counts_compiles_and_fails_on_them(capsys, monkeypatch):
+    """The compile counter sees compiles (a run on an engine nothing warmed up), and bench exits 1
+    when a timed run compiled: the check can fail."""
+    from bijax.cli import bench
+
+    llm = bijax.LLM(
+        "tiny",
+        dtype=np.float32,
+        max_model_len=128,
+        max_num_seqs=2,
+        max_num_batched_tokens=32,
+        num_kv_blocks=40,
+    )
+    reqs = [([3] * 40, SP(temperature=0, max_tokens=3))]
+    assert bench._bench_run(llm, reqs)[4] > 0
+    assert bench._bench_run(llm, reqs)[4] == 0
+    real = bench._bench_run
+    calls = []
+
+    def compiling(llm, reqs):  # every second call (the timed runs) reports a compile
+        calls.append(1)
+        out = real(llm, reqs)
+        return out[:4] + (len(calls) % 2 == 0,)
+
+    monkeypatch.setattr(bench, "_bench_run", compiling)
+    assert cli.main(BENCH) == 1
+    assert "compiled inside timed runs" in capsys.readouterr().err
 
 
 def test_chat_equals_generate_on_the_template_and_checks_input():

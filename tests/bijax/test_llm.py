@@ -144,9 +144,22 @@ def test_engine_public_door(llm):
     assert isinstance(after, bijax.EngineStats) and after.num_unfinished_requests == 0
     assert after.prefix_cache_hit_blocks >= before.prefix_cache_hit_blocks
     assert after.num_compiled_buckets == eng.num_compiled_buckets > 0
+    # reset_prefix_cache: the same prompt again hits nothing, and gives the same bits
+    long = PROMPT * 5  # two full KV blocks: cacheable
+    first = llm.generate(long, sp, use_tqdm=False)[0]
+    hits = eng.stats().prefix_cache_hit_blocks
+    llm.generate(long, sp, use_tqdm=False)
+    assert eng.stats().prefix_cache_hit_blocks > hits  # control: without a reset it hits
+    llm.reset_prefix_cache()
+    hits = eng.stats().prefix_cache_hit_blocks
+    again = llm.generate(long, sp, use_tqdm=False)[0]
+    assert eng.stats().prefix_cache_hit_blocks == hits
+    assert again.token_ids == first.token_ids and np.array_equal(bits(again.logprobs), bits(first.logprobs))
     eng.add_request("door-busy", v)
     with pytest.raises(RuntimeError, match="no generation is in flight"):
         eng.limit_kv_pool(8)
+    with pytest.raises(RuntimeError, match="no generation is in flight"):
+        eng.reset_prefix_cache()
     with pytest.raises(RuntimeError, match="no generation is in flight"):
         eng.set_weights(llm.model)
     eng.abort("door-busy")
