@@ -230,7 +230,8 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def warmup(self, *, logprobs: bool = False, progress: bool = True) -> float:
-        """Compiles the engine step for every (sequences, tokens) bucket now, with a progress
+        """Compiles the engine step for every (sequences, tokens) bucket now - ahead of time,
+        several buckets at once in threads (one per CPU core, at most 8) - with a progress
         bar, so that no request waits on a compile; returns the seconds it took. With JAX's
         persistent compilation cache on (bijax turns it on at import), a second start loads
         the compiled steps from disk. ``logprobs``: also the variant that returns top

@@ -13,7 +13,9 @@ inputs replicated, every rank sampling the same tokens from the same gathered lo
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
+import os
 
 import jax
 import numpy as np
@@ -101,6 +103,8 @@ class ModelRunner:
         kv = None if self.mesh is None else NamedSharding(self.mesh, sharding.kv_spec())
         self.cache = init_kv_cache(model.config, config.num_kv_blocks, config.block_size, model.dtype, kv)
         self.compiled_buckets: set = set()
+        # Steps compiled ahead of time by ``warmup`` (in parallel), by (seqs, tokens, num_logprobs).
+        self._aot: dict = {}
 
     def set_model(self, model: Llama) -> None:
         """Takes the model's weights (placed on the mesh under tensor parallelism)."""
@@ -168,18 +172,19 @@ class ModelRunner:
         top = None if top is None else (sharding.host(top[0]), sharding.host(top[1]))
         return tok[: len(chunks)], tok_lp[: len(chunks)], top
 
-    def _run(self, batch: PagedBatch, sampling: SamplingRows, num_logprobs: int):
-        """One jitted step; keeps the donated cache; returns (tokens, logprobs, top)."""
-        out, self.cache = step_program(
-            self.params,
-            self.cache,
-            self._inputs(batch),
-            self._inputs(sampling),
-            graphdef=self.graphdef,
-            invariant=self.config.invariant,
-            num_logprobs=num_logprobs,
-            mesh=self.mesh,
+    def _step_args(self, batch: PagedBatch, sampling: SamplingRows, num_logprobs: int):
+        args = (self.params, self.cache, self._inputs(batch), self._inputs(sampling))
+        kw = dict(
+            graphdef=self.graphdef, invariant=self.config.invariant, num_logprobs=num_logprobs, mesh=self.mesh
         )
+        return args, kw
+
+    def _run(self, batch: PagedBatch, sampling: SamplingRows, num_logprobs: int):
+        """One step (compiled ahead of time by ``warmup``, else jitted now); keeps the donated
+        cache; returns (tokens, logprobs, top)."""
+        args, kw = self._step_args(batch, sampling, num_logprobs)
+        compiled = self._aot.get((len(batch.context_lens), batch.num_tokens, num_logprobs))
+        out, self.cache = compiled(*args) if compiled is not None else step_program(*args, **kw)
         return out
 
     def score_step(self, chunks, targets, temperature: float):
@@ -224,14 +229,28 @@ class ModelRunner:
         )
         return lowered.compile().as_text()
 
-    def warmup(self, pairs, num_logprobs: int = 0, progress=None) -> None:
-        """Compiles the step for each (sequences, tokens) bucket by running it on padding
-        (position -1, slot -1: it writes only the reserved null block and reads nothing)."""
-        for s, t in pairs:
-            jax.block_until_ready(self._run(self.padding_batch(s, t), SamplingRows.greedy(s), num_logprobs))
-            self.compiled_buckets.add((s, t))
-            if progress is not None:
-                progress(s, t)
+    def warmup(self, pairs, num_logprobs: int = 0, progress=None, workers: int | None = None) -> None:
+        """Compiles the step for each (sequences, tokens) bucket ahead of time, ``workers``
+        buckets at once (default: one per CPU core, at most 8). Tracing holds Python's lock, but
+        XLA's compile (most of the time) does not, so the buckets compile in parallel threads.
+        ``progress(s, t)`` after each bucket, in the order they finish."""
+        todo = [(s, t) for s, t in pairs if (s, t, num_logprobs) not in self._aot]
+        if not todo:
+            return
+        workers = workers or min(8, os.cpu_count() or 1)
+
+        def compile_one(st):
+            s, t = st
+            args, kw = self._step_args(self.padding_batch(s, t), SamplingRows.greedy(s), num_logprobs)
+            return st, step_program.lower(*args, **kw).compile()
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(workers, len(todo))) as pool:
+            for future in concurrent.futures.as_completed([pool.submit(compile_one, st) for st in todo]):
+                (s, t), compiled = future.result()
+                self._aot[(s, t, num_logprobs)] = compiled
+                self.compiled_buckets.add((s, t))
+                if progress is not None:
+                    progress(s, t)
 
     def check_params(self) -> None:
         for leaf in jax.tree_util.tree_leaves(self.params):

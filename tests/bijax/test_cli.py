@@ -276,20 +276,32 @@ def test_chat_equals_generate_on_the_template_and_checks_input():
         _llm("tiny").chat(conv, sp)
 
 
-def test_warmup_compiles_every_bucket_so_generate_compiles_nothing():
-    llm = bijax.LLM(
+@pytest.mark.parametrize("tp", [1, 2])
+def test_warmup_compiles_every_bucket_so_generate_compiles_nothing(tp):
+    """Warm-up compiles the buckets ahead of time, in parallel threads; generate then runs those
+    executables (the jitted step compiles nothing) and gives the bits of an engine that compiled
+    as it went - also with the step inside shard_map over 2 devices."""
+    make = lambda: bijax.LLM(
         "tiny",
         dtype=np.float32,
+        k_shards=8,
+        tensor_parallel_size=tp,
         max_model_len=64,
         max_num_seqs=2,
         max_num_batched_tokens=32,
         num_kv_blocks=20,
     )
+    prompts, sp = [[5] * 40, [7] * 3], SP(temperature=0.8, seed=3, max_tokens=6)
+    llm = make()
     llm.warmup(progress=False)
-    assert llm.engine.runner.compiled_buckets == {(2, 16), (2, 32)}  # sequence buckets start at 16
+    assert llm.engine.stats().num_compiled_buckets == 2  # (2, 16), (2, 32): sequence buckets start at 16
     before = num_compiled_steps()
-    llm.generate([[5] * 40, [7] * 3], SP(temperature=0, max_tokens=6), use_tqdm=False)
+    out = llm.generate(prompts, sp, use_tqdm=False)
     assert num_compiled_steps() == before
+    lazy = make().generate(prompts, sp, use_tqdm=False)  # jitted as it goes (after: no shared cache)
+    for a, b in zip(out, lazy, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert np.array_equal(bits(a.outputs[0].logprobs), bits(b.outputs[0].logprobs))
 
 
 _CACHE_PROBE = """
