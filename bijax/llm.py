@@ -86,7 +86,15 @@ class LLM:
         else:
             if isinstance(model, str) and model in PRESETS:  # fail before building a large model
                 check_tensor_parallel(PRESETS[model], tensor_parallel_size, k_shards)
-            self.model = load_model(model, dtype=dtype, k_shards=k_shards, seed=seed, progress=True)
+            self.model = load_model(
+                model,
+                dtype=dtype,
+                k_shards=k_shards,
+                seed=seed,
+                progress=True,
+                # presets are built in their shards; checkpoints load whole, then split
+                tensor_parallel_size=tensor_parallel_size if model in PRESETS else 1,
+            )
         if (
             tokenizer is None
             and not isinstance(model, Llama)

@@ -270,6 +270,24 @@ PRESETS: dict[str, LlamaConfig] = {
         eos_token_ids=(128001, 128009),
         model_type="llama",
     ),
+    # Meta-Llama-3-70B's shape (random weights, 141 GB in bf16: more than one H200 holds, so
+    # with tensor_parallel_size > 1 it is built directly in its shards).
+    "llama3-70b": LlamaConfig(
+        vocab_size=128256,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_layers=80,
+        num_heads=64,
+        num_kv_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192),
+        max_position_embeddings=131072,
+        bos_token_id=128000,
+        eos_token_ids=(128001, 128009),
+        model_type="llama",
+    ),
 }
 
 

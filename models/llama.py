@@ -74,8 +74,11 @@ def _seed_key(seed: int, name: str) -> jax.Array:
 
 
 def _normal(seed: int, name: str, shape, std: float, dtype) -> nnx.Param:
-    x = jax.random.normal(_seed_key(seed, name), shape, jnp.float32) * np.float32(std)
-    return nnx.Param(x.astype(dtype))
+    # The barrier keeps the scaling a separate multiply when this runs inside one jitted build
+    # (``models.sharding.build_sharded``): XLA would otherwise fold ``std`` into the normal's
+    # own constant factor and round differently from the op-by-op build.
+    x = lax.optimization_barrier(jax.random.normal(_seed_key(seed, name), shape, jnp.float32))
+    return nnx.Param((x * np.float32(std)).astype(dtype))
 
 
 def _ones(shape, dtype) -> nnx.Param:

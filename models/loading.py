@@ -214,11 +214,20 @@ def embedded_model_path(name: str) -> str:
 
 
 def load_model(
-    name_or_path: str | os.PathLike, *, dtype=None, k_shards: int = 1, seed: int = 0, progress: bool = False
+    name_or_path: str | os.PathLike,
+    *,
+    dtype=None,
+    k_shards: int = 1,
+    seed: int = 0,
+    progress: bool = False,
+    tensor_parallel_size: int = 1,
 ) -> Llama:
     """A model by name or path.
 
-    - a preset name (``tiny``, ``llama3-8b``): random weights from ``seed`` (default dtype bfloat16);
+    - a preset name (``tiny``, ``llama3-8b``, ``llama3-70b``): random weights from ``seed``
+      (default dtype bfloat16); with ``tensor_parallel_size`` P > 1 built directly in its
+      shards over the first P devices (each device computes and holds only its part: the
+      values are those of the whole build);
     - an embedded model name (``smollm2-135m``) or a ``.gguf`` file: dequantized (default float32);
     - a HF checkpoint directory (config.json + safetensors; default: its torch_dtype);
     - a directory written by ``save_orbax``.
@@ -226,9 +235,15 @@ def load_model(
     from models.configs import PRESETS, preset
 
     if isinstance(name_or_path, str) and name_or_path in PRESETS:
-        return Llama(
+        make = lambda: Llama(  # noqa: E731
             preset(name_or_path), dtype=jnp.bfloat16 if dtype is None else dtype, k_shards=k_shards, seed=seed
         )
+        if tensor_parallel_size == 1:
+            return make()
+        from models import sharding
+
+        sharding.check_tensor_parallel(preset(name_or_path), tensor_parallel_size, k_shards)
+        return sharding.build_sharded(make, sharding.make_mesh(tensor_parallel_size))
     if isinstance(name_or_path, str) and name_or_path in EMBEDDED:
         name_or_path = embedded_model_path(name_or_path)
     path = os.fspath(name_or_path)

@@ -16,8 +16,11 @@ processes (``jax.distributed.initialize``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -106,6 +109,31 @@ def shard_state(state, mesh: Mesh, axis: str = AXIS):
     return jax.tree_util.tree_map(lambda a, s: to_global(a, NamedSharding(mesh, s)), state, specs)
 
 
+def build_sharded(make: Callable[[], nnx.Module], mesh: Mesh, axis: str = AXIS) -> nnx.Module:
+    """``make()`` (a model constructor with random weights) built directly in its shards: one
+    jitted program whose outputs are laid out by ``state_specs``, so each device computes and
+    holds only its shard of every weight - no whole model on one device first (a model larger
+    than one device's memory can be built). JAX's partitionable random numbers make every
+    value equal to the whole build's (``jax_threefry_partitionable``, on by default)."""
+    if not jax.config.jax_threefry_partitionable:
+        raise RuntimeError("build_sharded needs jax_threefry_partitionable=True (JAX's default)")
+    graphdef, abstract = nnx.split(nnx.eval_shape(make))
+    shardings = jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), state_specs(abstract, axis))
+    state = jax.jit(lambda: nnx.split(make())[1], out_shardings=shardings)()
+    return nnx.merge(graphdef, state)
+
+
+def bytes_per_device(state, size: int, axis: str = AXIS) -> int:
+    """Bytes of a model state (arrays or ``jax.ShapeDtypeStruct`` leaves, e.g. from
+    ``nnx.eval_shape``) that each of ``size`` ranks holds under ``state_specs``."""
+    specs = state_specs(state, axis)
+    total = 0
+    for a, spec in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(specs), strict=True):
+        nbytes = int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
+        total += nbytes // size if axis in tuple(spec) else nbytes
+    return total
+
+
 def host(a) -> np.ndarray:
     """A replicated array's value on this host (works when other processes hold copies too)."""
     if isinstance(a, jax.Array) and not a.is_fully_addressable:
@@ -115,6 +143,8 @@ def host(a) -> np.ndarray:
 
 __all__ = [
     "AXIS",
+    "build_sharded",
+    "bytes_per_device",
     "cache_specs",
     "check_tensor_parallel",
     "host",
