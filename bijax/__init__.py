@@ -15,7 +15,7 @@ from bijax import compile_cache  # noqa: E402
 compile_cache.enable()  # before anything compiles: JAX decides once per process
 
 from bijax.config import EngineConfig  # noqa: E402
-from bijax.llm import LLM  # noqa: E402
+from bijax.llm import LLM, WarmupReport  # noqa: E402
 from bijax.llm_engine import Engine, EngineStats, ValidPrompt  # noqa: E402
 from bijax.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from bijax.rl import logprobs  # noqa: E402
@@ -31,5 +31,6 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "ValidPrompt",
+    "WarmupReport",
     "logprobs",
 ]

@@ -11,6 +11,7 @@ cache (default ``~/.cache/bijax/jax``). A cache directory the user configured al
 from __future__ import annotations
 
 import os
+import threading
 
 import jax
 
@@ -40,3 +41,26 @@ def enable(path: str | os.PathLike | None = None) -> str | None:
 def directory() -> str | None:
     """The persistent cache directory JAX uses now (None: off)."""
     return jax.config.jax_compilation_cache_dir or None
+
+
+_counts = {"hits": 0, "misses": 0}
+_lock = threading.Lock()
+
+
+def _on_event(event: str, **_) -> None:
+    key = {"/jax/compilation_cache/cache_hits": "hits", "/jax/compilation_cache/cache_misses": "misses"}.get(
+        event
+    )
+    if key is not None:
+        with _lock:
+            _counts[key] += 1
+
+
+jax.monitoring.register_event_listener(_on_event)
+
+
+def counts() -> tuple[int, int]:
+    """(programs loaded from the persistent cache, programs compiled and written to it) in this
+    process so far: the difference over a warm-up says how much of it was loading."""
+    with _lock:
+        return _counts["hits"], _counts["misses"]

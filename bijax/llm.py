@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence as Seq
 
@@ -40,6 +41,18 @@ def _kv_blocks(cfg, dtype, block_size, max_blocks_per_seq, max_num_seqs, utiliza
                 f"({stats.get('bytes_in_use', 0) / 2**30:.1f} GiB in use of {stats.get('bytes_limit', 0) / 2**30:.1f})"
             )
     return int(max(2, min(want, budget // per_block)))
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmupReport:
+    """What ``LLM.warmup`` did: seconds, step programs made ready, and of the programs XLA was
+    asked for, how many came from the persistent cache and how many were compiled (both 0 when
+    the cache is off)."""
+
+    seconds: float
+    num_programs: int
+    loaded_from_cache: int
+    compiled: int
 
 
 class LLM:
@@ -141,6 +154,7 @@ class LLM:
         )
         self.engine = Engine(self.model, self.tokenizer, self.config)
         self._counter = 0
+        self.last_warmup: WarmupReport | None = None
 
     def generate(
         self,
@@ -243,10 +257,14 @@ class LLM:
         bar, so that no request waits on a compile; returns the seconds it took. With JAX's
         persistent compilation cache on (bijax turns it on at import), a second start loads
         the compiled steps from disk. ``logprobs``: also the variant that returns top
-        logprobs (requests with ``SamplingParams.logprobs``)."""
+        logprobs (requests with ``SamplingParams.logprobs``). ``LLM.last_warmup`` then says
+        how many step programs were loaded from the persistent cache and how many compiled."""
         import time
 
+        from bijax import compile_cache
+
         pairs = self.engine.pending_buckets(logprobs=logprobs)
+        hits, misses = compile_cache.counts()
         t0 = time.perf_counter()
         bar = None
         if progress and pairs:
@@ -265,7 +283,10 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
-        return time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        h, m = compile_cache.counts()
+        self.last_warmup = WarmupReport(took, len(pairs) * (2 if logprobs else 1), h - hits, m - misses)
+        return took
 
     def reset_prefix_cache(self) -> None:
         """Empties the prefix cache (vLLM's name): later prompts are computed from scratch.

@@ -115,7 +115,9 @@ def warmup(llm, args, logprobs: bool) -> None:
     from bijax import compile_cache
 
     took = llm.warmup(logprobs=logprobs)
+    r = llm.last_warmup
     where = compile_cache.directory()
-    info(f"warm-up: {llm.engine.num_compiled_buckets} step buckets ready in {took:.1f}s")
-    if where:
+    how = f" ({r.loaded_from_cache} loaded from the cache, {r.compiled} compiled)" if where else ""
+    info(f"warm-up: {llm.engine.num_compiled_buckets} step buckets ready in {took:.1f}s{how}")
+    if where and r.compiled:
         info(f"         (compiled steps are cached in {where}: the next start loads them)")

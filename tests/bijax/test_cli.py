@@ -312,7 +312,8 @@ import bijax
 assert bijax.compile_cache.directory() == sys.argv[1], bijax.compile_cache.directory()
 llm = bijax.LLM("tiny", max_model_len=64, max_num_seqs=1, max_num_batched_tokens=16, num_kv_blocks=10)
 llm.warmup(progress=False)
-print("HITS", len(hits))
+r = llm.last_warmup
+print("HITS", len(hits), "REPORT", r.num_programs, r.loaded_from_cache, r.compiled)
 """
 
 
@@ -327,8 +328,13 @@ def test_second_start_loads_compiled_steps_from_the_persistent_cache(tmp_path):
     ]
     for r in runs:
         assert r.returncode == 0, r.stderr[-2000:]
-    first, second = (int(r.stdout.split("HITS")[1]) for r in runs)
+    first, second = (int(r.stdout.split("HITS")[1].split()[0]) for r in runs)
     assert first == 0 and second > 0 and any(tmp_path.iterdir())
+    # LLM.last_warmup: the first start compiled its step buckets, the second loaded them
+    (n1, loaded1, compiled1), (n2, loaded2, compiled2) = (
+        tuple(int(x) for x in r.stdout.split("REPORT")[1].split()) for r in runs
+    )
+    assert n1 == n2 > 0 and loaded1 == 0 and compiled1 >= n1 and loaded2 >= n2 and compiled2 == 0
     off = dict(env, BIJAX_COMPILATION_CACHE="0")
     r = subprocess.run(
         [sys.executable, "-c", "import bijax; print(bijax.compile_cache.directory())"],
