@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 
 # HF model_type values whose decoder is the Llama block (RMSNorm, RoPE, SwiGLU, GQA).
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+# Qwen3 adds a per-head RMSNorm on q and k before RoPE (``qk_norm``).
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +31,7 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
-    """Shape and numerics of a Llama-family decoder (Llama 2/3, SmolLM2, Qwen2).
+    """Shape and numerics of a Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3 dense).
 
     Attributes:
       vocab_size, hidden_size, intermediate_size, num_layers: model size.
@@ -42,6 +43,7 @@ class LlamaConfig:
       max_position_embeddings: the model's context length.
       tie_word_embeddings: the LM head is the embedding matrix (SmolLM2).
       attention_bias: q/k/v projections carry a bias (Qwen2).
+      qk_norm: an RMSNorm over each head's q and k (weights [head_dim]) before RoPE (Qwen3).
       bos_token_id, eos_token_ids: special tokens from config.json (may be empty).
       model_type: HF's model_type, for messages.
     """
@@ -60,6 +62,7 @@ class LlamaConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    qk_norm: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     model_type: str = "llama"
@@ -108,6 +111,8 @@ class LlamaConfig:
         attn = h * (self.q_dim + 2 * self.kv_dim) + self.q_dim * h
         if self.attention_bias:
             attn += self.q_dim + 2 * self.kv_dim
+        if self.qk_norm:
+            attn += 2 * self.head_dim
         layer = attn + 3 * h * i + 2 * h
         return v * h * (1 if self.tie_word_embeddings else 2) + self.num_layers * layer + h
 
@@ -161,8 +166,8 @@ def _from_hf_dict(hf: dict[str, Any]) -> LlamaConfig:
         raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r} (Llama-family models use 'silu')")
     if hf.get("mlp_bias"):
         raise ValueError("unsupported: mlp_bias=True")
-    if model_type == "qwen2" and hf.get("use_sliding_window"):
-        raise ValueError("unsupported: Qwen2 with use_sliding_window=True")
+    if model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+        raise ValueError(f"unsupported: {model_type} with use_sliding_window=True")
     if model_type == "mistral" and hf.get("sliding_window"):
         raise ValueError("unsupported: Mistral with a sliding window")
     missing = [
@@ -206,12 +211,13 @@ def _from_hf_dict(hf: dict[str, Any]) -> LlamaConfig:
         num_heads=heads,
         num_kv_heads=hf.get("num_key_value_heads") or heads,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6 if model_type == "qwen2" else 1e-5)),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6 if model_type in ("qwen2", "qwen3") else 1e-5)),
         rope_theta=float(theta),
         rope_scaling=scaling,
         max_position_embeddings=hf.get("max_position_embeddings", 4096),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+        qk_norm=model_type == "qwen3",
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=eos_ids,
         model_type=model_type,
@@ -269,6 +275,39 @@ PRESETS: dict[str, LlamaConfig] = {
         bos_token_id=128000,
         eos_token_ids=(128001, 128009),
         model_type="llama",
+    ),
+    # Qwen3 dense for CPU tests: per-head q/k norms, head_dim given (not hidden / heads).
+    "tiny-qwen3": LlamaConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=768,
+        num_layers=2,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=64,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=2048,
+        eos_token_ids=(2,),
+        qk_norm=True,
+        model_type="qwen3",
+    ),
+    # Qwen3-8B's shape (random weights: shape and speed only).
+    "qwen3-8b": LlamaConfig(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_layers=36,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=40960,
+        bos_token_id=151643,
+        eos_token_ids=(151645,),
+        qk_norm=True,
+        model_type="qwen3",
     ),
     # Meta-Llama-3-70B's shape (random weights, 141 GB in bf16: more than one H200 holds, so
     # with tensor_parallel_size > 1 it is built directly in its shards).

@@ -1,4 +1,4 @@
-"""Flax NNX Llama-family decoder (Llama 2/3, SmolLM2, Qwen2) on the batch-invariant kernels.
+"""Flax NNX Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3 dense) on the batch-invariant kernels.
 
 Two entry points, both running the same decoder stack (``_layers``) and differing only in
 where attention finds its keys:
@@ -104,6 +104,9 @@ class Attention(nnx.Module):
             self.bq = _zeros((c.q_dim,), dtype)
             self.bk = _zeros((c.kv_dim,), dtype)
             self.bv = _zeros((c.kv_dim,), dtype)
+        if c.qk_norm:  # Qwen3: RMSNorm over each head's q and k before RoPE
+            self.q_norm = _ones((c.head_dim,), dtype)
+            self.k_norm = _ones((c.head_dim,), dtype)
 
 
 class MLP(nnx.Module):
@@ -223,6 +226,11 @@ class Llama(nnx.Module):
         q = proj(layer.wq, layer.bq if bias else None)
         k = proj(layer.wk, layer.bk if bias else None)
         v = proj(layer.wv, layer.bv if bias else None)
+        if c.qk_norm:  # each head's vector through the (invariant) rms_norm: rows are tokens x heads
+            head_norm = lambda y, w: norm(  # noqa: E731
+                y.reshape(-1, c.head_dim), w[...], c.rms_norm_eps, invariant=invariant
+            ).reshape(y.shape)
+            q, k = head_norm(q, layer.q_norm), head_norm(k, layer.k_norm)
         cos_sin = self.rope[...][jnp.clip(pos, 0, c.max_position_embeddings - 1)]  # [T, 2, D/2]
         return rope(q, cos_sin), rope(k, cos_sin), v
 

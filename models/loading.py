@@ -38,6 +38,9 @@ def param_names(config: LlamaConfig) -> dict[str, tuple[str, tuple[int, ...], bo
             out[hf + f"self_attn.{proj}_proj.weight"] = (ours + "attn." + name, (rows, h), True)
             if c.attention_bias:
                 out[hf + f"self_attn.{proj}_proj.bias"] = (ours + "attn.b" + proj, (rows,), False)
+        if c.qk_norm:
+            out[hf + "self_attn.q_norm.weight"] = (ours + "attn.q_norm", (c.head_dim,), False)
+            out[hf + "self_attn.k_norm.weight"] = (ours + "attn.k_norm", (c.head_dim,), False)
         out[hf + "self_attn.o_proj.weight"] = (ours + "attn.wo", (h, c.q_dim), True)
         out[hf + "mlp.gate_proj.weight"] = (ours + "mlp.w_gate", (i, h), True)
         out[hf + "mlp.up_proj.weight"] = (ours + "mlp.w_up", (i, h), True)

@@ -43,7 +43,15 @@ import numpy as np
 import safetensors
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 OUT = Path(__file__).resolve().parent / "fixtures"
 SEED = 1234
@@ -107,6 +115,20 @@ CONFIGS = {
         ),
         "Qwen2 style: q/k/v projections WITH bias (o_proj and MLP without), rope_theta 1e6, "
         "rms_norm_eps 1e-6, untied lm_head, no sliding window.",
+    ),
+    "qwen3": (
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        dict(
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+            rope_scaling=None,
+            tie_word_embeddings=False,
+            use_sliding_window=False,
+            attention_bias=False,
+        ),
+        "Qwen3 dense: an RMSNorm over each head's q and k (q_norm / k_norm, weights [head_dim], "
+        "re-initialised away from 1) before RoPE, no q/k/v bias, rope_theta 1e6, untied lm_head.",
     ),
 }
 

@@ -20,7 +20,7 @@ from tests.conftest import bits
 from tests.models.harness import Paged, chunked, interleaved
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
-FIXTURE_NAMES = ("llama2", "llama3", "smollm2", "qwen2")
+FIXTURE_NAMES = ("llama2", "llama3", "smollm2", "qwen2", "qwen3")
 _FWD = nnx.jit(Llama.forward, static_argnames="invariant")
 
 
@@ -67,6 +67,9 @@ def test_fixture_features_are_exercised():
     assert not np.allclose(cfgs["llama3"].inv_freq(), 1 / 500000.0 ** (np.arange(0, 64, 2) / 64))
     assert cfgs["smollm2"].tie_word_embeddings
     assert cfgs["qwen2"].attention_bias and cfgs["qwen2"].rms_norm_eps == 1e-6
+    assert cfgs["qwen3"].qk_norm and not cfgs["qwen3"].attention_bias and not cfgs["qwen2"].qk_norm
+    qn = np.asarray(load_hf(os.path.join(FIXTURES, "qwen3")).layers[0].attn.q_norm[...])
+    assert qn.shape == (64,) and np.abs(qn - 1).max() > 0.05  # the q/k norms are not identities
     assert cfgs["llama2"].num_heads != cfgs["llama2"].num_kv_heads  # GQA
 
 
