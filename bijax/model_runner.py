@@ -92,6 +92,9 @@ class ModelRunner:
     def __init__(self, model: Llama, config: EngineConfig):
         self.config = config
         self.model_config = model.config
+        self.compiled_buckets: set = set()  # (seqs, tokens) buckets whose step is compiled
+        # Steps compiled ahead of time by ``warmup`` (in parallel), by (seqs, tokens, num_logprobs).
+        self._aot: dict = {}
         if config.invariant and jax.default_backend() == "cpu":
             pk.require_consistent_cpu_math()  # CPU bits must not depend on the CPU model
         size = config.tensor_parallel_size
@@ -102,13 +105,13 @@ class ModelRunner:
         self.set_model(model)
         kv = None if self.mesh is None else NamedSharding(self.mesh, sharding.kv_spec())
         self.cache = init_kv_cache(model.config, config.num_kv_blocks, config.block_size, model.dtype, kv)
-        self.compiled_buckets: set = set()
-        # Steps compiled ahead of time by ``warmup`` (in parallel), by (seqs, tokens, num_logprobs).
-        self._aot: dict = {}
 
     def set_model(self, model: Llama) -> None:
         """Takes the model's weights (placed on the mesh under tensor parallelism)."""
-        self.graphdef, params = nnx.split(model)
+        graphdef, params = nnx.split(model)
+        if getattr(self, "graphdef", graphdef) != graphdef:
+            self._aot.clear()  # steps compiled for another structure or config
+        self.graphdef = graphdef
         if self.mesh is not None:
             params = sharding.shard_state(params, self.mesh)
             nnx.update(model, params)  # the model keeps the shards, not a second whole copy
@@ -148,7 +151,6 @@ class ModelRunner:
             if logit_rows:
                 b.logit_rows[r] = i + n - 1
             i += n
-        self.compiled_buckets.add((s, t))
         return b
 
     def step(self, chunks, num_logprobs: int = 0):
@@ -157,6 +159,7 @@ class ModelRunner:
         Rows of sequences that are still mid-prompt are sampled too; the caller ignores them.
         """
         batch = self._batch(chunks)
+        self.compiled_buckets.add((len(batch.context_lens), batch.num_tokens))
         sampling = SamplingRows.greedy(len(batch.context_lens))
         for r, (sq, n) in enumerate(chunks):
             p = sq.params

@@ -16,8 +16,9 @@ The reduction structure depends on the token's position and KV only:
   cannot leak NaN);
 * the splits are merged as a left fold in split order - also when there is only one
   (``attention_math.fold_splits``, shared by both paths);
-* every token is its own program (GPU) or row (CPU): the group of query heads sharing a KV
-  head forms the rows of the dot, so no other token can touch its arithmetic.
+* a token's rows (its query heads) share a program only with rows whose arithmetic cannot touch
+  theirs: a dot's rows are independent and row sums are dots (``attention_math.kv_tile_step``),
+  whether the program holds one token (decode, ``tokens``) or a tile of tokens (``tiles``).
 
 Shapes are static per input bucket; lengths and positions are data. Padding tokens have
 position -1 and get zeros. ``write_kv`` stores new K/V rows at their cache slots.

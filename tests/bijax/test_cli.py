@@ -343,3 +343,22 @@ def test_second_start_loads_compiled_steps_from_the_persistent_cache(tmp_path):
         text=True,
     )
     assert r.stdout.strip() == "None"
+
+
+def test_warm_steps_are_dropped_when_the_model_config_changes():
+    """Ahead-of-time steps are compiled for one model structure and config; set_weights with
+    another config (here rms_norm_eps) must not keep running them."""
+    import dataclasses
+
+    from models.configs import preset
+    from models.llama import Llama
+
+    kw = dict(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32, num_kv_blocks=20)
+    other = Llama(dataclasses.replace(preset("tiny"), rms_norm_eps=0.5), dtype=np.float32, seed=0)
+    sp = SP(temperature=0.8, seed=2, max_tokens=4)
+    want = bijax.LLM(other, **kw).generate([[5] * 20], sp, use_tqdm=False)[0].outputs[0]
+    llm = bijax.LLM("tiny", dtype=np.float32, **kw)
+    llm.warmup(progress=False)
+    llm.engine.set_weights(other)
+    got = llm.generate([[5] * 20], sp, use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == want.token_ids and np.array_equal(bits(got.logprobs), bits(want.logprobs))
