@@ -160,7 +160,7 @@ def check_invariance(n, ctx):
     check("tiles launch variants == tokens kernel (700-token chunk)", all(same.values()), str(same))
     qg = c.tokens(zs, ps)[0].reshape(len(ps), c.hkv, -1, c.d)
     idx = (c.bt, c.cl, jnp.asarray(zs), jnp.asarray(ps, jnp.int32))
-    for w, st in ((4, 2), (4, 3), (8, 2)):
+    for w, st in ((4, 2), (4, 3), (8, 2), (2, 3)):
         got = jax.jit(
             lambda q, w=w, st=st: attention_triton.attend(
                 q, c.kc, c.vc, idx, spec=AttentionSpec.create(c.d), interpret=False, kernel="tokens",
@@ -258,7 +258,7 @@ def time_decode(n, ctx, hq, hkv, d, variants=False):
         spec = AttentionSpec.create(d)
         qg = q.reshape(n, hkv, hq // hkv, d)
         idx = (c.bt, c.cl, s, p)
-        for w, st in ((4, 3), (8, 2), (2, 2)):
+        for w, st in ((4, 2), (4, 3), (8, 2)):
             fn = lambda q, k, v, w=w, st=st: attention_triton.attend(
                 q, k, v, idx, spec=spec, interpret=False, kernel="tokens", num_warps=w, num_stages=st
             )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import datetime
 import re
 import time
@@ -131,21 +132,30 @@ def main():
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--top", type=int, default=15, help="kernel groups shown per case")
     p.add_argument("--smoke", action="store_true", help="tiny preset, CPU, wall times only")
+    p.add_argument("--cases", default="decode1,decode64,prefill", help="subset of decode1,decode64,prefill")
+    p.add_argument("--paths", default="invariant,xla", help="subset of invariant,xla")
     args = p.parse_args()
     name = "tiny" if args.smoke else args.model
     cupti = jax.default_backend() == "gpu"
     print(f"# {datetime.date.today()} {jax.devices()[0].device_kind} jax {jax.__version__} model {name}")
+    print(f"# XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}")
     model = Llama(preset(name), dtype=jnp.bfloat16, seed=0)
-    cases = [
-        ("decode 1 x 1024", 1, 1024, 1),
-        ("decode 64 x 1024", 64, 1024, 1),
-        ("prefill 1 x 2048", 1, 0, 2048),
-    ]
+    cases = {
+        "decode1": ("decode 1 x 1024", 1, 1024, 1),
+        "decode64": ("decode 64 x 1024", 64, 1024, 1),
+        "prefill": ("prefill 1 x 2048", 1, 0, 2048),
+    }
     if args.smoke:
-        cases = [("decode 1 x 64", 1, 64, 1), ("decode 4 x 64", 4, 64, 1), ("prefill 1 x 64", 1, 0, 64)]
+        cases = {
+            "decode1": ("decode 1 x 64", 1, 64, 1),
+            "decode64": ("decode 4 x 64", 4, 64, 1),
+            "prefill": ("prefill 1 x 64", 1, 0, 64),
+        }
+    cases = [cases[c] for c in args.cases.split(",")]
+    paths = [{"invariant": True, "xla": False}[p] for p in args.paths.split(",")]
     rows = []
     for case in cases:
-        for invariant in (True, False):
+        for invariant in paths:
             r = profile(model, case, invariant=invariant, iters=args.iters, cupti=cupti)
             report(r, args.top)
             rows.append(r)

@@ -296,9 +296,9 @@ def attend(
     sequence rows (prefill chunks), tokens otherwise (decode). Same bits either way on the GPU.
     In interpret mode (CPU) "auto" is always "tokens": there each block's dot is the CPU's,
     whose bits depend on the row count, so the two kernels agree only to rounding.
-    ``num_warps`` (default 4: the launch whose bits the H200 checks and digests cover; the
-    tokens kernel at 2 warps decoded 11% faster there, but its bits against 4 warps are not
-    yet proven), ``tile_rows`` and ``num_stages`` are launch shapes.
+    ``num_warps`` (tokens kernel: default 2, 11% faster at decode than 4 on the H200 and the
+    same bits at 2, 4 and 8 warps there - benchmarks/attention.py checks it; tiles kernel:
+    default 4), ``tile_rows`` and ``num_stages`` are launch shapes.
     """
     block_tables = index[0]
     if kernel == "auto":
@@ -311,7 +311,7 @@ def attend(
             index,
             spec=spec,
             interpret=interpret,
-            num_warps=num_warps or 4,
+            num_warps=num_warps or 2,
             num_stages=num_stages,
         )
         out = combine(*states, index[3], spec=spec, interpret=interpret, dtype=qg.dtype)
