@@ -55,6 +55,16 @@ class BlockManager:
             self.ref[b] = 1
             seq.block_table.append(b)
 
+    def trim(self, seq) -> None:
+        """Returns the blocks past the sequence's computed tokens (allocated for speculative
+        drafts that were rejected: their KV is never read and they were never registered)."""
+        keep = -(-seq.num_computed // self.block_size)
+        for b in reversed(seq.block_table[keep:]):
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                self.free.append(b)
+        del seq.block_table[keep:]
+
     def release(self, seq) -> None:
         for b in reversed(seq.block_table):
             self.ref[b] -= 1

@@ -137,12 +137,14 @@ def _run(engine: Engine, reqs, arrivals=None, tag="r") -> list[_Out]:
 
 
 class _Suite:
-    def __init__(self, model, tokenizer, config: EngineConfig, reqs, progress):
+    def __init__(self, model, tokenizer, config: EngineConfig, reqs, progress, speculative=None):
         self.model, self.tokenizer, self.config, self.reqs = model, tokenizer, config, reqs
         self.progress = progress
+        self.speculative = speculative  # (SpeculativeConfig, draft model or None) or None
 
-    def engine(self, **changes) -> Engine:
-        return Engine(self.model, self.tokenizer, dataclasses.replace(self.config, **changes))
+    def engine(self, speculative=None, **changes) -> Engine:
+        spec, draft = speculative or (None, None)
+        return Engine(self.model, self.tokenizer, dataclasses.replace(self.config, **changes), spec, draft)
 
     def tick(self, what: str):
         if self.progress is not None:
@@ -250,7 +252,20 @@ def _dimensions(
             note += " - none happened"
         return [("preemption", _compare(solo, got), note)]
 
+    def speculative():
+        suite.tick("speculative vs plain")
+        e = suite.engine(suite.speculative, **base)
+        got = _run(e, reqs)
+        drafted, accepted = e.stats().num_draft_tokens, e.stats().num_accepted_tokens
+        spec = suite.speculative[0]
+        note = f"{spec.method}, k={spec.num_speculative_tokens}: {accepted}/{drafted} drafts accepted"
+        if drafted == 0:
+            note += " - none happened"
+        return [("speculative vs plain", _compare(solo, got), note)]
+
     order = [needle, prefill_vs_decode, batch, chunks, preemption]
+    if suite.speculative is not None:
+        order.append(speculative)
     if not invariant:  # batch 1 vs N first: it reuses the solo runs' compiled steps
         order = [batch, prefill_vs_decode, chunks, needle]
     results = []
@@ -276,6 +291,7 @@ def run_check(
     control: bool = True,
     full_control: bool = False,
     progress: bool = True,
+    speculative=None,
 ) -> Report:
     """Runs the invariance suite on ``model`` (a ``models.Llama``); returns a Report.
 
@@ -283,7 +299,8 @@ def run_check(
     prefills are chunked), ``max_tokens`` each, mixed greedy and seeded sampling. ``control``:
     also run the plain-XLA path as the negative control; it stops at the first dimension where
     that path's bits differ (that proves the check can see a difference) unless
-    ``full_control``, which runs every dimension on it.
+    ``full_control``, which runs every dimension on it. ``speculative``: (a speculative config
+    or its dict, the loaded draft model or None) adds the dimension "speculative vs plain".
     """
     if not isinstance(num_requests, int) or num_requests < 2:
         raise ValueError(f"num_requests must be an int >= 2, got {num_requests!r}")
@@ -315,7 +332,9 @@ def run_check(
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=7 + 5 * control, desc="bijax check", unit="stage", leave=False)
+        bar = tqdm(
+            total=7 + (speculative is not None) + 5 * control, desc="bijax check", unit="stage", leave=False
+        )
 
     def tick(what, path):
         if bar is not None:
@@ -326,7 +345,7 @@ def run_check(
     try:
         found = {}
         for invariant in paths:
-            suite = _Suite(model, tokenizer, config, reqs, lambda w, p=invariant: tick(w, p))
+            suite = _Suite(model, tokenizer, config, reqs, lambda w, p=invariant: tick(w, p), speculative)
             first_diff = not invariant and not full_control  # the invariant side always runs everything
             found[invariant] = _dimensions(suite, invariant=invariant, first_diff=first_diff)
     finally:

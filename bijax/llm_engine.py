@@ -13,11 +13,12 @@ import numpy as np
 
 from bijax.block_manager import BlockManager
 from bijax.config import EngineConfig
-from bijax.model_runner import ModelRunner, num_compiled_steps
-from bijax.outputs import CompletionOutput, RequestOutput
+from bijax.model_runner import Chunk, ModelRunner, num_compiled_steps
+from bijax.outputs import CompletionOutput, RequestOutput, SpeculativeMetrics
 from bijax.sampling_params import MAX_LOGPROBS, SamplingParams, check_temperature
 from bijax.scheduler import Scheduler
 from bijax.sequence import Sequence, Status
+from bijax.speculative import SpeculativeConfig, Speculator
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +43,8 @@ class EngineStats:
     num_compiled_buckets: int
     num_unfinished_requests: int
     num_compiled_steps: int  # step programs this process has compiled, all engines together
+    num_draft_tokens: int = 0  # speculative decoding: drafts proposed and accepted
+    num_accepted_tokens: int = 0
 
 
 class _Request:
@@ -53,8 +56,21 @@ class _Request:
 class Engine:
     """``add_request`` / ``step`` / ``has_unfinished_requests`` / ``abort`` (vLLM's LLMEngine)."""
 
-    def __init__(self, model, tokenizer, config: EngineConfig):
+    def __init__(self, model, tokenizer, config: EngineConfig, speculative=None, draft_model=None):
+        """``speculative``: a ``SpeculativeConfig`` or its dict (None: off); ``draft_model``: the
+        loaded draft for method "draft_model" (its vocabulary must be the model's)."""
         self.config = config
+        spec = SpeculativeConfig.create(speculative)
+        if spec is not None and spec.method == "draft_model":
+            if draft_model is None:
+                raise ValueError("speculative method 'draft_model' needs the loaded draft_model")
+            if draft_model.config.vocab_size != model.config.vocab_size:
+                raise ValueError(
+                    f"the draft model's vocabulary ({draft_model.config.vocab_size}) is not the model's "
+                    f"({model.config.vocab_size}): it must use the same tokenizer"
+                )
+        self.speculator = None if spec is None else Speculator(spec, config, draft_model)
+        self._spec_totals = [0, 0]
         self.model_config = model.config
         self.tokenizer = tokenizer
         self._token = object()  # marks the ValidPrompts this engine checked
@@ -168,6 +184,12 @@ class Engine:
         self.blocks.reset_prefix_cache()  # its KV came from the old weights
 
     @property
+    def speculative(self) -> tuple[SpeculativeConfig, object] | None:
+        """(speculative config, loaded draft model or None), or None without speculation."""
+        sp = self.speculator
+        return None if sp is None else (sp.spec, sp.draft_model)
+
+    @property
     def num_compiled_buckets(self) -> int:
         return len(self.runner.compiled_buckets)
 
@@ -193,6 +215,8 @@ class Engine:
             num_compiled_buckets=self.num_compiled_buckets,
             num_unfinished_requests=len(self._requests),
             num_compiled_steps=num_compiled_steps(),
+            num_draft_tokens=self._spec_totals[0],
+            num_accepted_tokens=self._spec_totals[1],
         )
 
     def reset_prefix_cache(self) -> None:
@@ -241,22 +265,30 @@ class Engine:
             return outputs
         self.runner.check_params()  # before scheduling: a failure leaves every request as it was
         chunks = self.scheduler.schedule()
+        drafts = {}
+        if self.speculator is not None:
+            left = self.config.max_num_batched_tokens - sum(n for _, n in chunks)
+            drafts = self.speculator.propose(chunks, self.blocks, left)
+        run = [Chunk.pending(seq, n, drafts.get(seq.seq_id, ())) for seq, n in chunks]
         num_logprobs = MAX_LOGPROBS if any(s.params.logprobs for s, _ in chunks) else 0
-        tok, lp, top = self.runner.step(chunks, num_logprobs)
+        tok, lp, top = self.runner.step(run, num_logprobs)
+        if self.speculator is not None:
+            self.speculator.observe(run)
         touched = {}
-        for r, (seq, n) in enumerate(chunks):
+        row = 0
+        for c, (seq, n) in zip(run, chunks, strict=True):
+            first, row = row, row + c.num_rows
             seq.num_computed += n
-            self.blocks.register(seq)
             if seq.num_computed < len(seq):
+                self.blocks.register(seq)
                 continue  # mid-prompt chunk: nothing sampled yet
-            seq.output_token_ids.append(int(tok[r]))
-            seq.logprobs.append(lp[r])
-            if seq.params.logprobs:
-                k = seq.params.logprobs
-                seq.top_logprobs.append(
-                    [(int(i), float(v)) for i, v in zip(top[0][r, :k], top[1][r, :k], strict=True)]
-                )
-            self._maybe_finish(seq)
+            reason = self._emit(seq, c, tok, lp, top, first)
+            seq.num_computed = len(seq) - 1  # the last token (sampled) is pending, as in plain decoding
+            self.blocks.register(seq)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+            elif c.num_rows > 1:
+                self.blocks.trim(seq)  # blocks of rejected drafts go back
             touched[seq.request_id] = self._requests[seq.request_id]
         for req in touched.values():
             out = self._output(req)
@@ -267,18 +299,45 @@ class Engine:
 
     # ------------------------------------------------------------------ internals
 
-    def _maybe_finish(self, seq: Sequence) -> None:
+    def _emit(self, seq: Sequence, c: Chunk, tok, lp, top, first: int) -> str | None:
+        """Appends the chunk's sampled tokens - the last row's, then each draft row's while the
+        draft before it equals the token sampled for its position - until one finishes the
+        sequence; returns the finish reason (None: still running)."""
+        drafts = c.tokens[len(c.tokens) - c.num_rows + 1 :]
+        accepted = 0
+        reason = None
+        for j in range(c.num_rows):
+            r = first + j
+            seq.output_token_ids.append(int(tok[r]))
+            seq.logprobs.append(lp[r])
+            if seq.params.logprobs:
+                k = seq.params.logprobs
+                seq.top_logprobs.append(
+                    [(int(i), float(v)) for i, v in zip(top[0][r, :k], top[1][r, :k], strict=True)]
+                )
+            reason = self._finish_reason(seq)
+            if reason is not None or j == len(drafts) or drafts[j] != seq.output_token_ids[-1]:
+                break
+            accepted += 1
+        if drafts:
+            self.speculator.record(seq, len(drafts), accepted)
+            self._spec_totals[0] += len(drafts)
+            self._spec_totals[1] += accepted
+        return reason
+
+    def _finish_reason(self, seq: Sequence) -> str | None:
         p, last = seq.params, seq.output_token_ids[-1]
         if (not p.ignore_eos and last in self.eos_ids) or last in p.stop_token_ids:
-            return self.scheduler.finish(seq, "stop")
+            return "stop"
         if p.stop and self.tokenizer is not None:
             text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
             hits = [i for i in (text.find(s) for s in p.stop) if i >= 0]
             if hits:
                 seq.text = text[: min(hits)]
-                return self.scheduler.finish(seq, "stop")
+                return "stop"
         if len(seq.output_token_ids) >= p.max_tokens or len(seq) >= self.config.max_model_len:
-            return self.scheduler.finish(seq, "length")
+            return "length"
+        return None
 
     def _output(self, req: _Request) -> RequestOutput:
         outs = []
@@ -297,7 +356,16 @@ class Engine:
                 )
             )
         done = all(s.status == Status.FINISHED for s in req.seqs)
-        return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), req.seed, outs, done)
+        metrics = None
+        if self.speculator is not None:
+            metrics = SpeculativeMetrics(
+                sum(s.num_draft_tokens for s in req.seqs),
+                sum(s.num_accepted_tokens for s in req.seqs),
+                sum(s.num_verify_steps for s in req.seqs),
+            )
+        return RequestOutput(
+            req.request_id, req.prompt, list(req.prompt_token_ids), req.seed, outs, done, metrics
+        )
 
     def score(self, token_ids, prompt_lens, temperature: float = 1.0) -> list[np.ndarray]:
         """float32 logprob of each token at index >= prompt_len given the tokens before it,
@@ -332,7 +400,9 @@ class Engine:
                     want = prompt_lens[i] <= p + 1 < len(seq)
                     targets.append(seq.token_ids[p + 1] if want else -1)
                     where.append((i, p + 1 - prompt_lens[i]) if want else None)
-            lp = self.runner.score_step(chunks, np.asarray(targets, np.int32), float(temperature))
+            lp = self.runner.score_step(
+                [Chunk.pending(s, n) for s, n in chunks], np.asarray(targets, np.int32), float(temperature)
+            )
             for v, w in zip(lp, where, strict=True):
                 if w is not None:
                     results[w[0]][w[1]] = v

@@ -14,6 +14,7 @@ inputs replicated, every rank sampling the same tokens from the same gathered lo
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import functools
 import os
 
@@ -26,9 +27,30 @@ from jax.sharding import PartitionSpec as P
 import pallas_kernels as pk
 from bijax.config import EngineConfig, bucket
 from bijax.sampler import SamplingRows, sample_rows, target_logprobs
+from bijax.sequence import Sequence
 from models import sharding
 from models.llama import Llama, TensorParallel
 from models.paged import PagedBatch, init_kv_cache
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """One sequence's tokens in a step: ``tokens`` at positions ``start``.. (KV written to the
+    sequence's blocks), and logits sampled for the last ``num_rows`` of them (the row of the
+    token at position p samples the token at p + 1, with the key of position p + 1)."""
+
+    seq: Sequence
+    start: int
+    tokens: tuple[int, ...]
+    num_rows: int = 1
+
+    @classmethod
+    def pending(cls, seq: Sequence, n: int, drafts=()) -> Chunk:
+        """The next ``n`` pending tokens of ``seq`` and then ``drafts`` (speculative tokens after
+        its last token), sampling the last row and every draft row."""
+        nc = seq.num_computed
+        ids = seq.token_ids
+        return cls(seq, nc, tuple(ids[nc : nc + n]) + tuple(drafts), 1 + len(drafts))
 
 
 def _forward(params, cache, batch: PagedBatch, *, graphdef, invariant, tp=None):
@@ -130,50 +152,60 @@ class ModelRunner:
         rep = NamedSharding(self.mesh, P())
         return jax.tree_util.tree_map(lambda a: sharding.to_global(np.asarray(a), rep), tree)
 
-    def _batch(self, chunks, *, logit_rows: bool = True) -> PagedBatch:
-        """Flat padded inputs for [(sequence, tokens to compute)], in order; ``logit_rows``: the
-        last token row of each chunk (else every token row goes through the LM head)."""
+    def _batch(self, chunks: list[Chunk], *, logit_rows: bool = True) -> PagedBatch:
+        """Flat padded inputs for the chunks, in order; ``logit_rows``: the sampled rows of each
+        chunk - one per sequence row when every chunk samples one (R = S), else bucketed like
+        tokens - or, without, every token row goes through the LM head."""
         cfg = self.config
-        t = bucket(sum(n for _, n in chunks), cfg.token_buckets)
+        t = bucket(sum(len(c.tokens) for c in chunks), cfg.token_buckets)
         s = bucket(len(chunks), cfg.seq_buckets)
         bs = cfg.block_size
         b = PagedBatch.padding(s, t, cfg.max_blocks_per_seq, logit_rows=logit_rows)
-        i = 0
-        for r, (sq, n) in enumerate(chunks):
-            p = np.arange(sq.num_computed, sq.num_computed + n, dtype=np.int32)
-            table = np.asarray(sq.block_table, np.int32)
-            b.tokens[i : i + n] = sq.token_ids[sq.num_computed : sq.num_computed + n]
+        rows = sum(c.num_rows for c in chunks)
+        if logit_rows and rows > len(chunks):
+            b = b.replace(logit_rows=np.zeros(bucket(rows, cfg.token_buckets), np.int32))
+        i = j = 0
+        for r, c in enumerate(chunks):
+            n = len(c.tokens)
+            p = np.arange(c.start, c.start + n, dtype=np.int32)
+            table = np.asarray(c.seq.block_table, np.int32)
+            b.tokens[i : i + n] = c.tokens
             b.token_seq[i : i + n] = r
             b.token_pos[i : i + n] = p
             b.slot_mapping[i : i + n] = table[p // bs] * bs + p % bs
             b.block_tables[r, : len(table)] = table
-            b.context_lens[r] = sq.num_computed + n
+            b.context_lens[r] = c.start + n
             if logit_rows:
-                b.logit_rows[r] = i + n - 1
+                b.logit_rows[j : j + c.num_rows] = np.arange(i + n - c.num_rows, i + n)
+                j += c.num_rows
             i += n
         return b
 
-    def step(self, chunks, num_logprobs: int = 0):
-        """Runs one step; returns per chunk (token, logprob, top) sampled from its last row.
+    def step(self, chunks: list[Chunk], num_logprobs: int = 0):
+        """Runs one step; returns per sampled row, in chunk order, (token, logprob, top).
 
         Rows of sequences that are still mid-prompt are sampled too; the caller ignores them.
         """
         batch = self._batch(chunks)
         self.compiled_buckets.add((len(batch.context_lens), batch.num_tokens))
-        sampling = SamplingRows.greedy(len(batch.context_lens))
-        for r, (sq, n) in enumerate(chunks):
-            p = sq.params
-            sampling.temperature[r] = p.temperature
-            sampling.top_k[r] = p.top_k
-            sampling.top_p[r] = p.top_p
-            sampling.min_p[r] = p.min_p
-            sampling.seed[r] = sq.seed
-            sampling.sample_index[r] = sq.sample_index
-            sampling.position[r] = sq.num_computed + n
+        sampling = SamplingRows.greedy(len(batch.logit_rows))
+        j = 0
+        for c in chunks:
+            p = c.seq.params
+            rows = slice(j, j + c.num_rows)
+            sampling.temperature[rows] = p.temperature
+            sampling.top_k[rows] = p.top_k
+            sampling.top_p[rows] = p.top_p
+            sampling.min_p[rows] = p.min_p
+            sampling.seed[rows] = c.seq.seed
+            sampling.sample_index[rows] = c.seq.sample_index
+            end = c.start + len(c.tokens)
+            sampling.position[rows] = np.arange(end - c.num_rows + 1, end + 1)
+            j += c.num_rows
         tok, tok_lp, top = self._run(batch, sampling, num_logprobs)
         tok, tok_lp = sharding.host(tok), sharding.host(tok_lp)
-        top = None if top is None else (sharding.host(top[0]), sharding.host(top[1]))
-        return tok[: len(chunks)], tok_lp[: len(chunks)], top
+        top = None if top is None else (sharding.host(top[0])[:j], sharding.host(top[1])[:j])
+        return tok[:j], tok_lp[:j], top
 
     def _step_args(self, batch: PagedBatch, sampling: SamplingRows, num_logprobs: int):
         args = (self.params, self.cache, self._inputs(batch), self._inputs(sampling))
@@ -186,11 +218,14 @@ class ModelRunner:
         """One step (compiled ahead of time by ``warmup``, else jitted now); keeps the donated
         cache; returns (tokens, logprobs, top)."""
         args, kw = self._step_args(batch, sampling, num_logprobs)
-        compiled = self._aot.get((len(batch.context_lens), batch.num_tokens, num_logprobs))
+        rows = len(batch.logit_rows)
+        compiled = None
+        if rows == len(batch.context_lens):  # warm-up compiles one sampled row per sequence row
+            compiled = self._aot.get((rows, batch.num_tokens, num_logprobs))
         out, self.cache = compiled(*args) if compiled is not None else step_program(*args, **kw)
         return out
 
-    def score_step(self, chunks, targets, temperature: float):
+    def score_step(self, chunks: list[Chunk], targets, temperature: float):
         """Logprobs of ``targets`` (one per computed token; -1: not wanted) for one step."""
         batch = self._batch(chunks, logit_rows=False)
         t = batch.num_tokens

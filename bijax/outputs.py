@@ -22,9 +22,29 @@ class CompletionOutput:
     top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class SpeculativeMetrics:
+    """Speculative decoding of one request (all its samples): draft tokens proposed, drafts
+    accepted, and verify steps (steps whose chunk carried drafts)."""
+
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_verify_steps: int
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def accepted_per_step(self) -> float:
+        """Accepted drafts per verify step (each such step also emits one sampled token)."""
+        return self.num_accepted_tokens / self.num_verify_steps if self.num_verify_steps else 0.0
+
+
 @dataclasses.dataclass
 class RequestOutput:
-    """One request: its prompt, the seed its samples used, and ``outputs`` (n samples).
+    """One request: its prompt, the seed its samples used, ``outputs`` (n samples), and
+    ``metrics`` of speculative decoding (None without it).
 
     ``token_ids``, ``logprobs``, ``text`` and ``finish_reason`` are those of ``outputs[0]``.
     """
@@ -35,6 +55,7 @@ class RequestOutput:
     seed: int
     outputs: list[CompletionOutput]
     finished: bool
+    metrics: SpeculativeMetrics | None = None  # with speculative decoding on
 
     @property
     def token_ids(self) -> list[int]:

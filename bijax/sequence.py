@@ -47,6 +47,11 @@ class Sequence:
         self.prefix_limit: int | None = None  # at most this many tokens may come from the cache
         self.finish_reason: str | None = None
         self.text = ""
+        # speculative decoding: counters (RequestOutput.metrics) and adaptive back-off
+        self.num_draft_tokens = self.num_accepted_tokens = self.num_verify_steps = 0
+        self.window_drafted = self.window_accepted = 0
+        self.spec_resume_at = 0  # draft again once the sequence is this long
+        self.spec_misses = 0
 
     @property
     def token_ids(self) -> list[int]:

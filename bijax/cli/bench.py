@@ -27,10 +27,11 @@ def add_parser(sub) -> None:
 def _bench_run(llm, reqs):
     """One run of all requests, submitted at once, from the same engine state every time (prefix
     cache emptied first). Returns (seconds, per-request latency, time to first token,
-    inter-token gaps, step programs compiled during the run)."""
+    inter-token gaps, step programs compiled during the run, speculative (drafted, accepted,
+    verify steps) or None)."""
     llm.reset_prefix_cache()
     compiled = llm.engine.stats().num_compiled_steps
-    first, done, last, gaps = {}, {}, {}, []
+    first, done, last, gaps, spec = {}, {}, {}, [], []
     t0 = time.perf_counter()
 
     def on_output(i, out):
@@ -46,6 +47,9 @@ def _bench_run(llm, reqs):
             last[i] = (n, now)
         if out.finished:
             done[i] = now
+            if out.metrics is not None:
+                m = out.metrics
+                spec.append((m.num_draft_tokens, m.num_accepted_tokens, m.num_verify_steps))
 
     llm.generate(
         [{"prompt_token_ids": ids} for ids, _ in reqs],
@@ -57,7 +61,8 @@ def _bench_run(llm, reqs):
     lat = np.array([done[i] for i in range(len(reqs))])
     ttft = np.array([first[i] for i in range(len(reqs))])
     compiles = llm.engine.stats().num_compiled_steps - compiled
-    return total, lat, ttft, np.array(gaps or [np.nan]), compiles
+    spec = tuple(int(x) for x in np.sum(spec, axis=0)) if spec else None
+    return total, lat, ttft, np.array(gaps or [np.nan]), compiles, spec
 
 
 def _floors(llm) -> dict:
@@ -102,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         for r in range(args.repeats):
             runs.append(_bench_run(llm, reqs))
             info(f"{name}: run {r + 1}/{args.repeats}: {runs[-1][0]:.3f}s, {runs[-1][4]} compiles")
-        total, lat, ttft, gaps, _ = min(runs, key=lambda x: x[0])
+        total, lat, ttft, gaps, _, spec = min(runs, key=lambda x: x[0])
         rows.append(
             dict(
                 path=name,
@@ -119,6 +124,14 @@ def run(args: argparse.Namespace) -> int:
                 compiles_in_timed_runs=int(sum(x[4] for x in runs)),
             )
         )
+        if spec is not None:
+            drafted, accepted, steps = spec
+            rows[-1].update(
+                draft_tokens=drafted,
+                accepted_tokens=accepted,
+                acceptance_rate=accepted / drafted if drafted else 0.0,
+                accepted_per_verify_step=accepted / steps if steps else 0.0,
+            )
         del llm
     ratio = rows[0]["seconds"] / rows[1]["seconds"]
     floors = _floors(inv)
@@ -143,6 +156,12 @@ def run(args: argparse.Namespace) -> int:
                 f"{r['ttft_mean_s']:>8.3f} {ms(r['itl_p50_s']):>8} {ms(r['itl_p99_s']):>8} "
                 f"{r['compiles_in_timed_runs']:>8}"
             )
+        for r in rows:
+            if "draft_tokens" in r:
+                print(
+                    f"{r['path']}: speculative decoding accepted {r['accepted_tokens']}/{r['draft_tokens']} "
+                    f"drafts ({r['acceptance_rate']:.2f}), {r['accepted_per_verify_step']:.2f} per verify step"
+                )
         print(f"\ninvariant / XLA time: {ratio:.3f}x  (same requests, same engine limits, one process)")
         print(
             f"floor per decode step: {floors['weight_bytes'] / 1e9:.3f} GB of weights read, "

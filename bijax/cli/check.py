@@ -117,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.model_seed,
         control=not args.no_control,
         full_control=args.full_control,
+        speculative=llm.engine.speculative,
     )
     del llm
     if args.json:

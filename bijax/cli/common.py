@@ -52,6 +52,24 @@ def engine_args(p: argparse.ArgumentParser) -> None:
         "--model-seed", type=int, default=0, help="engine seed (draws request seeds; preset weights)"
     )
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument(
+        "--speculative-config",
+        type=_json_dict,
+        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+        "(same outputs, fewer steps; see bijax.LLM)",
+    )
+
+
+def _json_dict(text: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e.msg} at char {e.pos}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 def sampling_args(p: argparse.ArgumentParser) -> None:
@@ -96,6 +114,7 @@ def make_llm(
         k_shards=args.k_shards,
         seed=args.model_seed,
         enable_prefix_caching=not args.no_prefix_caching,
+        speculative_config=getattr(args, "speculative_config", None),
     )
     if model is not None:
         return LLM(model.model, tokenizer=model.tokenizer, **kwargs)

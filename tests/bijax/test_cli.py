@@ -87,6 +87,15 @@ def test_generate_reads_stdin_and_headers_for_several_prompts(capsys, monkeypatc
         (["generate", "hi", "--max-tokens", "100000"], "max_model_len"),
         (["generate", "hi", "--tensor-parallel-size", "3"], "tensor_parallel_size"),
         (["check", "--requests", "0"], "--requests must be >= 1"),
+        (
+            [
+                "generate",
+                "hi",
+                "--speculative-config",
+                '{"method": "ngram", "num_speculative_tokens": 2, "k": 1}',
+            ],
+            "unknown key 'k'",
+        ),
     ],
 )
 def test_bad_input_exits_2_with_a_message(argv, message, capsys):
@@ -103,7 +112,8 @@ def test_text_prompt_without_tokenizer_is_a_clear_error(capsys):
 
 
 def test_check_passes_on_tiny_and_control_detects(capsys):
-    rc = cli.main(["check", *TINY_CHECK])
+    spec = '{"method": "draft_model", "model": "tiny", "num_speculative_tokens": 2}'
+    rc = cli.main(["check", *TINY_CHECK, "--speculative-config", spec])
     out = capsys.readouterr().out
     assert rc == 0, out
     for dim in (
@@ -113,6 +123,7 @@ def test_check_passes_on_tiny_and_control_detects(capsys):
         "chunk sizes",
         "prefix cache hit/miss",
         "preemption",
+        "speculative vs plain",
     ):
         line = next(x for x in out.splitlines() if x.startswith(dim))
         assert " PASS " in line, line

@@ -1,0 +1,183 @@
+"""Speculative decoding with the bits of plain decoding.
+
+A sequence in decode proposes k draft tokens after its last token; the step computes the last
+token and the drafts as one chunk and samples every row with the key of its own position, the
+same key plain decoding uses there. A row's logits have the same bits in a chunk as in a decode
+step (the kernels are batch invariant), so each row's sample is exactly the token plain decoding
+would emit at that position. The engine emits those samples while the drafts equal them and
+stops after the first that differs (it is the corrected token): the same token ids and float32
+logprobs as without speculation, in fewer steps when drafts are accepted.
+
+Drafts come from prompt lookup (``ngram``: the tokens that followed the latest earlier
+occurrence of the sequence's last n tokens) or from a smaller ``draft_model`` with the same
+vocabulary. The draft model runs every step's batch too (its own paged KV cache, laid out in the
+same blocks as the target's, so prefix-cache hits and preemption need nothing extra) and drafts
+with the target's sampling keys: the Gumbel noise of position p is shared, so a draft model
+equal to the target drafts exactly the target's tokens and every draft is accepted.
+
+Drafts never change an output, only the speed: a sequence whose drafts are rarely accepted
+stops drafting for a while (``ADAPT_*``) so that low acceptance costs little.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from bijax.model_runner import Chunk, ModelRunner
+
+METHODS = ("ngram", "draft_model")
+# Adaptive drafting: after a sequence's last ADAPT_WINDOW drafted tokens were accepted at a
+# rate below ADAPT_MIN_ACCEPTANCE, it decodes plainly for ADAPT_BACKOFF tokens, twice as long
+# after each further miss (and resets when it is above the rate again).
+ADAPT_WINDOW = 8
+ADAPT_MIN_ACCEPTANCE = 0.3
+ADAPT_BACKOFF = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's ``speculative_config`` names. ``method``: "ngram" (prompt lookup: drafts are the
+    tokens that followed the latest earlier match of the last n tokens, n from
+    ``prompt_lookup_max`` down to ``prompt_lookup_min``) or "draft_model" (``model``: anything
+    ``LLM`` accepts, with the target's vocabulary). ``num_speculative_tokens``: drafts per step."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    model: object = None
+
+    @classmethod
+    def create(cls, spec) -> SpeculativeConfig | None:
+        """From a dict (or a SpeculativeConfig, or None: no speculation); ValueError naming
+        the bad key."""
+        if spec is None or isinstance(spec, SpeculativeConfig):
+            return spec
+        if not isinstance(spec, dict):
+            raise TypeError(f"speculative_config must be a dict, got {type(spec).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(spec) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key {unknown[0]!r} (known: {sorted(known)})")
+        method = spec.get("method")
+        if method not in METHODS:
+            raise ValueError(f"speculative_config['method'] must be one of {METHODS}, got {method!r}")
+        if "num_speculative_tokens" not in spec:
+            raise ValueError("speculative_config needs 'num_speculative_tokens'")
+        for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            v = spec.get(key, 1)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"speculative_config[{key!r}] must be a positive int, got {v!r}")
+        if method == "ngram":
+            if "model" in spec:
+                raise ValueError("speculative_config: 'model' is for method 'draft_model', not 'ngram'")
+            lo, hi = spec.get("prompt_lookup_min", 2), spec.get("prompt_lookup_max", 4)
+            if "prompt_lookup_min" in spec and "prompt_lookup_max" not in spec:
+                hi = max(hi, lo)
+            if lo > hi:
+                raise ValueError(f"speculative_config: prompt_lookup_min ({lo}) > prompt_lookup_max ({hi})")
+            return cls("ngram", spec["num_speculative_tokens"], hi, lo)
+        bad = [k for k in ("prompt_lookup_max", "prompt_lookup_min") if k in spec]
+        if bad:
+            raise ValueError(f"speculative_config: {bad[0]!r} is for method 'ngram', not 'draft_model'")
+        if spec.get("model") is None:
+            raise ValueError("speculative_config: method 'draft_model' needs 'model'")
+        return cls("draft_model", spec["num_speculative_tokens"], model=spec["model"])
+
+
+def ngram_propose(token_ids, k: int, max_n: int, min_n: int) -> list[int]:
+    """Up to ``k`` tokens that followed the latest earlier occurrence of the last n tokens of
+    ``token_ids``, for the longest n in [min_n, max_n] that occurs; [] if none does."""
+    ids = list(token_ids)
+    size = len(ids)
+    for n in range(min(max_n, size - 1), min_n - 1, -1):
+        tail = ids[size - n :]
+        for start in range(size - n - 1, -1, -1):  # latest match first, not the tail itself
+            if ids[start : start + n] == tail:
+                follow = ids[start + n : start + n + k]
+                if follow:
+                    return follow
+    return []
+
+
+class Speculator:
+    """Proposes drafts for a step's decode sequences and keeps the acceptance counters."""
+
+    def __init__(self, spec: SpeculativeConfig, config, draft_model=None):
+        self.spec = spec
+        self.config = config
+        self.draft_model = draft_model
+        self.draft = None if draft_model is None else ModelRunner(draft_model, config)
+
+    def _budget(self, seq, budget: int) -> int:
+        """How many drafts ``seq`` may carry this step (0: decode plainly)."""
+        if seq.num_pending != 1 or not seq.output_token_ids or len(seq) < seq.spec_resume_at:
+            return 0
+        p = seq.params
+        return max(
+            0,
+            min(
+                self.spec.num_speculative_tokens,
+                budget,
+                p.max_tokens - len(seq.output_token_ids) - 1,  # the step emits up to k + 1
+                self.config.max_model_len - len(seq),  # drafts' positions stay < max_model_len
+            ),
+        )
+
+    def propose(self, chunks, blocks, budget: int) -> dict[int, list[int]]:
+        """Drafts by sequence id for the (sequence, n) chunks of a step whose token budget has
+        ``budget`` left; allocates their KV blocks (only free ones: drafts never preempt)."""
+        drafts: dict[int, list[int]] = {}
+        want = []
+        for seq, n in chunks:
+            k = self._budget(seq, budget) if n == 1 else 0
+            d = None
+            if k and self.spec.method == "ngram":
+                d = ngram_propose(seq.token_ids, k, self.spec.prompt_lookup_max, self.spec.prompt_lookup_min)
+                k = len(d)
+            if not k or not blocks.can_allocate(seq, 1 + k):
+                continue
+            blocks.allocate(seq, 1 + k)
+            budget -= k
+            if d is not None:
+                drafts[seq.seq_id] = d
+            else:
+                want.append((seq, k))
+        if want:
+            drafts.update(self._draft_model_propose(want))
+        return drafts
+
+    def _draft_model_propose(self, want) -> dict[int, list[int]]:
+        """k decode steps of the draft model from each sequence's pending token."""
+        out = {seq.seq_id: [] for seq, _ in want}
+        for j in range(max(k for _, k in want)):
+            step = [(seq, k) for seq, k in want if j < k]
+            chunks = [
+                Chunk(seq, seq.num_computed + j, (seq.token_ids[-1] if j == 0 else out[seq.seq_id][-1],))
+                for seq, _ in step
+            ]
+            tok, _, _ = self.draft.step(chunks)
+            for (seq, _), t in zip(step, tok, strict=True):
+                out[seq.seq_id].append(int(t))
+        return out
+
+    def observe(self, chunks) -> None:
+        """The draft model runs the step's batch too, so its KV follows the target's."""
+        if self.draft is not None:
+            self.draft.step(chunks)
+
+    @staticmethod
+    def record(seq, drafted: int, accepted: int) -> None:
+        """Counts a verify step's drafts and accepted drafts; backs off on low acceptance."""
+        seq.num_draft_tokens += drafted
+        seq.num_accepted_tokens += accepted
+        seq.num_verify_steps += 1
+        seq.window_drafted += drafted
+        seq.window_accepted += accepted
+        if seq.window_drafted >= ADAPT_WINDOW:
+            if seq.window_accepted < ADAPT_MIN_ACCEPTANCE * seq.window_drafted:
+                seq.spec_resume_at = len(seq) + ADAPT_BACKOFF * 2**seq.spec_misses
+                seq.spec_misses += 1
+            else:
+                seq.spec_misses = 0
+            seq.window_drafted = seq.window_accepted = 0

@@ -1,0 +1,198 @@
+"""Speculative decoding gives the bits of plain decoding (token ids, float32 logprobs, top
+logprobs), for prompt-lookup drafts and draft models, under sampling, n > 1, stop conditions,
+chunked prefill, other requests in the batch, preemption, prefix-cache hits and tensor
+parallelism; drafts are accepted where the output repeats, and the steps are fewer. Negative
+control: on the XLA path (invariant=False) speculation changes the bits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import bijax
+from bijax import SamplingParams as SP
+from bijax.speculative import SpeculativeConfig, ngram_propose
+from models.configs import preset
+from models.llama import Llama
+from tests.bijax.test_engine import shared_model
+from tests.conftest import bits
+
+KW = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=96, seed=1)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+@functools.cache
+def unrelated_draft():
+    return Llama(preset("tiny"), dtype=jnp.float32, seed=123)
+
+
+def spec_config(kind):
+    model = shared_model("tiny")[0]
+    return {
+        "plain": None,
+        "ngram": NGRAM,
+        "draft-same": {"method": "draft_model", "model": model, "num_speculative_tokens": 3},
+        "draft-other": {"method": "draft_model", "model": unrelated_draft(), "num_speculative_tokens": 3},
+    }[kind]
+
+
+@functools.cache
+def llm(kind, invariant=True, tp=1):
+    model = shared_model("tiny-tp2" if tp > 1 else "tiny")[0]
+    return bijax.LLM(
+        model, invariant=invariant, tensor_parallel_size=tp, speculative_config=spec_config(kind), **KW
+    )
+
+
+def workload():
+    """A mixed batch: a prompt that repeats (drafts accepted), random prompts, one longer than
+    the token budget (chunked prefill), greedy and seeded top-k / top-p / min-p sampling, n = 2,
+    top logprobs, a stop token."""
+    rng = np.random.default_rng(3)
+    loop = [int(t) for t in rng.integers(3, 512, 6)] * 5
+    prompts = [loop, [int(t) for t in rng.integers(3, 512, 90)], [int(t) for t in rng.integers(3, 512, 11)]]
+    params = [
+        SP(temperature=0, max_tokens=40, logprobs=3),
+        SP(temperature=0.9, top_k=30, top_p=0.9, max_tokens=24, seed=5, n=2),
+        SP(temperature=1.1, min_p=0.05, max_tokens=30, seed=9, stop_token_ids=[7, 11]),
+    ]
+    return prompts, params
+
+
+@functools.cache
+def plain_outputs(invariant=True):
+    prompts, params = workload()
+    return llm("plain", invariant).generate(prompts, params, use_tqdm=False)
+
+
+def same(a, b) -> bool:
+    return all(
+        x.token_ids == y.token_ids
+        and np.array_equal(bits(x.logprobs), bits(y.logprobs))
+        and x.top_logprobs == y.top_logprobs
+        and x.finish_reason == y.finish_reason
+        for ra, rb in zip(a, b, strict=True)
+        for x, y in zip(ra.outputs, rb.outputs, strict=True)
+    )
+
+
+def totals(outs):
+    return sum(o.metrics.num_draft_tokens for o in outs), sum(o.metrics.num_accepted_tokens for o in outs)
+
+
+@pytest.mark.parametrize("kind", ["ngram", "draft-same", "draft-other"])
+def test_speculative_equals_plain(kind):
+    prompts, params = workload()
+    outs = llm(kind).generate(prompts, params, use_tqdm=False)
+    assert same(outs, plain_outputs())
+    drafted, accepted = totals(outs)
+    assert drafted > 0
+    if kind == "draft-same":  # the target drafting for itself with the same keys: all accepted
+        assert accepted == drafted
+    if kind == "draft-other":
+        assert accepted < drafted / 2
+    # the needle: the repeating prompt alone == in the batch, and the prefix cache (hit now) too
+    hits = llm(kind).engine.stats().prefix_cache_hit_blocks
+    alone = llm(kind).generate(prompts[:1], params[:1], use_tqdm=False)
+    assert same(alone, plain_outputs()[:1])
+    assert llm(kind).engine.stats().prefix_cache_hit_blocks > hits
+
+
+def test_repeating_output_accepts_drafts_in_fewer_steps():
+    eng = llm("ngram").engine
+    prompts, params = workload()
+    eng.add_request("loop", prompts[0], params[0])
+    steps = 0
+    while eng.has_unfinished_requests():
+        out = eng.step()
+        steps += 1
+    (out,) = out
+    assert out.metrics.acceptance_rate > 0.5
+    assert steps < params[0].max_tokens - out.metrics.num_accepted_tokens // 2
+    assert (
+        steps <= params[0].max_tokens - out.metrics.num_accepted_tokens + 1
+    )  # each accepted draft saves a step
+
+
+def test_preemption_with_a_small_pool():
+    eng = llm("draft-same").engine
+    prompts, params = workload()
+    eng.limit_kv_pool(12)  # 11 usable blocks: the batch cannot fit at once
+    try:
+        before = eng.stats().num_preemptions
+        outs = llm("draft-same").generate(prompts, params, use_tqdm=False)
+        assert eng.stats().num_preemptions > before
+    finally:
+        eng.limit_kv_pool(KW["num_kv_blocks"])
+    assert same(outs, plain_outputs())
+    assert eng.stats().num_free_blocks == KW["num_kv_blocks"] - 1  # rejected drafts' blocks came back
+
+
+def test_tensor_parallel():
+    """At tensor_parallel_size 2 (k_shards=8, whose bits TP 1 shares: test_tp.py) too."""
+    prompts, params = workload()
+    outs = llm("ngram", tp=2).generate(prompts, params, use_tqdm=False)
+    assert totals(outs)[0] > 0
+    assert same(outs, llm("plain", tp=2).generate(prompts, params, use_tqdm=False))
+
+
+def test_negative_control_xla_path_differs():
+    """Without the invariant kernels a row computed in a verify chunk is not its decode row."""
+    prompts, params = workload()
+    outs = llm("draft-same", invariant=False).generate(prompts, params, use_tqdm=False)
+    assert not same(outs, plain_outputs(invariant=False))
+
+
+def test_ngram_propose():
+    assert ngram_propose([1, 2, 3, 9, 1, 2, 3], 2, 3, 1) == [9, 1]
+    assert ngram_propose([1, 2, 5, 1, 2, 6, 1, 2], 3, 2, 1) == [6, 1, 2]  # latest match
+    assert ngram_propose([4, 5, 6], 2, 3, 1) == []
+    assert ngram_propose([1, 2, 3, 1], 4, 3, 2) == []  # min_n 2: a single token is no match
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="unknown key 'lookahead'"):
+        SpeculativeConfig.create({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1})
+    with pytest.raises(ValueError, match="method"):
+        SpeculativeConfig.create({"method": "medusa", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        SpeculativeConfig.create({"method": "ngram", "num_speculative_tokens": 0})
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        SpeculativeConfig.create({**NGRAM, "prompt_lookup_min": 5})
+    with pytest.raises(ValueError, match="needs 'model'"):
+        SpeculativeConfig.create({"method": "draft_model", "num_speculative_tokens": 2})
+    with pytest.raises(TypeError, match="dict"):
+        SpeculativeConfig.create("ngram")
+    small = Llama(dataclasses.replace(preset("tiny"), vocab_size=300), dtype=jnp.float32, seed=0)
+    with pytest.raises(ValueError, match="vocabulary"):
+        bijax.LLM(
+            shared_model("tiny")[0],
+            speculative_config={"method": "draft_model", "model": small, "num_speculative_tokens": 2},
+            **KW,
+        )
+
+
+def test_smollm2_text_and_stop_strings():
+    """The embedded SmolLM2 (a real model and tokenizer): a prompt that asks for a repeat, and
+    stop strings, greedy and seeded."""
+    model, tok = shared_model("smollm2")
+    prompts = [
+        "Repeat after me: the cat sat on the mat. the cat sat on the mat. the cat sat on the mat. the cat",
+        "The capital of France is",
+    ]
+    params = [
+        SP(temperature=0, max_tokens=24),
+        SP(temperature=0.7, top_p=0.9, seed=4, max_tokens=24, stop=[".", "\n"]),
+    ]
+    kw = dict(KW, num_kv_blocks=48)
+    plain = bijax.LLM(model, tokenizer=tok, **kw).generate(prompts, params, use_tqdm=False)
+    outs = bijax.LLM(model, tokenizer=tok, speculative_config=NGRAM, **kw).generate(
+        prompts, params, use_tqdm=False
+    )
+    assert same(outs, plain) and [o.text for o in outs] == [o.text for o in plain]
+    assert outs[0].metrics.num_accepted_tokens > 0  # (this small model copies little; tiny's loop: > 0.5)
