@@ -8,6 +8,7 @@ scheduler, block manager or model runner.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 
@@ -252,6 +253,8 @@ class Engine:
         for s in req.seqs:
             if s.status != Status.FINISHED:
                 self.scheduler.finish(s, "abort")
+                if self.speculator is not None:
+                    self.speculator.forget(s)
         self._aborted.append(req)
 
     def step(self) -> list[RequestOutput]:
@@ -271,9 +274,12 @@ class Engine:
             drafts = self.speculator.propose(chunks, self.blocks, left)
         run = [Chunk.pending(seq, n, drafts.get(seq.seq_id, ())) for seq, n in chunks]
         num_logprobs = MAX_LOGPROBS if any(s.params.logprobs for s, _ in chunks) else 0
+        t0 = time.perf_counter()
         tok, lp, top = self.runner.step(run, num_logprobs)
         if self.speculator is not None:
             self.speculator.observe(run)
+        seconds = time.perf_counter() - t0
+        emitted = sum(len(s.output_token_ids) for s, _ in chunks)
         touched = {}
         row = 0
         for c, (seq, n) in zip(run, chunks, strict=True):
@@ -287,9 +293,14 @@ class Engine:
             self.blocks.register(seq)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
+                if self.speculator is not None:
+                    self.speculator.forget(seq)
             elif c.num_rows > 1:
                 self.blocks.trim(seq)  # blocks of rejected drafts go back
             touched[seq.request_id] = self._requests[seq.request_id]
+        if self.speculator is not None:
+            emitted = sum(len(s.output_token_ids) for s, _ in chunks) - emitted
+            self.speculator.timed(run, bool(drafts), seconds, emitted)
         for req in touched.values():
             out = self._output(req)
             outputs.append(out)

@@ -26,12 +26,17 @@ import dataclasses
 from bijax.model_runner import Chunk, ModelRunner
 
 METHODS = ("ngram", "draft_model")
-# Adaptive drafting: after a sequence's last ADAPT_WINDOW drafted tokens were accepted at a
+# Adaptive drafting, two rules. Per engine: decode-only steps are timed with and without
+# drafts (per batch-size bucket, an exponential average); when tokens emitted per second with
+# drafts fall below those without, steps go without drafts, but every PROBE_EVERY-th step tries
+# the other way so that both times stay current. Per sequence: after a sequence's last ADAPT_WINDOW drafted tokens were accepted at a
 # rate below ADAPT_MIN_ACCEPTANCE, it decodes plainly for ADAPT_BACKOFF tokens, twice as long
 # after each further miss (and resets when it is above the rate again).
 ADAPT_WINDOW = 8
 ADAPT_MIN_ACCEPTANCE = 0.3
 ADAPT_BACKOFF = 16
+PROBE_EVERY = 16
+EMA = 0.2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,13 +44,16 @@ class SpeculativeConfig:
     """vLLM's ``speculative_config`` names. ``method``: "ngram" (prompt lookup: drafts are the
     tokens that followed the latest earlier match of the last n tokens, n from
     ``prompt_lookup_max`` down to ``prompt_lookup_min``) or "draft_model" (``model``: anything
-    ``LLM`` accepts, with the target's vocabulary). ``num_speculative_tokens``: drafts per step."""
+    ``LLM`` accepts, with the target's vocabulary). ``num_speculative_tokens``: drafts per step.
+    ``adaptive`` (bijax's, default True): stop drafting where it does not pay (the rules above;
+    False drafts whenever it can - outputs are the same either way)."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     model: object = None
+    adaptive: bool = True
 
     @classmethod
     def create(cls, spec) -> SpeculativeConfig | None:
@@ -68,6 +76,9 @@ class SpeculativeConfig:
             v = spec.get(key, 1)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"speculative_config[{key!r}] must be a positive int, got {v!r}")
+        adaptive = spec.get("adaptive", True)
+        if not isinstance(adaptive, bool):
+            raise ValueError(f"speculative_config['adaptive'] must be true or false, got {adaptive!r}")
         if method == "ngram":
             if "model" in spec:
                 raise ValueError("speculative_config: 'model' is for method 'draft_model', not 'ngram'")
@@ -76,13 +87,13 @@ class SpeculativeConfig:
                 hi = max(hi, lo)
             if lo > hi:
                 raise ValueError(f"speculative_config: prompt_lookup_min ({lo}) > prompt_lookup_max ({hi})")
-            return cls("ngram", spec["num_speculative_tokens"], hi, lo)
+            return cls("ngram", spec["num_speculative_tokens"], hi, lo, adaptive=adaptive)
         bad = [k for k in ("prompt_lookup_max", "prompt_lookup_min") if k in spec]
         if bad:
             raise ValueError(f"speculative_config: {bad[0]!r} is for method 'ngram', not 'draft_model'")
         if spec.get("model") is None:
             raise ValueError("speculative_config: method 'draft_model' needs 'model'")
-        return cls("draft_model", spec["num_speculative_tokens"], model=spec["model"])
+        return cls("draft_model", spec["num_speculative_tokens"], model=spec["model"], adaptive=adaptive)
 
 
 def ngram_propose(token_ids, k: int, max_n: int, min_n: int) -> list[int]:
@@ -100,6 +111,34 @@ def ngram_propose(token_ids, k: int, max_n: int, min_n: int) -> list[int]:
     return []
 
 
+def _size(chunks) -> int:
+    return 1 << max(0, (len(chunks) - 1).bit_length())
+
+
+class NgramIndex:
+    """``ngram_propose`` in O(n) per step: every n-gram of a growing token list mapped to its
+    latest start (added as tokens arrive), for the n of one config."""
+
+    def __init__(self, max_n: int, min_n: int):
+        self.sizes = range(max_n, min_n - 1, -1)
+        self.latest = {n: {} for n in self.sizes}
+        self.upto = 0  # n-grams ending before this index are in the maps
+
+    def propose(self, ids, k: int) -> list[int]:
+        size = len(ids)
+        for end in range(self.upto, size - 1):  # n-grams with a following token
+            for n in self.sizes:
+                if end - n + 1 >= 0:
+                    self.latest[n][tuple(ids[end - n + 1 : end + 1])] = end - n + 1
+        self.upto = max(self.upto, size - 1)
+        for n in self.sizes:
+            if n < size:
+                start = self.latest[n].get(tuple(ids[size - n :]))
+                if start is not None:
+                    return list(ids[start + n : start + n + k])
+        return []
+
+
 class Speculator:
     """Proposes drafts for a step's decode sequences and keeps the acceptance counters."""
 
@@ -107,6 +146,10 @@ class Speculator:
         self.spec = spec
         self.config = config
         self.draft_model = draft_model
+        self._ngrams: dict[int, NgramIndex] = {}  # by sequence id
+        self.times: dict[int, list] = {}  # batch-size bucket -> [plain s/step, drafted s/step]
+        self.gain = 1.0 + spec.num_speculative_tokens / 2  # tokens per sequence per drafted step
+        self.num_steps = 0
         self.draft = None if draft_model is None else ModelRunner(draft_model, config)
 
     def _budget(self, seq, budget: int) -> int:
@@ -124,16 +167,46 @@ class Speculator:
             ),
         )
 
+    def _worth_it(self, chunks) -> bool:
+        """Whether drafting pays at this batch size, from the measured step times (see top)."""
+        if not self.spec.adaptive:
+            return True
+        self.num_steps += 1
+        t = self.times.get(_size(chunks))
+        if t is None or t[0] is None or t[1] is None:
+            return t is None or t[1] is None or self.num_steps % PROBE_EVERY == 0
+        worth = self.gain / t[1] >= 1.0 / t[0]
+        return worth != (self.num_steps % PROBE_EVERY == 0)
+
+    def timed(self, chunks, drafted: bool, seconds: float, emitted: int) -> None:
+        """Records a step's time (decode-only steps), and with drafts the tokens it emitted per
+        sequence."""
+        if any(len(c.tokens) - c.num_rows + 1 != 1 for c in chunks):
+            return  # a prefill chunk in the step: not comparable
+        t = self.times.setdefault(_size(chunks), [None, None])
+        i = int(drafted)
+        t[i] = seconds if t[i] is None else (1 - EMA) * t[i] + EMA * seconds
+        if drafted:
+            per_seq = emitted / len(chunks)
+            self.gain = (1 - EMA) * self.gain + EMA * per_seq
+
     def propose(self, chunks, blocks, budget: int) -> dict[int, list[int]]:
         """Drafts by sequence id for the (sequence, n) chunks of a step whose token budget has
         ``budget`` left; allocates their KV blocks (only free ones: drafts never preempt)."""
         drafts: dict[int, list[int]] = {}
+        if not self._worth_it(chunks):
+            return drafts
         want = []
         for seq, n in chunks:
             k = self._budget(seq, budget) if n == 1 else 0
             d = None
             if k and self.spec.method == "ngram":
-                d = ngram_propose(seq.token_ids, k, self.spec.prompt_lookup_max, self.spec.prompt_lookup_min)
+                index = self._ngrams.get(seq.seq_id)
+                if index is None:
+                    index = self._ngrams[seq.seq_id] = NgramIndex(
+                        self.spec.prompt_lookup_max, self.spec.prompt_lookup_min
+                    )
+                d = index.propose(seq.token_ids, k)
                 k = len(d)
             if not k or not blocks.can_allocate(seq, 1 + k):
                 continue
@@ -161,17 +234,22 @@ class Speculator:
                 out[seq.seq_id].append(int(t))
         return out
 
+    def forget(self, seq) -> None:
+        """The sequence finished: drop its n-gram index."""
+        self._ngrams.pop(seq.seq_id, None)
+
     def observe(self, chunks) -> None:
         """The draft model runs the step's batch too, so its KV follows the target's."""
         if self.draft is not None:
             self.draft.step(chunks)
 
-    @staticmethod
-    def record(seq, drafted: int, accepted: int) -> None:
+    def record(self, seq, drafted: int, accepted: int) -> None:
         """Counts a verify step's drafts and accepted drafts; backs off on low acceptance."""
         seq.num_draft_tokens += drafted
         seq.num_accepted_tokens += accepted
         seq.num_verify_steps += 1
+        if not self.spec.adaptive:
+            return
         seq.window_drafted += drafted
         seq.window_accepted += accepted
         if seq.window_drafted >= ADAPT_WINDOW:

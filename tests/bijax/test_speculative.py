@@ -16,14 +16,29 @@ import pytest
 
 import bijax
 from bijax import SamplingParams as SP
-from bijax.speculative import SpeculativeConfig, ngram_propose
+from bijax.speculative import (
+    ADAPT_BACKOFF,
+    PROBE_EVERY,
+    NgramIndex,
+    SpeculativeConfig,
+    Speculator,
+    ngram_propose,
+)
 from models.configs import preset
 from models.llama import Llama
 from tests.bijax.test_engine import shared_model
 from tests.conftest import bits
 
 KW = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=96, seed=1)
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+# adaptive off: drafts whenever possible (what the assertions on drafts and steps need; the
+# adaptive rules change only which steps draft, never an output - tested on their own below)
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_max": 3,
+    "prompt_lookup_min": 1,
+    "adaptive": False,
+}
 
 
 @functools.cache
@@ -36,7 +51,12 @@ def spec_config(kind):
     return {
         "plain": None,
         "ngram": NGRAM,
-        "draft-same": {"method": "draft_model", "model": model, "num_speculative_tokens": 3},
+        "draft-same": {
+            "method": "draft_model",
+            "model": model,
+            "num_speculative_tokens": 3,
+            "adaptive": False,
+        },
         "draft-other": {"method": "draft_model", "model": unrelated_draft(), "num_speculative_tokens": 3},
     }[kind]
 
@@ -196,3 +216,41 @@ def test_smollm2_text_and_stop_strings():
     )
     assert same(outs, plain) and [o.text for o in outs] == [o.text for o in plain]
     assert outs[0].metrics.num_accepted_tokens > 0  # (this small model copies little; tiny's loop: > 0.5)
+
+
+def test_ngram_index_equals_the_search():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        ids = [int(t) for t in rng.integers(0, 4, 40)]
+        index = NgramIndex(3, 1)
+        for size in range(1, len(ids) + 1):  # grown a token at a time, as a sequence decodes
+            assert index.propose(ids[:size], 3) == ngram_propose(ids[:size], 3, 3, 1)
+
+
+def test_adaptive_rules():
+    """Drafting stops where the measured step times say it does not pay (probing the other way
+    every PROBE_EVERY steps), and per sequence after a window of low acceptance."""
+    sp = Speculator(SpeculativeConfig.create({**NGRAM, "adaptive": True}), llm("plain").config)
+    chunks = [object()] * 4
+    assert sp._worth_it(chunks)  # nothing measured yet
+    sp.times[4] = [0.010, 0.030]  # a drafted step 3x as slow as a plain one
+    sp.gain = 2.0  # ... emitting only 2 tokens per sequence: not worth it
+    decisions = [sp._worth_it(chunks) for _ in range(2 * PROBE_EVERY)]
+    assert sum(decisions) == 2  # only the probes
+    sp.gain = 4.0  # 4 tokens per drafted step: worth it
+    assert sum(sp._worth_it(chunks) for _ in range(2 * PROBE_EVERY)) == 2 * PROBE_EVERY - 2
+
+    class Seq:  # the counters of bijax.sequence.Sequence
+        num_draft_tokens = num_accepted_tokens = num_verify_steps = 0
+        window_drafted = window_accepted = spec_resume_at = spec_misses = 0
+
+        def __len__(self):
+            return 100
+
+    seq = Seq()
+    sp.record(seq, 4, 0)
+    sp.record(seq, 4, 1)  # 1 of 8 accepted: back off
+    assert seq.spec_resume_at == 100 + ADAPT_BACKOFF
+    sp.record(seq, 4, 0)
+    sp.record(seq, 4, 0)
+    assert seq.spec_resume_at == 100 + 2 * ADAPT_BACKOFF  # twice as long after a second miss
