@@ -32,7 +32,10 @@ def workload(kind: str, streams: int, vocab: int, out_len: int):
     rng = np.random.default_rng(7)
     prompts, params = [], []
     for i in range(streams):
-        if kind == "repeat":
+        if kind == "constant":
+            prompts.append([int(rng.integers(0, vocab))] * 64)
+            params.append(SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True))
+        elif kind == "repeat":
             prompts.append([int(t) for t in rng.integers(0, vocab, 32)] * 8)
             params.append(SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True))
         else:
@@ -42,14 +45,24 @@ def workload(kind: str, streams: int, vocab: int, out_len: int):
 
 
 def timed(llm, prompts, params):
+    """(outputs, seconds, compiles, engine steps) of a run after an identical warm-up run."""
     llm.reset_prefix_cache()
     llm.generate(prompts, params, use_tqdm=False)  # warm-up: the same run
     llm.reset_prefix_cache()
     compiled = llm.engine.stats().num_compiled_steps
+    steps = [0]
+    step = llm.engine.step
+
+    def counting_step():
+        steps[0] += 1
+        return step()
+
+    llm.engine.step = counting_step  # counts steps (this script only)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     secs = time.perf_counter() - t0
-    return outs, secs, llm.engine.stats().num_compiled_steps - compiled
+    del llm.engine.step
+    return outs, secs, llm.engine.stats().num_compiled_steps - compiled, steps[0]
 
 
 def main():
@@ -67,37 +80,48 @@ def main():
     fast = LLM(plain.model, tokenizer=plain.tokenizer, speculative_config=spec, **kw)
     vocab = plain.model.config.vocab_size
     rows, failures = [], []
-    for kind in ("repeat", "random"):
+    for kind in ("constant", "repeat", "random"):
         for streams in (1, 16):
             prompts, params = workload(kind, streams, vocab, out_len)
-            a, ta, ca = timed(plain, prompts, params)
-            b, tb, cb = timed(fast, prompts, params)
+            a, ta, ca, sa = timed(plain, prompts, params)
+            b, tb, cb, sb = timed(fast, prompts, params)
             same = all(
-                x.token_ids == y.token_ids
-                and np.array_equal(x.logprobs.view(np.uint32), y.logprobs.view(np.uint32))
+                x.token_ids == y.token_ids and np.array_equal(bits(x.logprobs), bits(y.logprobs))
                 for x, y in zip(a, b, strict=True)
             )
             drafted = sum(o.metrics.num_draft_tokens for o in b)
             accepted = sum(o.metrics.num_accepted_tokens for o in b)
-            steps = sum(o.metrics.num_verify_steps for o in b)
+            verify = sum(o.metrics.num_verify_steps for o in b)
             toks = streams * out_len
-            row = (kind, streams, toks / ta / streams, toks / tb / streams, ta / tb,
-                   accepted / drafted if drafted else 0.0, accepted / steps if steps else 0.0, same, ca + cb)  # fmt: skip
-            rows.append(row)
-            print(row, flush=True)
+            rows.append(
+                dict(kind=kind, streams=streams, plain=toks / ta / streams, ngram=toks / tb / streams,
+                     speedup=ta / tb, acceptance=accepted / drafted if drafted else 0.0,
+                     per_verify=accepted / verify if verify else 0.0, same=same, compiles=ca + cb,
+                     steps=f"{sa} / {sb} ({verify} verify rows)", ms=f"{1e3 * ta / sa:.2f} / {1e3 * tb / sb:.2f}")
+            )  # fmt: skip
+            print(rows[-1], flush=True)
             if not same:
                 failures.append(f"{kind} x{streams}: bits differ")
             if ca or cb:
                 failures.append(f"{kind} x{streams}: {ca + cb} compiles inside timed runs")
-    print("\n| workload | streams | plain tok/s per stream | ngram k=4 tok/s per stream | speed-up | "
-          "acceptance | accepted per verify step | bits identical | compiles in timed runs |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(
+        "\n| workload | streams | plain tok/s per stream | ngram k=4 tok/s per stream | speed-up | acceptance "
+        "| accepted per verify row | bits identical | compiles in timed runs | steps plain / ngram "
+        "| ms per step plain / ngram |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r[0]} | {r[1]} | {r[2]:.1f} | {r[3]:.1f} | {r[4]:.2f}x | {r[5]:.2f} | {r[6]:.2f} | {r[7]} | {r[8]} |"
+            f"| {r['kind']} | {r['streams']} | {r['plain']:.1f} | {r['ngram']:.1f} | {r['speedup']:.2f}x "
+            f"| {r['acceptance']:.2f} | {r['per_verify']:.2f} | {r['same']} | {r['compiles']} | {r['steps']} "
+            f"| {r['ms']} |"
         )
     print(f"\nfailures: {failures}")
     sys.exit(1 if failures else 0)
+
+
+def bits(a):
+    return np.asarray(a, np.float32).view(np.uint32)
 
 
 if __name__ == "__main__":
