@@ -246,6 +246,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU: checks the script itself")
     ap.add_argument("--part", choices=("all", "kernels", "engine"), default="all")
+    ap.add_argument("--quick", action="store_true", help="fewer group sizes and launch shapes in (a)")
     args = ap.parse_args()
     cupti = not args.smoke
     print(f"# {datetime.date.today()} {jax.devices()[0].device_kind} jax {jax.__version__}", flush=True)
@@ -272,6 +273,8 @@ def main():
             GpuTiles(128, 128, 8, 3),
         ]
         engine = ("qwen3-30b-a3b", (1, 64), 64, 64, 256)
+        if args.quick:
+            sizes, tiles = (1, 17, 2048), tiles[2:3]
     dtype = jnp.bfloat16
     if args.part in ("all", "kernels"):
         check_bits(shapes, e, dtype, sizes, tiles)
