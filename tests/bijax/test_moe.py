@@ -203,3 +203,24 @@ def test_misshaped_router_and_missing_config_keys(tmp_path):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="lacks num_experts_per_tok"):
         load_hf(d)
+
+
+def test_bijax_check_passes_on_tiny_moe_and_control_detects(capsys):
+    from bijax import cli
+
+    args = ["--model", "tiny-moe", "--dtype", "float32", "--requests", "4", "--max-tokens", "5"]
+    args += ["--max-num-seqs", "2", "--max-num-batched-tokens", "32", "--max-model-len", "128"]
+    rc = cli.main(["check", *args])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    dims = (
+        "batch 1 vs N",
+        "needle in a batch",
+        "prefill vs decode",
+        "chunk sizes",
+        "prefix cache",
+        "preemption",
+    )
+    for dim in dims:
+        assert " PASS " in next(x for x in out.splitlines() if x.startswith(dim)), dim
+    assert next(x for x in out.splitlines() if x.startswith("negative control")).split()[2] == "DETECTED"
