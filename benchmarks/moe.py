@@ -84,22 +84,25 @@ def route(t: int, e: int, k: int, seed: int) -> np.ndarray:
 
 
 def check_bits(shapes, e: int, dtype, group_sizes_of_target, tiles_variants):
+    """One static row count (as in an engine bucket) for the moved token, so each launch shape
+    compiles once; the group sizes and offsets are the traced values that change. Plus the
+    token alone (M = 1) and its group alone (M = the group's size)."""
     target = 37 % e
+    m_big = max(group_sizes_of_target) + 40 * e
     for wname, (k, n) in shapes.items():
         w = rand(1, (e, k, n), dtype, k**-0.5)
         token = rand(2, (1, k), dtype)
         want = bits(pk.matmul(token, w[target]))
+        base = rand(3, (m_big, k), dtype)
         rng = np.random.default_rng(3)
         moved = []
         for size in group_sizes_of_target:
             for variant in range(2):  # two layouts: other groups (and so the offset) differ
                 sizes = rng.integers(0, 3 if variant else 40, e)
                 sizes[target] = size
-                m = int(sizes.sum())
-                x = rand(100 + size + variant, (m, k), dtype)
                 start = int(sizes[:target].sum())
                 at = start + int(rng.integers(0, size))
-                x = x.at[at].set(token[0])
+                x = base.at[at].set(token[0])
                 gs = jnp.asarray(sizes, jnp.int32)
                 for tiles in [None, *tiles_variants]:
                     y = pk.grouped_matmul(x, w, gs, tiles=tiles)
@@ -108,36 +111,48 @@ def check_bits(shapes, e: int, dtype, group_sizes_of_target, tiles_variants):
                     if not same:
                         print(f"  differs: {wname} group {size} offset {start} tiles {tiles}", flush=True)
                 if size == group_sizes_of_target[-1] and variant == 0:
-                    # every row of every group == matmul of that group's rows with its weight
+                    # every row of every group == matmul's rows for that group's weight
                     y = pk.grouped_matmul(x, w, gs)
                     ends = np.cumsum(sizes)
+                    full = jax.jit(lambda x, wg: pk.matmul(x, wg))  # one M: one compile
                     rows_ok = all(
-                        np.array_equal(bits(y[a:b]), bits(pk.matmul(x[a:b], w[g])))
+                        np.array_equal(bits(y[a:b]), bits(full(x, w[g])[a:b]))
                         for g, (a, b) in enumerate(zip(ends - sizes, ends, strict=True))
                         if b > a
                     )
-                    check(f"grouped rows == matmul rows, every group ({wname}, {m} rows)", rows_ok)
+                    check(
+                        f"grouped rows == matmul rows, every group ({wname}, {int(ends[-1])} rows)", rows_ok
+                    )
                     ref = lax.ragged_dot(x, w, gs, preferred_element_type=jnp.float32)
                     err = float(jnp.abs(y.astype(jnp.float32) - ref).max() / jnp.abs(ref).max())
                     check(f"grouped vs ragged_dot f32 ({wname})", err < 1e-2, f"rel err {err:.1e}")
+        for size in (1, group_sizes_of_target[len(group_sizes_of_target) // 2]):  # other static M
+            sizes = np.zeros(e, np.int32)
+            sizes[target] = size
+            x = base[:size].at[size - 1].set(token[0])
+            y = pk.grouped_matmul(x, w, jnp.asarray(sizes))
+            moved.append(np.array_equal(bits(y[size - 1 : size]), want))
         check(
             f"token moved between groups of {list(group_sizes_of_target)} rows at other offsets, "
-            f"{1 + len(tiles_variants)} launch shapes: bits == matmul ({wname})",
+            f"{1 + len(tiles_variants)} launch shapes, alone: bits == matmul ({wname})",
             all(moved),
             f"({sum(moved)}/{len(moved)})",
         )
         # Control: does ragged_dot's row move with its group? (reported, not required)
-        xs = rand(7, (2048, k), dtype).at[0].set(token[0])
-        ref_rows = []
-        for size in (1, 64, 2048):
-            sizes = np.zeros(e, np.int32)
-            sizes[target] = size
-            y = lax.ragged_dot(xs[:size], w, jnp.asarray(sizes), preferred_element_type=jnp.float32)
-            ref_rows.append(bits(y[:1].astype(dtype)))
-        moves = any(not np.array_equal(r, ref_rows[0]) for r in ref_rows[1:])
-        print(
-            f"  control: ragged_dot's row {'MOVES' if moves else 'does not move'} with its group size ({wname})"
-        )
+        try:
+            xs = base[:2048].at[0].set(token[0])
+            ref_rows = []
+            for size in (1, 64, 2048):
+                sizes = np.zeros(e, np.int32)
+                sizes[target] = size
+                y = lax.ragged_dot(xs[:size], w, jnp.asarray(sizes), preferred_element_type=jnp.float32)
+                ref_rows.append(bits(y[:1].astype(dtype)))
+            moves = any(not np.array_equal(r, ref_rows[0]) for r in ref_rows[1:])
+            print(
+                f"  control: ragged_dot's row {'MOVES' if moves else 'does not move'} with its group size ({wname})"
+            )
+        except Exception as err:  # noqa: BLE001 - the control is reported, not required
+            print(f"  control: ragged_dot failed: {type(err).__name__}: {str(err)[:200]}")
 
 
 # --------------------------------------------------------------------------- (b) kernel time
@@ -160,7 +175,11 @@ def time_grouped(shapes, e: int, topk: int, dtype, tokens, cupti: bool):
                 return kernel_us(fn, x, sizes, *ws, cupti=cupti) / copies
 
             ours = timed(lambda x, w, gs: pk.grouped_matmul(x, w, gs))
-            xla = timed(lambda x, w, gs: lax.ragged_dot(x, w, gs))
+            try:
+                xla = timed(lambda x, w, gs: lax.ragged_dot(x, w, gs))
+            except Exception as err:  # noqa: BLE001 - a baseline that does not run is reported
+                xla = math.nan
+                print(f"  ragged_dot failed: {type(err).__name__}: {str(err)[:200]}")
             try:
                 jax.config.update("jax_ragged_dot_use_gpu_pallas_triton_lowering", True)
                 jp = timed(lambda x, w, gs: lax.ragged_dot(x, w, gs) + 0)  # a fresh function: lowered anew
@@ -209,36 +228,49 @@ def decode_throughput(name: str, seqs_list, prompt_len: int, new: int, max_len: 
     print(f"  built {name} in {time.perf_counter() - t0:.0f}s", flush=True)
     cfg = model.config
     rng = np.random.default_rng(0)
-    res = {}
+    prompts = {
+        n: [list(map(int, rng.integers(3, cfg.vocab_size, prompt_len))) for _ in range(n)] for n in seqs_list
+    }
+    res = {(inv, n): math.nan for inv in (True, False) for n in seqs_list}
     for inv in (True, False):
-        llm = bijax.LLM(
-            model,
-            invariant=inv,
-            max_model_len=max_len,
-            max_num_seqs=max(seqs_list),
-            max_num_batched_tokens=max(seqs_list) * prompt_len,
-            num_kv_blocks=max(seqs_list) * -(-max_len // 16) + 8,
-            enable_prefix_caching=False,
-        )
-        for n in seqs_list:
-            prompts = [list(map(int, rng.integers(3, cfg.vocab_size, prompt_len))) for _ in range(n)]
-            sp = lambda m: bijax.SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)  # noqa: E731
-            wall = {}
-            for m in (1, new):
-                llm.generate(prompts, sp(m), use_tqdm=False)  # warm-up: compiles this shape's steps
-                t = time.perf_counter()
-                llm.generate(prompts, sp(m), use_tqdm=False)
-                wall[m] = time.perf_counter() - t
-            decode = n * (new - 1) / (wall[new] - wall[1])
-            res[inv, n] = decode
+        try:
+            llm = bijax.LLM(
+                model,
+                invariant=inv,
+                max_model_len=max_len,
+                max_num_seqs=max(seqs_list),
+                max_num_batched_tokens=min(512, max(seqs_list) * prompt_len),
+                num_kv_blocks=max(seqs_list) * -(-max_len // 16) + 8,
+                enable_prefix_caching=False,
+            )
+            for n in seqs_list:
+                sp = lambda m: bijax.SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)  # noqa: E731
+                wall = {}
+                for m in (1, new):
+                    llm.generate(prompts[n], sp(m), use_tqdm=False)  # warm-up: compiles this shape's steps
+                    t = time.perf_counter()
+                    llm.generate(prompts[n], sp(m), use_tqdm=False)
+                    wall[m] = time.perf_counter() - t
+                decode = n * (new - 1) / (wall[new] - wall[1])
+                res[inv, n] = decode
+                print(
+                    f"  {'bijax' if inv else 'XLA'} {n} seq x ({prompt_len} + {new}): generate {wall[new]:.2f}s, "
+                    f"prefill-only {wall[1]:.2f}s, decode {decode:.0f} tok/s ({1e3 * n / decode:.1f} ms/step)",
+                    flush=True,
+                )
+            del llm
+        except Exception as err:  # noqa: BLE001 - report and go on to the table
             print(
-                f"  {'bijax' if inv else 'XLA'} {n} seq x ({prompt_len} + {new}): generate {wall[new]:.2f}s, "
-                f"prefill-only {wall[1]:.2f}s, decode {decode:.0f} tok/s ({1e3 * n / decode:.1f} ms/step)",
+                f"  {'bijax' if inv else 'XLA'} engine failed: {type(err).__name__}: {str(err)[:300]}",
                 flush=True,
             )
-        del llm
+            if inv:
+                FAILURES.append(f"decode {name} (invariant)")
     for n in seqs_list:
-        row = f"| decode tok/s {name} | {n} seq | | {res[True, n]:.0f} | {res[False, n]:.0f} (XLA path) | | {res[False, n] / res[True, n]:.2f} |"
+        row = (
+            f"| decode tok/s {name} | {n} seq | | {res[True, n]:.0f} | {res[False, n]:.0f} (XLA path) | | "
+            f"{res[False, n] / res[True, n]:.2f} |"
+        )
         ROWS.append(row)
 
 
