@@ -224,3 +224,36 @@ def test_bijax_check_passes_on_tiny_moe_and_control_detects(capsys):
     for dim in dims:
         assert " PASS " in next(x for x in out.splitlines() if x.startswith(dim)), dim
     assert next(x for x in out.splitlines() if x.startswith("negative control")).split()[2] == "DETECTED"
+
+
+def test_paged_forward_lowers_to_the_grouped_kernel_on_cuda():
+    from flax import nnx
+
+    from models.configs import preset
+    from models.llama import Llama
+    from models.paged import init_kv_cache
+    from pallas_kernels.runtime import cuda_export
+
+    model = Llama(preset("tiny-moe"), dtype=jnp.bfloat16, seed=0)
+    graphdef, state = nnx.split(model)
+    cache = init_kv_cache(model.config, 16, 16, jnp.bfloat16)
+
+    def step(state, cache, tok, seq, pos, slot, tables, lens):
+        batch = PagedBatch(tok, seq, pos, slot, tables, lens)
+        return nnx.merge(graphdef, state).forward_paged(batch, cache)
+
+    spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    args = (
+        jax.tree.map(spec, state),
+        jax.tree.map(spec, cache),
+        i32(8),
+        i32(8),
+        i32(8),
+        i32(8),
+        i32(4, 8),
+        i32(4),
+    )
+    text = cuda_export(step, *args)
+    for kernel in ("bijax_grouped_matmul", "bijax_matmul", "bijax_softmax_stats", "bijax_attention_tiles"):
+        assert f'name = "{kernel}"' in text, kernel
