@@ -105,16 +105,17 @@ def test_negative_control_xla_path_differs_across_the_same_routes():
     assert any(not np.array_equal(bits(o), ref) for o in out.values())
 
 
-@pytest.mark.parametrize("invariant", [True, False])
-def test_moe_block_token_alone_vs_among_tokens_sharing_its_experts(invariant):
+@pytest.mark.parametrize("invariant,dtype", [(True, jnp.float32), (True, jnp.bfloat16), (False, jnp.float32)])
+def test_moe_block_token_alone_vs_among_tokens_sharing_its_experts(invariant, dtype):
     """The MoE block on one token, and on that token among 63 copies of it and of a second token
     (every group of its experts 64 rows instead of 1): same bits on the invariant path; the
     XLA path (ragged_dot) differs - the control."""
     layer = _llm().model.layers[0].mlp
     c = _llm().model.config
     w = [layer.router[...], layer.experts_gate[...], layer.experts_up[...], layer.experts_down[...]]
+    w = [a.astype(dtype) for a in w]
     rng = np.random.default_rng(1)
-    x = jnp.asarray(rng.standard_normal((2, c.hidden_size), np.float32))
+    x = jnp.asarray(rng.standard_normal((2, c.hidden_size), np.float32)).astype(dtype)
     fn = jax.jit(
         lambda x: moe(x, *w, top_k=2, norm_topk_prob=True, invariant=invariant, k_shards=1),
     )
@@ -148,6 +149,21 @@ def test_engine_step_has_no_reduction_outside_the_kernels():
 
     assert reductions_outside_kernels(jaxpr(True)) == []
     assert {"sort", "dot_general"} <= set(reductions_outside_kernels(jaxpr(False)))  # the control
+
+
+def test_sparse_layer_rule_and_hf_config_keys():
+    """HF's rule: (i + 1) % decoder_sparse_step == 0 and i not in mlp_only_layers; the released
+    checkpoints' ``num_experts`` and transformers 5's ``num_local_experts`` both read."""
+    from models.configs import LlamaConfig
+
+    hf = json.loads(open(os.path.join(FIXTURE, "config.json")).read())
+    hf.update(num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[3])
+    cfg = LlamaConfig.from_hf(hf)
+    assert [cfg.is_moe_layer(i) for i in range(6)] == [False, True, False, False, False, True]
+    hf["num_experts"] = hf.pop("num_local_experts")
+    assert LlamaConfig.from_hf(hf) == cfg
+    with pytest.raises(ValueError, match="num_experts_per_tok .* exceeds num_experts"):
+        LlamaConfig.from_hf({**hf, "num_experts_per_tok": 9})
 
 
 def test_tensor_parallel_is_refused():
