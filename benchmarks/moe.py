@@ -1,7 +1,10 @@
 """GPU evidence for Qwen3-MoE: the grouped matmul's bits, its kernel time against
 ``lax.ragged_dot``, and decode throughput of the ``qwen3-30b-a3b`` preset.
 
-Run on the H200 from the repo root:  PYTHONPATH=. python benchmarks/moe.py [--part all|kernels|engine]
+Run on the H200 from the repo root, one part per command (each should stay well under 10 minutes):
+    PYTHONPATH=. python benchmarks/moe.py --part kernels     # (a) and (b)
+    PYTHONPATH=. python benchmarks/moe.py --part engine      # (c): builds the 61 GB preset
+``--part all`` runs both; ``--quick`` checks fewer group sizes and launch shapes in (a);
 ``--smoke``: tiny sizes on CPU (the script's own check; wall-clock times, no CUPTI there).
 
 (a) bits: for qwen3-30b-a3b's expert shapes (gate/up [2048, 768], down [768, 2048], bf16, 128
