@@ -15,8 +15,9 @@ from typing import Any
 import numpy as np
 
 # HF model_type values whose decoder is the Llama block (RMSNorm, RoPE, SwiGLU, GQA).
-# Qwen3 adds a per-head RMSNorm on q and k before RoPE (``qk_norm``).
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+# Qwen3 adds a per-head RMSNorm on q and k before RoPE (``qk_norm``); Qwen3-MoE replaces the
+# MLP of its sparse layers by a routed mixture of SwiGLU experts (``num_experts`` > 0).
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +32,7 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
-    """Shape and numerics of a Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3 dense).
+    """Shape and numerics of a Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3, Qwen3-MoE).
 
     Attributes:
       vocab_size, hidden_size, intermediate_size, num_layers: model size.
@@ -46,6 +47,13 @@ class LlamaConfig:
       qk_norm: an RMSNorm over each head's q and k (weights [head_dim]) before RoPE (Qwen3).
       bos_token_id, eos_token_ids: special tokens from config.json (may be empty).
       model_type: HF's model_type, for messages.
+      num_experts: experts of a mixture-of-experts layer (Qwen3-MoE); 0 = a dense model.
+      num_experts_per_tok: experts each token is routed to (top-k of the router's softmax).
+      moe_intermediate_size: each expert's SwiGLU width.
+      norm_topk_prob: the k routing weights are renormalised to sum to 1.
+      decoder_sparse_step, mlp_only_layers: layer i is a MoE layer when num_experts > 0,
+        (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers (HF's rule); the
+        others keep the dense MLP of ``intermediate_size``.
     """
 
     vocab_size: int
@@ -66,6 +74,12 @@ class LlamaConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     model_type: str = "llama"
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         for name in (
@@ -96,6 +110,33 @@ class LlamaConfig:
             )
         if not (self.rope_theta > 1 and math.isfinite(self.rope_theta)):
             raise ValueError(f"LlamaConfig: rope_theta must be > 1, got {self.rope_theta!r}")
+        if self.num_experts:
+            for name in (
+                "num_experts",
+                "num_experts_per_tok",
+                "moe_intermediate_size",
+                "decoder_sparse_step",
+            ):
+                v = getattr(self, name)
+                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                    raise ValueError(f"LlamaConfig: {name} must be a positive int for a MoE model, got {v!r}")
+            if self.num_experts_per_tok > self.num_experts:
+                raise ValueError(
+                    f"LlamaConfig: num_experts_per_tok ({self.num_experts_per_tok}) exceeds "
+                    f"num_experts ({self.num_experts})"
+                )
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether decoder layer ``index`` is a mixture of experts (HF Qwen3-MoE's rule)."""
+        return (
+            self.num_experts > 0
+            and index not in self.mlp_only_layers
+            and (index + 1) % self.decoder_sparse_step == 0
+        )
+
+    @property
+    def is_moe(self) -> bool:
+        return any(self.is_moe_layer(i) for i in range(self.num_layers))
 
     @property
     def q_dim(self) -> int:
@@ -113,8 +154,11 @@ class LlamaConfig:
             attn += self.q_dim + 2 * self.kv_dim
         if self.qk_norm:
             attn += 2 * self.head_dim
-        layer = attn + 3 * h * i + 2 * h
-        return v * h * (1 if self.tie_word_embeddings else 2) + self.num_layers * layer + h
+        dense = 3 * h * i
+        moe = h * self.num_experts + 3 * h * self.moe_intermediate_size * self.num_experts
+        mlps = sum(moe if self.is_moe_layer(n) else dense for n in range(self.num_layers))
+        layers = self.num_layers * (attn + 2 * h) + mlps
+        return v * h * (1 if self.tie_word_embeddings else 2) + layers + h
 
     def inv_freq(self) -> np.ndarray:
         """RoPE inverse frequencies [head_dim // 2] in float64 (Llama-3 scaling applied)."""
@@ -166,7 +210,7 @@ def _from_hf_dict(hf: dict[str, Any]) -> LlamaConfig:
         raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r} (Llama-family models use 'silu')")
     if hf.get("mlp_bias"):
         raise ValueError("unsupported: mlp_bias=True")
-    if model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe") and hf.get("use_sliding_window"):
         raise ValueError(f"unsupported: {model_type} with use_sliding_window=True")
     if model_type == "mistral" and hf.get("sliding_window"):
         raise ValueError("unsupported: Mistral with a sliding window")
@@ -211,16 +255,41 @@ def _from_hf_dict(hf: dict[str, Any]) -> LlamaConfig:
         num_heads=heads,
         num_kv_heads=hf.get("num_key_value_heads") or heads,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6 if model_type in ("qwen2", "qwen3") else 1e-5)),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6 if model_type.startswith("qwen") else 1e-5)),
         rope_theta=float(theta),
         rope_scaling=scaling,
         max_position_embeddings=hf.get("max_position_embeddings", 4096),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=eos_ids,
         model_type=model_type,
+        **(_moe_fields(hf) if model_type == "qwen3_moe" else {}),
+    )
+
+
+def _moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3-MoE's router and expert settings (transformers 5 writes ``num_local_experts``)."""
+    num_experts = hf.get("num_experts", hf.get("num_local_experts"))
+    missing = [
+        k
+        for k, v in (
+            ("num_experts", num_experts),
+            ("num_experts_per_tok", hf.get("num_experts_per_tok")),
+            ("moe_intermediate_size", hf.get("moe_intermediate_size")),
+        )
+        if v is None
+    ]
+    if missing:
+        raise ValueError(f"config.json of a qwen3_moe model lacks {', '.join(missing)}")
+    return dict(
+        num_experts=int(num_experts),
+        num_experts_per_tok=int(hf["num_experts_per_tok"]),
+        moe_intermediate_size=int(hf["moe_intermediate_size"]),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
+        mlp_only_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()),
     )
 
 
@@ -308,6 +377,53 @@ PRESETS: dict[str, LlamaConfig] = {
         eos_token_ids=(151645,),
         qk_norm=True,
         model_type="qwen3",
+    ),
+    # Qwen3-MoE for CPU tests: 8 experts, top 2, renormalised weights, and a dense layer
+    # (mlp_only_layers) between sparse ones, so both layer kinds run.
+    "tiny-moe": LlamaConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_layers=3,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=64,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=2048,
+        eos_token_ids=(2,),
+        qk_norm=True,
+        model_type="qwen3_moe",
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        norm_topk_prob=True,
+        mlp_only_layers=(1,),
+    ),
+    # Qwen3-30B-A3B's shape (random weights: shape and speed only; 30.5B parameters, 61 GB in
+    # bf16: one H200). From the HF config.json of Qwen/Qwen3-30B-A3B as remembered: 48 layers,
+    # all sparse (decoder_sparse_step 1, mlp_only_layers []), 128 experts, 8 per token,
+    # moe_intermediate_size 768, norm_topk_prob true; intermediate_size 6144 (unused: no dense
+    # layer); 32 q / 4 KV heads of 128; vocab 151936; rope_theta 1e6; 40960 positions.
+    "qwen3-30b-a3b": LlamaConfig(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_layers=48,
+        num_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=40960,
+        bos_token_id=151643,
+        eos_token_ids=(151645,),
+        qk_norm=True,
+        model_type="qwen3_moe",
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
     ),
     # Meta-Llama-3-70B's shape (random weights, 141 GB in bf16: more than one H200 holds, so
     # with tensor_parallel_size > 1 it is built directly in its shards).

@@ -1,4 +1,4 @@
-"""Flax NNX Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3 dense) on the batch-invariant kernels.
+"""Flax NNX Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3, Qwen3-MoE) on the batch-invariant kernels.
 
 Two entry points, both running the same decoder stack (``_layers``) and differing only in
 where attention finds its keys:
@@ -28,6 +28,10 @@ shards; ``pallas_kernels.tree_psum`` adds the ranks in the k_shards tree's order
 the KV cache are split by KV head, and the LM head is vocabulary-parallel, its logits
 gathered (no reduction) before any softmax. Every degree dividing ``k_shards`` gives the
 bits of one device.
+
+Mixture-of-experts layers (Qwen3-MoE, ``config.is_moe_layer``) replace the MLP by a router
+and stacked SwiGLU experts (``models.ops.moe``): a token's output does not depend on which or
+how many other tokens chose its experts. They run on one device only (no tensor parallelism).
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from jax import lax
 
 import pallas_kernels as pk
 from models.configs import LlamaConfig
-from models.ops import TensorParallel, col_mm, norm, rope, row_mm
+from models.ops import TensorParallel, col_mm, moe, norm, rope, row_mm
 from models.paged import KVCache, PagedBatch, init_kv_cache
 from pallas_kernels import K_SHARDS
 
@@ -117,13 +121,27 @@ class MLP(nnx.Module):
         self.w_down = _normal(seed, prefix + "w_down", (i, h), i**-0.5, dtype)  # [I, H]
 
 
+class MoE(nnx.Module):
+    """Qwen3-MoE's sparse block: a router and ``num_experts`` SwiGLU experts stacked on axis 0."""
+
+    def __init__(self, config: LlamaConfig, *, dtype, seed: int, prefix: str):
+        h, i, e = config.hidden_size, config.moe_intermediate_size, config.num_experts
+        self.router = _normal(seed, prefix + "router", (h, e), h**-0.5, dtype)  # [H, E]
+        self.experts_gate = _normal(seed, prefix + "experts_gate", (e, h, i), h**-0.5, dtype)  # [E, H, I]
+        self.experts_up = _normal(seed, prefix + "experts_up", (e, h, i), h**-0.5, dtype)  # [E, H, I]
+        self.experts_down = _normal(seed, prefix + "experts_down", (e, i, h), i**-0.5, dtype)  # [E, I, H]
+
+
 class Block(nnx.Module):
     def __init__(self, config: LlamaConfig, *, dtype, seed: int, index: int):
         prefix = f"layers.{index}."
         self.attn_norm = _ones((config.hidden_size,), dtype)
         self.attn = Attention(config, dtype=dtype, seed=seed, prefix=prefix + "attn.")
         self.mlp_norm = _ones((config.hidden_size,), dtype)
-        self.mlp = MLP(config, dtype=dtype, seed=seed, prefix=prefix + "mlp.")
+        if config.is_moe_layer(index):
+            self.mlp = MoE(config, dtype=dtype, seed=seed, prefix=prefix + "mlp.")
+        else:
+            self.mlp = MLP(config, dtype=dtype, seed=seed, prefix=prefix + "mlp.")
 
 
 class Llama(nnx.Module):
@@ -237,7 +255,22 @@ class Llama(nnx.Module):
     def _row(self, x, w, *, invariant: bool, tp: TensorParallel | None):
         return row_mm(x, w, invariant=invariant, k_shards=self.k_shards, tp_parts=self.tp_parts, tp=tp)
 
-    def _mlp(self, mlp: MLP, x, *, invariant: bool, tp: TensorParallel | None = None):
+    def _mlp(self, mlp: MLP | MoE, x, *, invariant: bool, tp: TensorParallel | None = None):
+        if isinstance(mlp, MoE):
+            if tp is not None:
+                raise ValueError("tensor parallelism is not supported for mixture-of-experts layers")
+            c = self.config
+            return moe(
+                x,
+                mlp.router[...],
+                mlp.experts_gate[...],
+                mlp.experts_up[...],
+                mlp.experts_down[...],
+                top_k=c.num_experts_per_tok,
+                norm_topk_prob=c.norm_topk_prob,
+                invariant=invariant,
+                k_shards=self.k_shards,
+            )
         cb = self.k_shards
         g = col_mm(x, mlp.w_gate[...], invariant=invariant, col_blocks=cb, tp=tp).astype(jnp.float32)
         u = col_mm(x, mlp.w_up[...], invariant=invariant, col_blocks=cb, tp=tp).astype(jnp.float32)

@@ -25,29 +25,40 @@ _DTYPE_NAMES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def param_names(config: LlamaConfig) -> dict[str, tuple[str, tuple[int, ...], bool]]:
-    """HF tensor name -> (our parameter path, HF shape, transpose?) for every expected tensor."""
+def param_names(config: LlamaConfig) -> dict[str, tuple[str, tuple[int, ...], bool, int | None]]:
+    """HF tensor name -> (our parameter path, HF shape, transpose?, expert index) for every
+    expected tensor. A MoE layer's experts are one HF tensor each (``mlp.experts.{e}.gate_proj``
+    etc.), stacked into our [E, ...] parameter at index e; other tensors have index None."""
     c = config
     h, i = c.hidden_size, c.intermediate_size
-    out = {"model.embed_tokens.weight": ("embed", (c.vocab_size, h), False)}
+    out = {"model.embed_tokens.weight": ("embed", (c.vocab_size, h), False, None)}
     for n in range(c.num_layers):
         hf, ours = f"model.layers.{n}.", f"layers.{n}."
-        out[hf + "input_layernorm.weight"] = (ours + "attn_norm", (h,), False)
-        out[hf + "post_attention_layernorm.weight"] = (ours + "mlp_norm", (h,), False)
+        out[hf + "input_layernorm.weight"] = (ours + "attn_norm", (h,), False, None)
+        out[hf + "post_attention_layernorm.weight"] = (ours + "mlp_norm", (h,), False, None)
         for proj, name, rows in (("q", "wq", c.q_dim), ("k", "wk", c.kv_dim), ("v", "wv", c.kv_dim)):
-            out[hf + f"self_attn.{proj}_proj.weight"] = (ours + "attn." + name, (rows, h), True)
+            out[hf + f"self_attn.{proj}_proj.weight"] = (ours + "attn." + name, (rows, h), True, None)
             if c.attention_bias:
-                out[hf + f"self_attn.{proj}_proj.bias"] = (ours + "attn.b" + proj, (rows,), False)
+                out[hf + f"self_attn.{proj}_proj.bias"] = (ours + "attn.b" + proj, (rows,), False, None)
         if c.qk_norm:
-            out[hf + "self_attn.q_norm.weight"] = (ours + "attn.q_norm", (c.head_dim,), False)
-            out[hf + "self_attn.k_norm.weight"] = (ours + "attn.k_norm", (c.head_dim,), False)
-        out[hf + "self_attn.o_proj.weight"] = (ours + "attn.wo", (h, c.q_dim), True)
-        out[hf + "mlp.gate_proj.weight"] = (ours + "mlp.w_gate", (i, h), True)
-        out[hf + "mlp.up_proj.weight"] = (ours + "mlp.w_up", (i, h), True)
-        out[hf + "mlp.down_proj.weight"] = (ours + "mlp.w_down", (h, i), True)
-    out["model.norm.weight"] = ("final_norm", (h,), False)
+            out[hf + "self_attn.q_norm.weight"] = (ours + "attn.q_norm", (c.head_dim,), False, None)
+            out[hf + "self_attn.k_norm.weight"] = (ours + "attn.k_norm", (c.head_dim,), False, None)
+        out[hf + "self_attn.o_proj.weight"] = (ours + "attn.wo", (h, c.q_dim), True, None)
+        if c.is_moe_layer(n):
+            mi = c.moe_intermediate_size
+            out[hf + "mlp.gate.weight"] = (ours + "mlp.router", (c.num_experts, h), True, None)
+            for e in range(c.num_experts):
+                x = hf + f"mlp.experts.{e}."
+                out[x + "gate_proj.weight"] = (ours + "mlp.experts_gate", (mi, h), True, e)
+                out[x + "up_proj.weight"] = (ours + "mlp.experts_up", (mi, h), True, e)
+                out[x + "down_proj.weight"] = (ours + "mlp.experts_down", (h, mi), True, e)
+            continue
+        out[hf + "mlp.gate_proj.weight"] = (ours + "mlp.w_gate", (i, h), True, None)
+        out[hf + "mlp.up_proj.weight"] = (ours + "mlp.w_up", (i, h), True, None)
+        out[hf + "mlp.down_proj.weight"] = (ours + "mlp.w_down", (h, i), True, None)
+    out["model.norm.weight"] = ("final_norm", (h,), False, None)
     if not c.tie_word_embeddings:
-        out["lm_head.weight"] = ("lm_head", (c.vocab_size, h), True)
+        out["lm_head.weight"] = ("lm_head", (c.vocab_size, h), True, None)
     return out
 
 
@@ -95,6 +106,7 @@ def load_hf(path: str | os.PathLike, *, dtype=None, k_shards: int = 1) -> Llama:
     dtype = _checkpoint_dtype(hf) if dtype is None else jnp.dtype(dtype)
     expected = param_names(config)
     sources = dict(_tensor_sources(path))
+    _check_experts(sources, config, path)
     check_tensor_names(
         sources,
         expected,
@@ -104,7 +116,8 @@ def load_hf(path: str | os.PathLike, *, dtype=None, k_shards: int = 1) -> Llama:
         ),
     )
     model = abstract_model(config, dtype, k_shards)
-    for name, (ours, shape, transpose) in expected.items():
+    stacks: dict[str, tuple[np.ndarray, int]] = {}  # a stacked expert parameter being filled
+    for name, (ours, shape, transpose, index) in expected.items():
         src = sources[name]
         if src.shape(name) != shape:
             raise ValueError(f"tensor {name!r} has shape {src.shape(name)}, the config expects {shape}")
@@ -112,8 +125,36 @@ def load_hf(path: str | os.PathLike, *, dtype=None, k_shards: int = 1) -> Llama:
         if not np.issubdtype(a.dtype, np.floating) and a.dtype != jnp.bfloat16:
             raise ValueError(f"tensor {name!r} has non-float dtype {a.dtype}")
         a = np.asarray(a.T if transpose else a).astype(dtype)
-        variable(model, ours).set_value(jnp.asarray(a))
+        if index is None:
+            variable(model, ours).set_value(jnp.asarray(a))
+            continue
+        v = variable(model, ours)
+        buf, filled = stacks.get(ours) or (np.empty(v.shape, dtype), 0)
+        buf[index] = a
+        if filled + 1 == v.shape[0]:  # every expert in: one device array, the buffer freed
+            v.set_value(jnp.asarray(buf))
+            stacks.pop(ours, None)
+        else:
+            stacks[ours] = (buf, filled + 1)
     return model
+
+
+def _check_experts(sources, config: LlamaConfig, path: str) -> None:
+    """A MoE checkpoint whose expert count disagrees with config.json: an error naming the
+    first tensor of an expert the config does not have (or of the first one missing)."""
+    if not config.is_moe:
+        return
+    for n in range(config.num_layers):
+        if not config.is_moe_layer(n):
+            continue
+        prefix = f"model.layers.{n}.mlp.experts."
+        found = {int(k[len(prefix) :].split(".")[0]) for k in sources if k.startswith(prefix)}
+        extra = sorted(e for e in found if e >= config.num_experts)
+        if extra:
+            raise ValueError(
+                f"tensor {prefix}{extra[0]}.gate_proj.weight in {path}: the checkpoint has experts up to "
+                f"{max(found)} but config.json says num_experts={config.num_experts}"
+            )
 
 
 # --------------------------------------------------------------------------- orbax
@@ -125,6 +166,7 @@ def _config_to_json(config: LlamaConfig) -> dict:
     d = {f: getattr(config, f) for f in config.__dataclass_fields__}
     d["rope_scaling"] = None if config.rope_scaling is None else vars(config.rope_scaling)
     d["eos_token_ids"] = list(config.eos_token_ids)
+    d["mlp_only_layers"] = list(config.mlp_only_layers)
     if config.rope_freq_factors is not None:
         d["rope_freq_factors"] = list(config.rope_freq_factors)
     return d
@@ -135,6 +177,7 @@ def _config_from_json(d: dict) -> LlamaConfig:
     if d.get("rope_scaling") is not None:
         d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
     d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+    d["mlp_only_layers"] = tuple(d.get("mlp_only_layers", ()))
     if d.get("rope_freq_factors") is not None:
         d["rope_freq_factors"] = tuple(d["rope_freq_factors"])
     return LlamaConfig(**d)

@@ -57,6 +57,57 @@ def row_mm(x, w, *, invariant: bool, k_shards: int, tp_parts: int, tp: TensorPar
     return pk.tree_sum(parts).astype(x.dtype)
 
 
+def moe(x, router, w_gate, w_up, w_down, *, top_k: int, norm_topk_prob: bool, invariant: bool, k_shards: int):
+    """Qwen3-MoE's sparse block on x [T, H]: router [H, E]; experts w_gate, w_up [E, H, I],
+    w_down [E, I, H]. Each token goes to the ``top_k`` experts of the largest router logits,
+    weighted by their softmax probabilities (renormalised over the k when ``norm_topk_prob``).
+
+    Invariant path: float32 router logits through ``matmul``; top-k by exact selection (ties:
+    the lower expert index); probabilities from the invariant ``log_softmax``; the (token,
+    expert) pairs sorted by expert (``group_rows``) through ``grouped_matmul``, whose rows'
+    bits do not depend on the group's size or offset; the k expert outputs combined in float32
+    in a fixed order (by rank, i.e. router weight, ties by index), each product rounded before
+    its add. A token's output depends on the token alone.
+    XLA path: softmax, ``lax.top_k``, ``lax.ragged_dot`` and an einsum combine (the baseline).
+    """
+    t, e = x.shape[0], router.shape[1]
+    f32 = jnp.float32
+    if invariant:
+        logits = pk.matmul(x, router, out_dtype=f32)  # [T, E]
+        ids, _ = pk.top_n(logits, top_k)  # [T, k], descending logits, ties: lower index first
+        p = jnp.exp(jnp.take_along_axis(pk.log_softmax(logits), ids, axis=1))  # [T, k]
+        if norm_topk_prob:
+            total = p[:, 0]
+            for j in range(1, top_k):  # a left fold in rank order (no reduction op)
+                total = total + p[:, j]
+            p = p / total[:, None]
+        order, sizes = pk.group_rows(ids.reshape(-1), e)
+        mm = pk.grouped_matmul
+    else:
+        logits = pk.matmul_reference(x, router, out_dtype=f32)
+        p, ids = lax.top_k(jax.nn.softmax(logits, axis=-1), top_k)
+        if norm_topk_prob:
+            p = p / jnp.sum(p, axis=-1, keepdims=True)
+        flat = ids.reshape(-1)
+        order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+        sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+        mm = lambda a, w, s, **_: pk.grouped_matmul_reference(a, w, s)  # noqa: E731
+    xs = x[order // top_k]  # [T*k, H]: the pairs, sorted by expert
+    g = mm(xs, w_gate, sizes).astype(f32)
+    u = mm(xs, w_up, sizes).astype(f32)
+    h = (g * jax.nn.sigmoid(g) * u).astype(x.dtype)  # SwiGLU in float32, rounded once
+    d = mm(h, w_down, sizes, k_shards=k_shards)  # [T*k, H]
+    y = jnp.zeros_like(d).at[order].set(d).reshape(t, top_k, -1).astype(f32)  # back to (token, rank)
+    if not invariant:
+        return jnp.einsum("tk,tkh->th", p, y).astype(x.dtype)
+    # Every product rounded before its add, in every program (see ``rope``).
+    prods = lax.optimization_barrier([p[:, j, None] * y[:, j] for j in range(top_k)])
+    out = prods[0]
+    for j in range(1, top_k):
+        out = out + prods[j]
+    return out.astype(x.dtype)
+
+
 def norm(x, w, eps, *, invariant: bool, residual=None):
     if invariant:
         return pk.rms_norm(x, w, eps=eps, residual=residual)

@@ -39,6 +39,11 @@ def check_tensor_parallel(config: LlamaConfig, size, k_shards: int, num_devices:
         raise ValueError(f"tensor_parallel_size must be a positive int, got {size!r}")
     if size == 1:
         return
+    if config.is_moe:
+        raise ValueError(
+            f"tensor_parallel_size={size}: tensor parallelism is not supported for mixture-of-experts "
+            f"models ({config.model_type}, {config.num_experts} experts); use tensor_parallel_size=1"
+        )
     if num_devices is None:
         num_devices = jax.device_count()
     if size > num_devices:

@@ -4,7 +4,8 @@ Each op: Pallas kernel (GPU) -> pallas_call wrapper -> fixed-shape CPU
 formulation -> public entry (keyword-only static args) -> ``*_reference``
 (plain XLA, batch-variant: the negative control and the speed baseline).
 An op whose GPU kernel is large keeps it in a module of its own
-(``matmul_triton``, ``matmul_mgpu``, ``attention_triton``; ``attention_cpu``,
+(``matmul_triton``, ``matmul_mgpu``, ``attention_triton``; ``grouped_matmul`` reuses
+matmul's plan, CPU tile and K loop; ``attention_cpu``,
 ``attention_math`` for what attention's paths share); ``plan`` holds the
 matmul's reduction plan and fixed tree, ``runtime`` the per-platform dispatch.
 """
@@ -25,6 +26,7 @@ from pallas_kernels.attention import (
     write_kv,
 )
 from pallas_kernels.collectives import gather_last, tree_psum
+from pallas_kernels.grouped_matmul import group_rows, grouped_matmul, grouped_matmul_reference
 from pallas_kernels.matmul import matmul, matmul_partial, matmul_reference
 from pallas_kernels.plan import K_SHARDS, MatmulPlan, plan_matmul, tree_sum
 from pallas_kernels.rms_norm import rms_norm, rms_norm_reference
@@ -57,6 +59,9 @@ __all__ = [
     "MatmulPlan",
     "argmax",
     "greedy_rows",
+    "group_rows",
+    "grouped_matmul",
+    "grouped_matmul_reference",
     "gather_last",
     "log_softmax",
     "log_softmax_reference",

@@ -38,18 +38,13 @@ from pallas_kernels.plan import K_SHARDS, MatmulPlan, combine_leaves, plan_matmu
 # --------------------------------------------------------------------------- CPU formulation
 
 
-def _jnp_partial(x, w, *, plan, num_shards, out_dtype):
-    """Fixed [cpu_tile_m, leaf_k] x [leaf_k, N / col_blocks] dots per leaf and column block,
-    fp32 tree over leaves. ``w`` may hold any whole number of the plan's column blocks."""
-    m = x.shape[0]
+def jnp_row_tile(xt, wl, *, plan, out_dtype):
+    """One fixed CPU row tile: xt [cpu_tile_m, num_leaves, leaf_k] against the leaf-laid weight
+    wl [num_leaves, leaf_k, N'] (N' any whole number of the plan's column blocks): one dot per
+    leaf and column block, leaves combined by the fp32 tree. The one home of the CPU formula
+    (``matmul`` and ``grouped_matmul`` both run it, so their rows have the same bits)."""
     width = plan.n // plan.col_blocks
-    blocks = w.shape[1] // width
-    tm = plan.cpu_tile_m
-    mp = -(-m // tm) * tm
-    num_leaves = num_shards * plan.split_k
-    xl = to_leaves(x, plan, num_shards, axis=1)
-    wl = to_leaves(w, plan, num_shards, axis=0).reshape(num_leaves, plan.leaf_k, -1)
-    xl = jnp.pad(xl, ((0, mp - m), (0, 0))).reshape(mp // tm, tm, num_leaves, plan.leaf_k)
+    blocks = wl.shape[-1] // width
 
     def dot(a, i):
         if blocks == 1:
@@ -57,9 +52,23 @@ def _jnp_partial(x, w, *, plan, num_shards, out_dtype):
         cols = [wl[i, :, j * width : (j + 1) * width] for j in range(blocks)]
         return jnp.concatenate([jnp.dot(a, c, preferred_element_type=jnp.float32) for c in cols], axis=1)
 
+    parts = [dot(xt[:, i], i) for i in range(wl.shape[0])]
+    return combine_leaves(parts, plan.split_k).astype(out_dtype)
+
+
+def _jnp_partial(x, w, *, plan, num_shards, out_dtype):
+    """Fixed [cpu_tile_m, leaf_k] x [leaf_k, N / col_blocks] dots per leaf and column block,
+    fp32 tree over leaves. ``w`` may hold any whole number of the plan's column blocks."""
+    m = x.shape[0]
+    tm = plan.cpu_tile_m
+    mp = -(-m // tm) * tm
+    num_leaves = num_shards * plan.split_k
+    xl = to_leaves(x, plan, num_shards, axis=1)
+    wl = to_leaves(w, plan, num_shards, axis=0).reshape(num_leaves, plan.leaf_k, -1)
+    xl = jnp.pad(xl, ((0, mp - m), (0, 0))).reshape(mp // tm, tm, num_leaves, plan.leaf_k)
+
     def tile(t):
-        parts = [dot(t[:, i], i) for i in range(num_leaves)]
-        return combine_leaves(parts, plan.split_k).astype(out_dtype)
+        return jnp_row_tile(t, wl, plan=plan, out_dtype=out_dtype)
 
     if mp == tm:  # one tile: same dot shapes, no loop
         y = tile(xl[0])[None]

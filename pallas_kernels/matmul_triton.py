@@ -64,21 +64,32 @@ def gpu_tiles(plan: MatmulPlan, m: int) -> GpuTiles:
     return GpuTiles(tile_m, tile_n, 8 if tile_m * tile_n >= 128 * 128 else 4, 3)
 
 
-def _matmul_kernel(x_ref, w_ref, o_ref, *, tile_k: int, leaf_k: int):
-    """One (leaf, row tile, column tile): fp32 sum over the leaf in tile_k chunks, in ascending order."""
-    tile_m, tile_n = o_ref.shape[-2:]
+def k_loop(load_x, load_w, num_chunks: int, shape) -> jax.Array:
+    """The K reduction every GPU matmul kernel runs: an fp32 accumulator over ``num_chunks``
+    chunks in ascending order, ``acc + dot(load_x(c), load_w(c))``. The one home of that chain
+    (``matmul`` and ``grouped_matmul`` both run it, so their rows have the same bits)."""
 
     def body(c, acc):
-        xk = x_ref[:, pl.ds(c * tile_k, tile_k)]
-        wk = w_ref[pl.ds(c * tile_k, tile_k), :]
         # HIGHEST: float32 inputs use full-precision IEEE products, never TF32.
-        return acc + jnp.dot(xk, wk, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+        return acc + jnp.dot(
+            load_x(c), load_w(c), precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32
+        )
 
-    acc = lax.fori_loop(0, leaf_k // tile_k, body, jnp.zeros((tile_m, tile_n), jnp.float32))
+    return lax.fori_loop(0, num_chunks, body, jnp.zeros(shape, jnp.float32))
+
+
+def _matmul_kernel(x_ref, w_ref, o_ref, *, tile_k: int, leaf_k: int):
+    """One (leaf, row tile, column tile): fp32 sum over the leaf in tile_k chunks, in ascending order."""
+    acc = k_loop(
+        lambda c: x_ref[:, pl.ds(c * tile_k, tile_k)],
+        lambda c: w_ref[pl.ds(c * tile_k, tile_k), :],
+        leaf_k // tile_k,
+        o_ref.shape[-2:],
+    )
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
-def _swizzle(pid, row_tiles: int, col_tiles: int):
+def swizzle(pid, row_tiles: int, col_tiles: int):
     """Program id -> (leaf, row tile, column tile); groups of _GPU_GROUP_M row tiles walk the
     column tiles together so consecutive programs share weight tiles in L2."""
     tiles = row_tiles * col_tiles
@@ -100,7 +111,7 @@ def _matmul_pallas(x, w, *, plan: MatmulPlan, num_leaves: int, out_dtype, tiles:
         w = jnp.pad(w, ((0, 0), (0, np_ - n)))
     lk = plan.leaf_k
     rt, ct = mp // tm, np_ // tn
-    ids = functools.partial(_swizzle, row_tiles=rt, col_tiles=ct)
+    ids = functools.partial(swizzle, row_tiles=rt, col_tiles=ct)
 
     def x_map(pid):
         leaf, i, _ = ids(pid)

@@ -67,14 +67,22 @@ def _bench_run(llm, reqs):
 
 def _floors(llm) -> dict:
     """What one decode step must move and compute at least: every weight read once, 2 FLOP per
-    weight per token (attention and the KV cache come on top)."""
+    weight per token (attention and the KV cache come on top). Mixture-of-experts weights count
+    ``num_experts_per_tok / num_experts`` of their size: a token reads and multiplies only its
+    own experts (the floor of a batch of 1; larger batches touch more experts)."""
     import jax
 
     from models import param_state
 
-    leaves = [a for a in jax.tree_util.tree_leaves(param_state(llm.model)) if hasattr(a, "nbytes")]
-    n = sum(int(a.size) for a in leaves)
-    return {"weight_bytes": sum(int(a.nbytes) for a in leaves), "flop_per_token": 2 * n}
+    c = llm.model.config
+    share = c.num_experts_per_tok / c.num_experts if c.num_experts else 1.0
+    size = nbytes = 0.0
+    for path, a in jax.tree_util.tree_leaves_with_path(param_state(llm.model)):
+        if not hasattr(a, "nbytes"):
+            continue
+        f = share if any(str(getattr(k, "key", "")).startswith("experts_") for k in path) else 1.0
+        size, nbytes = size + f * int(a.size), nbytes + f * int(a.nbytes)
+    return {"weight_bytes": int(nbytes), "flop_per_token": int(2 * size)}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -175,6 +175,8 @@ def reinit(model, gen: torch.Generator) -> None:
             std = QK_GAIN / math.sqrt(p.shape[1])
         elif name.endswith(".weight") and p.ndim == 2:
             std = 1.0 / math.sqrt(p.shape[1])
+        elif p.ndim == 3:  # stacked MoE experts [E, out, in] (make_moe_fixture.py)
+            std = 1.0 / math.sqrt(p.shape[2])
         else:
             raise ValueError(f"no init rule for {name} {tuple(p.shape)}")
         p.copy_(std * z)

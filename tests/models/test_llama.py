@@ -20,7 +20,7 @@ from tests.conftest import bits
 from tests.models.harness import Paged, chunked, interleaved
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
-FIXTURE_NAMES = ("llama2", "llama3", "smollm2", "qwen2", "qwen3")
+FIXTURE_NAMES = ("llama2", "llama3", "smollm2", "qwen2", "qwen3", "qwen3_moe")
 _FWD = nnx.jit(Llama.forward, static_argnames="invariant")
 
 
@@ -71,6 +71,9 @@ def test_fixture_features_are_exercised():
     qn = np.asarray(load_hf(os.path.join(FIXTURES, "qwen3")).layers[0].attn.q_norm[...])
     assert qn.shape == (64,) and np.abs(qn - 1).max() > 0.05  # the q/k norms are not identities
     assert cfgs["llama2"].num_heads != cfgs["llama2"].num_kv_heads  # GQA
+    moe = cfgs["qwen3_moe"]  # sparse layers 0 and 2, a dense layer 1, renormalised top 2 of 8
+    assert moe.qk_norm and moe.norm_topk_prob and (moe.num_experts, moe.num_experts_per_tok) == (8, 2)
+    assert [moe.is_moe_layer(i) for i in range(moe.num_layers)] == [True, False, True]
 
 
 # --------------------------------------------------------------------------- invariance (bits)
