@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import datetime
+import os
 import re
 import time
 
