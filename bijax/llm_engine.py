@@ -42,6 +42,9 @@ class EngineStats:
     num_compiled_buckets: int
     num_unfinished_requests: int
     num_compiled_steps: int  # step programs this process has compiled, all engines together
+    num_running_seqs: int  # sequences (samples) scheduled now, and those waiting for a slot
+    num_waiting_seqs: int
+    num_kv_blocks_in_use: int  # KV blocks held by sequences (block 0, the null block, not counted)
 
 
 class _Request:
@@ -193,6 +196,9 @@ class Engine:
             num_compiled_buckets=self.num_compiled_buckets,
             num_unfinished_requests=len(self._requests),
             num_compiled_steps=num_compiled_steps(),
+            num_running_seqs=len(self.scheduler.running),
+            num_waiting_seqs=len(self.scheduler.waiting),
+            num_kv_blocks_in_use=self.blocks.num_blocks - 1 - self.blocks.num_free,
         )
 
     def reset_prefix_cache(self) -> None:
