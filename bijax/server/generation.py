@@ -88,12 +88,13 @@ class Job:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
-            if not work.done():
+            left = not work.done()
+            if left:  # the client went away first (or this handler was cancelled)
                 work.cancel()
-                self._abort(r for r in self.rids if r not in finals)
-        if work.cancelled():
+                self._abort([r for r in self.rids if r not in finals])
+        if left:
             return None
-        work.result()
+        work.result()  # raises the engine's error, if any
         return [finals[r] for r in self.rids]
 
     # ------------------------------------------------------------------ whole responses
