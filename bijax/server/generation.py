@@ -144,8 +144,15 @@ class Job:
             if self.chat:  # the role first, as OpenAI sends it
                 for i in range(n):
                     chunk = self._head(obj)
-                    chunk["choices"] = [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                         "logprobs": None, "finish_reason": None}]  # fmt: skip
+                    role = {"role": "assistant", "content": ""}
+                    c = {
+                        "index": i,
+                        "delta": role,
+                        "logprobs": None,
+                        "finish_reason": None,
+                        "seed": self.seeds[0],
+                    }
+                    chunk["choices"] = [c]
                     if self.token_ids:
                         chunk["prompt_token_ids"] = self.valid[0].token_ids
                     yield _sse(chunk)
