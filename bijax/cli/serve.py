@@ -51,9 +51,17 @@ def run(args: argparse.Namespace) -> int:
     )
     server = uvicorn.Server(config)
     _announce_when_started(server, names[0])
-    # uvicorn catches Ctrl-C / SIGTERM, shuts down (open streams get 5 s, then are cancelled and
-    # their requests aborted; the engine loop is joined), then re-raises the signal to the
-    # handler found before it started: this one, so that the command ends with status 0.
+    # uvicorn catches Ctrl-C / SIGTERM and stops accepting; the requests in flight are aborted
+    # (their responses end with finish_reason "abort"), the engine loop is joined, and uvicorn
+    # re-raises the signal to the handler found before it started: this one, so that the
+    # command ends with status 0. A response still open after 5 s is cut.
+    handle_exit = server.handle_exit
+
+    def on_exit(signum, frame):
+        handle_exit(signum, frame)
+        app.state.server.loop.abort_all()
+
+    server.handle_exit = on_exit
     caught = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: caught.append(signum))

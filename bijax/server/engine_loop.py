@@ -66,6 +66,7 @@ class EngineLoop:
         self._wake = threading.Event()
         self._sinks: dict[str, _Sink] = {}
         self._stopping = False
+        self._lock = threading.Lock()  # an add is queued only while the loop will still run it
         self.metrics = Metrics()
         self.stats: EngineStats = engine.stats()  # a snapshot, refreshed by the engine thread
         self._thread = threading.Thread(target=self._run, name="bijax-engine-loop", daemon=True)
@@ -85,20 +86,27 @@ class EngineLoop:
     async def add(self, request_id: str, valid: ValidPrompt, outputs: asyncio.Queue) -> int:
         """Queues a validated request; returns the seed it uses. Its ``RequestOutput``s (the
         last one ``finished``), or an ``EngineError``, arrive on ``outputs``."""
-        if not self.alive:
-            raise EngineError("the engine loop is not running")
         loop = asyncio.get_running_loop()
         added = loop.create_future()
-        self._send(("add", request_id, valid, _Sink(loop, outputs), added))
+        with self._lock:
+            if not self.alive:
+                raise EngineError("the engine loop is not running")
+            self._send(("add", request_id, valid, _Sink(loop, outputs), added))
         return await added
 
     def abort(self, request_id: str) -> None:
         """Aborts a request (its client went away): its KV blocks are freed at the next step."""
         self._send(("abort", request_id))
 
+    def abort_all(self) -> None:
+        """Aborts every request in flight (shutting down): their responses end with
+        finish_reason "abort" at the next step. Thread-safe (a signal handler may call it)."""
+        self._send(("abort_all",))
+
     def stop(self, timeout: float = 10.0) -> None:
         """Aborts every request, finishes the step in progress and ends the thread."""
-        self._stopping = True
+        with self._lock:
+            self._stopping = True
         self._send(("stop",))
         self._thread.join(timeout)
 
@@ -109,8 +117,19 @@ class EngineLoop:
     # ------------------------------------------------------------------ engine thread
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:  # stopped, or a bug outside the engine's step: no request is left waiting
+            with self._lock:
+                self._stopping = True
+            while not self._drain():  # adds queued before the stop still get their answer
+                pass
+            self._fail_all(EngineError("the engine loop stopped (the server is shutting down)"))
+            self.stats = self._engine.stats()
+
+    def _serve(self) -> None:
         engine = self._engine
-        while True:
+        while not self._stopping:
             self._wake.clear()
             if not self._drain():
                 break
@@ -128,8 +147,6 @@ class EngineLoop:
             self.metrics.observe_step(time.perf_counter() - t0)
             self._deliver(outputs)
             self.stats = engine.stats()
-        self._fail_all(EngineError("the server is shutting down"))
-        self.stats = engine.stats()
 
     def _drain(self) -> bool:
         """Runs the queued commands; False once asked to stop."""
@@ -154,6 +171,9 @@ class EngineLoop:
                 sink.loop.call_soon_threadsafe(_set_result, added, seed)
             elif kind == "abort" and command[1] in self._sinks:
                 self._engine.abort(command[1])
+            elif kind == "abort_all":
+                for rid in self._sinks:
+                    self._engine.abort(rid)
 
     def _deliver(self, outputs) -> None:
         for out in outputs:
