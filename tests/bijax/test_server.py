@@ -125,12 +125,15 @@ NEEDLE_KW = dict(temperature=0.8, top_p=0.9, seed=11, max_tokens=8, logprobs=0, 
 
 
 def _others(count):
-    """31 other requests of mixed lengths, parameters, n and streaming."""
+    """31 other requests of mixed lengths, parameters, n, top logprobs (another step program)
+    and streaming."""
     rng = np.random.default_rng(7)
     out = []
     for i in range(count):
         prompt = list(map(int, rng.integers(3, 512, int(rng.integers(1, 60)))))
         kw = [dict(temperature=0), dict(temperature=1.0, top_k=20, seed=i), dict(temperature=0.6, n=2)][i % 3]
+        if i % 5 == 0:
+            kw["logprobs"] = 3
         out.append((prompt, dict(max_tokens=int(rng.integers(2, 9)), stream=i % 2 == 0, **kw)))
     return out
 
