@@ -31,15 +31,11 @@ async def _disconnected(request: Request) -> None:
 
 
 class Job:
+    """One HTTP request: its prompts (validated, one engine request each), chat or not."""
+
     def __init__(self, srv, request: Request, job_id: str, model: str, valid: list[ValidPrompt], chat: bool):
-        self.srv, self.request, self.id, self.model, self.valid, self.chat = (
-            srv,
-            request,
-            job_id,
-            model,
-            valid,
-            chat,
-        )
+        self.srv, self.request, self.chat = srv, request, chat
+        self.id, self.model, self.valid = job_id, model, valid
         self.rids = [job_id] if len(valid) == 1 else [f"{job_id}-{i}" for i in range(len(valid))]
         self.params = valid[0].params
         self.created = int(time.time())

@@ -439,6 +439,17 @@ def test_bad_requests_do_not_harm_a_concurrent_good_one(smol):
     )
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [(["--port", "70000"], "--port"), (["--api-key", ""], "--api-key")],
+)
+def test_bad_serve_flags_exit_2_before_loading(capsys, argv, message):
+    from bijax import cli
+
+    assert cli.main(["serve", "--model", "tiny", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------- last: it stops the tiny server
 
 
