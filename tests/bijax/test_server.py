@@ -253,6 +253,8 @@ def test_the_seed_used_is_returned_and_reproduces(tiny):
 
 def test_burst_of_200_concurrent_requests_loses_nothing(tiny):
     done_before = tiny.metric("bijax_requests_finished_total")
+    tokens_before = tiny.metric("bijax_generation_tokens_total")
+    steps_before = tiny.metric("bijax_step_seconds_count")
     rng = np.random.default_rng(1)
     prompts = [list(map(int, rng.integers(3, 512, int(rng.integers(1, 40))))) for _ in range(200)]
 
@@ -269,6 +271,10 @@ def test_burst_of_200_concurrent_requests_loses_nothing(tiny):
     assert time.time() - t0 < 120
     assert [len(ids) for ids, _ in results] == [1 + i % 4 for i in range(200)]
     assert tiny.metric("bijax_requests_finished_total") - done_before == 200
+    tokens = sum(1 + i % 4 for i in range(200))
+    assert tiny.metric("bijax_generation_tokens_total") - tokens_before == tokens
+    # Requests shared steps (continuous batching): one at a time would take a step per token.
+    assert tiny.metric("bijax_step_seconds_count") - steps_before < 0.6 * tokens
     assert tiny.metric("bijax_kv_blocks_in_use") == 0 and tiny.metric("bijax_num_unfinished_requests") == 0
 
 
