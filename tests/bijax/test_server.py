@@ -1,10 +1,11 @@
 """`bijax serve` through the official `openai` client against real server processes.
 
 Two servers for the whole module: `tiny` (random weights, token-id prompts, 4 seqs x 64 tokens
-per step) for invariance, streaming, the 200-request burst, disconnects and SIGTERM; and the
-embedded SmolLM2 (a tokenizer and a chat template; with --api-key) for chat, text prompts, stop
-strings, tokenize and the error cases. The in-process references are test_engine's shared
-LLMs (other limits: 8 seqs), so equal bits also show that the server's batching changed nothing.
+per step) for invariance, streaming, the 200-request burst and SIGTERM; and the embedded
+SmolLM2 (a tokenizer and a chat template; with --api-key; slower steps) for chat, text prompts,
+stop strings, tokenize, disconnects and the error cases. The in-process references are
+test_engine's shared LLMs (the tiny one with other limits: 8 seqs), so equal bits also show
+that the server's batching changed nothing.
 """
 
 from __future__ import annotations
@@ -278,29 +279,6 @@ def test_burst_of_200_concurrent_requests_loses_nothing(tiny):
     assert tiny.metric("bijax_kv_blocks_in_use") == 0 and tiny.metric("bijax_num_unfinished_requests") == 0
 
 
-def _wait_until_no_blocks_in_use(server):
-    deadline = time.time() + 30
-    while server.metric("bijax_kv_blocks_in_use") > 0 and time.time() < deadline:
-        time.sleep(0.1)
-    assert server.metric("bijax_kv_blocks_in_use") == 0
-
-
-def test_a_disconnect_aborts_and_frees_blocks(tiny):
-    aborted = tiny.metric("bijax_requests_finished_total", finished_reason="abort")
-    kw = dict(model="tiny", prompt=NEEDLE, max_tokens=230, extra_body={"ignore_eos": True}, temperature=0)
-    stream = tiny.client().completions.create(**kw, stream=True)
-    next(iter(stream))
-    assert tiny.metric("bijax_kv_blocks_in_use") > 0  # control: while it streams, it holds blocks
-    stream.close()
-    _wait_until_no_blocks_in_use(tiny)
-    assert tiny.metric("bijax_requests_finished_total", finished_reason="abort") == aborted + 1
-    # Not streamed: a client that gives up waiting aborts its request too.
-    with pytest.raises(openai.APITimeoutError):
-        tiny.client(timeout=0.5).completions.create(**kw)
-    _wait_until_no_blocks_in_use(tiny)
-    assert tiny.metric("bijax_requests_finished_total", finished_reason="abort") == aborted + 2
-
-
 # ---------------------------------------------------------------------- SmolLM2 (with --api-key)
 
 MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
@@ -443,6 +421,31 @@ def test_bad_requests_do_not_harm_a_concurrent_good_one(smol):
     np.testing.assert_array_equal(
         lp_bits(good.choices[0].logprobs.token_logprobs), lp_bits(alone.choices[0].logprobs.token_logprobs)
     )
+
+
+def _wait_until_no_blocks_in_use(server):
+    deadline = time.time() + 30
+    while server.metric("bijax_kv_blocks_in_use") > 0 and time.time() < deadline:
+        time.sleep(0.1)
+    assert server.metric("bijax_kv_blocks_in_use") == 0
+
+
+def test_a_disconnect_aborts_and_frees_blocks(smol):
+    """On SmolLM2 (a step takes tens of ms): 200 tokens take seconds, so the client surely
+    leaves before the end."""
+    aborted = smol.metric("bijax_requests_finished_total", finished_reason="abort")
+    kw = dict(model="smol", prompt="Once upon a time", max_tokens=200, extra_body={"ignore_eos": True})
+    stream = smol.client().completions.create(**kw, stream=True)
+    next(iter(stream))
+    assert smol.metric("bijax_kv_blocks_in_use") > 0  # control: while it streams, it holds blocks
+    stream.close()
+    _wait_until_no_blocks_in_use(smol)
+    assert smol.metric("bijax_requests_finished_total", finished_reason="abort") == aborted + 1
+    # Not streamed: a client that gives up waiting aborts its request too.
+    with pytest.raises(openai.APITimeoutError):
+        smol.client(timeout=1.0).completions.create(**kw)
+    _wait_until_no_blocks_in_use(smol)
+    assert smol.metric("bijax_requests_finished_total", finished_reason="abort") == aborted + 2
 
 
 @pytest.mark.parametrize(
