@@ -158,14 +158,14 @@ class Job:
                     yield _sse(ApiError(500, str(item)).body())
                     break
                 p = index[item.request_id]
-                for o, a, b, delta, reason in states[item.request_id].deltas(item):
+                for o, a, b, shown, delta, reason in states[item.request_id].deltas(item):
                     c = {"index": p * n + o.index}
                     if self.chat:
                         c["delta"] = {"content": delta} if delta or reason is None else {}
                         lp = chat_logprobs(tok, o, a, b, True) if self.want_logprobs else None
                     else:
                         c["text"] = delta
-                        lp = completion_logprobs(tok, o, a, b, 0) if self.want_logprobs else None
+                        lp = completion_logprobs(tok, o, a, b, shown) if self.want_logprobs else None
                     c.update(logprobs=lp, finish_reason=reason, seed=item.seed)
                     if self.token_ids:
                         if not self.chat and a == 0:

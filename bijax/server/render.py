@@ -76,7 +76,8 @@ class StreamState:
         self.holdback = holdback
 
     def deltas(self, out):
-        """(sample, first new token, end, new text, finish reason or None) per changed sample."""
+        """(sample, first new token, end, characters sent before, new text, finish reason or
+        None) per changed sample."""
         result = []
         for o in out.outputs:
             i = o.index
@@ -92,7 +93,7 @@ class StreamState:
                     end -= 1
             delta = text[shown:end] if end > shown else ""
             if b > a or delta or o.finish_reason is not None:
-                result.append((o, a, b, delta, o.finish_reason))
+                result.append((o, a, b, shown, delta, o.finish_reason))
             self.tokens[i], self.chars[i] = b, shown + len(delta)
             self.done[i] = o.finish_reason is not None
         return result
