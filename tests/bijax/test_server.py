@@ -89,7 +89,11 @@ class Server:
     def stop(self):
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(60)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
         os.unlink(self.log.name)
 
 
@@ -304,6 +308,12 @@ def test_chat_equals_llm_chat_whole_and_streamed(smol):
     assert r.usage.prompt_tokens == len(ref.prompt_token_ids) and r.usage.completion_tokens == len(
         ref.token_ids
     )
+    # Negative control: another seed's reply fails the same comparison.
+    other = client.chat.completions.create(
+        **{**kw, "seed": 6}, logprobs=True, extra_body={"return_token_ids": True}
+    ).choices[0]
+    other_bits = lp_bits([t.logprob for t in other.logprobs.content])
+    assert other.token_ids != ref.token_ids or not np.array_equal(other_bits, bits(ref.logprobs))
     text, ids = "", []
     for chunk in client.chat.completions.create(**kw, stream=True, extra_body={"return_token_ids": True}):
         for ch in chunk.choices:
