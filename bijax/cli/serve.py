@@ -55,13 +55,13 @@ def run(args: argparse.Namespace) -> int:
     # (their responses end with finish_reason "abort"), the engine loop is joined, and uvicorn
     # re-raises the signal to the handler found before it started: this one, so that the
     # command ends with status 0. A response still open after 5 s is cut.
-    handle_exit = server.handle_exit
+    shutdown = server.shutdown
 
-    def on_exit(signum, frame):
-        handle_exit(signum, frame)
+    async def abort_then_shutdown(sockets=None):  # on the event loop, not in the signal handler
         app.state.server.loop.abort_all()
+        await shutdown(sockets=sockets)
 
-    server.handle_exit = on_exit
+    server.shutdown = abort_then_shutdown
     caught = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: caught.append(signum))

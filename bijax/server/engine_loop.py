@@ -100,7 +100,7 @@ class EngineLoop:
 
     def abort_all(self) -> None:
         """Aborts every request in flight (shutting down): their responses end with
-        finish_reason "abort" at the next step. Thread-safe (a signal handler may call it)."""
+        finish_reason "abort" at the next step."""
         self._send(("abort_all",))
 
     def stop(self, timeout: float = 10.0) -> None:
