@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     shutdown = server.shutdown
 
     async def abort_then_shutdown(sockets=None):  # on the event loop, not in the signal handler
-        app.state.server.loop.abort_all()
+        app.state.abort_all()
         await shutdown(sockets=sockets)
 
     server.shutdown = abort_then_shutdown

@@ -73,6 +73,7 @@ def build_app(llm: LLM, *, served_model_names: list[str], api_key: str | None = 
 
     app = FastAPI(title="bijax", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = srv
+    app.state.abort_all = srv.loop.abort_all  # for the CLI on shutdown
 
     async def authorize(request: Request) -> None:
         if srv.api_key is None:
