@@ -44,6 +44,9 @@ class EngineStats:
     num_compiled_buckets: int
     num_unfinished_requests: int
     num_compiled_steps: int  # step programs this process has compiled, all engines together
+    num_running_seqs: int  # sequences (samples) scheduled now, and those waiting for a slot
+    num_waiting_seqs: int
+    num_kv_blocks_in_use: int  # KV blocks held by sequences (block 0, the null block, not counted)
     num_draft_tokens: int = 0  # speculative decoding: drafts proposed and accepted
     num_accepted_tokens: int = 0
 
@@ -216,6 +219,9 @@ class Engine:
             num_compiled_buckets=self.num_compiled_buckets,
             num_unfinished_requests=len(self._requests),
             num_compiled_steps=num_compiled_steps(),
+            num_running_seqs=len(self.scheduler.running),
+            num_waiting_seqs=len(self.scheduler.waiting),
+            num_kv_blocks_in_use=self.blocks.num_blocks - 1 - self.blocks.num_free,
             num_draft_tokens=self._spec_totals[0],
             num_accepted_tokens=self._spec_totals[1],
         )

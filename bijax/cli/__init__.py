@@ -1,9 +1,9 @@
-"""``bijax`` command line: ``generate``, ``check``, ``bench``.
+"""``bijax`` command line: ``generate``, ``check``, ``bench``, ``serve``.
 
 Text and JSON go to stdout; progress bars and status lines to stderr. Bad input exits with
 status 2 and a one-line error; ``check`` exits 1 when any dimension's bits differ (or, with
 ``--against FILE``, when the recorded digest suite's bits differ). One module per command
-(``generate``, ``check``, ``bench``: its flags and its ``run``); ``common`` holds the engine
+(``generate``, ``check``, ``bench``, ``serve``: its flags and its ``run``); ``common`` holds the engine
 and sampling flags they share.
 """
 
@@ -12,13 +12,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bijax.cli import bench, check, generate
+from bijax.cli import bench, check, generate, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bijax", description="Batch-invariant LLM inference for JAX.")
     sub = p.add_subparsers(dest="command", required=True)
-    for command in (generate, check, bench):
+    for command in (generate, check, bench, serve):
         command.add_parser(sub)
     return p
 

@@ -1,0 +1,183 @@
+"""The FastAPI app: OpenAI's /v1/completions, /v1/chat/completions, /v1/models, and vLLM's
+/health, /metrics, /tokenize, /detokenize - over one ``EngineLoop``."""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import time
+import uuid
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException
+
+from bijax.llm import LLM
+from bijax.server import generation
+from bijax.server.engine_loop import EngineLoop
+from bijax.server.protocol import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    messages,
+    parse,
+    prompts,
+)
+from bijax.server.render import prometheus
+
+OPEN_PATHS = ("/health", "/metrics")  # never behind --api-key
+
+
+class Server:
+    """What the routes share: the model's names, its tokenizer and limits, the engine loop."""
+
+    def __init__(self, llm: LLM, names: list[str], api_key: str | None):
+        self.names, self.api_key = names, api_key
+        self.tokenizer = llm.tokenizer
+        self.max_model_len = llm.config.max_model_len
+        self.kv_blocks_total = llm.config.num_kv_blocks - 1
+        self.loop = EngineLoop(llm.engine)
+        self.created = int(time.time())
+
+    def check_model(self, name: str | None) -> str:
+        if name is not None and name not in self.names:
+            raise ApiError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+        return name or self.names[0]
+
+    def need_tokenizer(self, what: str) -> None:
+        if self.tokenizer is None:
+            raise ApiError(400, f"this model has no tokenizer: {what} needs one")
+
+    def validate(self, prompt, params, field: str):
+        """Engine.validate with its errors as ApiError (400) naming ``field``."""
+        try:
+            return self.loop.validate(prompt, params)
+        except (ValueError, TypeError) as e:
+            code = "context_length_exceeded" if "max_model_len" in str(e) or "KV blocks" in str(e) else None
+            raise ApiError(400, str(e), param=field, code=code) from None
+
+
+def build_app(llm: LLM, *, served_model_names: list[str], api_key: str | None = None) -> FastAPI:
+    """The app serving ``llm``; the engine loop starts and stops with the app's lifespan."""
+    srv = Server(llm, list(served_model_names), api_key)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        srv.loop.start()
+        try:
+            yield
+        finally:
+            srv.loop.stop()
+
+    app = FastAPI(title="bijax", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = srv
+    app.state.abort_all = srv.loop.abort_all  # for the CLI on shutdown
+
+    async def authorize(request: Request) -> None:
+        if srv.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        given = header[7:] if header.lower().startswith("bearer ") else ""
+        if not hmac.compare_digest(given.encode(), srv.api_key.encode()):
+            raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
+
+    auth = [Depends(authorize)]
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException):
+        return JSONResponse(ApiError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception):
+        msg = f"internal error: {type(e).__name__}: {e}"
+        return JSONResponse(ApiError(500, msg).body(), status_code=500)
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200 if srv.loop.alive else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        text = prometheus(srv.loop, srv.names[0], srv.kv_blocks_total)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models():
+        data = [
+            {"id": n, "object": "model", "created": srv.created, "owned_by": "bijax",
+             "root": srv.names[0], "max_model_len": srv.max_model_len}
+            for n in srv.names
+        ]  # fmt: skip
+        return {"object": "list", "data": data}
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def completions(request: Request):
+        req = parse(CompletionRequest, await request.body())
+        name = srv.check_model(req.model)
+        req.check_unsupported()
+        include_usage = req.include_usage()
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        params = req.sampling_params(max_tokens, req.logprobs, "logprobs")
+        items = prompts(req.prompt)
+        if any(isinstance(p, str) for p in items):
+            srv.need_tokenizer("a text prompt")
+        valid = [srv.validate(p if isinstance(p, str) else list(p), params, "prompt") for p in items]
+        job = generation.Job(srv, request, f"cmpl-{uuid.uuid4().hex}", name, valid, chat=False)
+        return await job.respond(req.stream, include_usage, req.return_token_ids)
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat(request: Request):
+        req = parse(ChatRequest, await request.body())
+        name = srv.check_model(req.model)
+        req.check_unsupported()
+        include_usage = req.include_usage()
+        srv.need_tokenizer("the chat template")
+        ids = _encode_chat(srv, messages(req.messages), req.add_generation_prompt)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if max_tokens is None:
+            max_tokens = max(1, srv.max_model_len - len(ids))
+        if req.top_logprobs is not None and not req.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        lp = (req.top_logprobs or 0) if req.logprobs else None
+        params = req.sampling_params(max_tokens, lp, "top_logprobs")
+        valid = [srv.validate({"prompt_token_ids": ids}, params, "messages")]
+        job = generation.Job(srv, request, f"chatcmpl-{uuid.uuid4().hex}", name, valid, chat=True)
+        return await job.respond(req.stream, include_usage, req.return_token_ids, chat_logprobs=req.logprobs)
+
+    @app.post("/tokenize", dependencies=auth)
+    async def tokenize(request: Request):
+        req = parse(TokenizeRequest, await request.body())
+        srv.check_model(req.model)
+        srv.need_tokenizer("/tokenize")
+        if (req.prompt is None) == (req.messages is None):
+            raise ApiError(400, "give exactly one of prompt and messages", param="prompt")
+        if req.prompt is not None:
+            ids = srv.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        else:
+            ids = _encode_chat(srv, messages(req.messages), req.add_generation_prompt)
+        return {"count": len(ids), "max_model_len": srv.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize", dependencies=auth)
+    async def detokenize(request: Request):
+        req = parse(DetokenizeRequest, await request.body())
+        srv.check_model(req.model)
+        srv.need_tokenizer("/detokenize")
+        try:
+            return {"prompt": srv.tokenizer.decode(req.tokens)}
+        except ValueError as e:
+            raise ApiError(400, str(e), param="tokens") from None
+
+    return app
+
+
+def _encode_chat(srv: Server, msgs: list[dict], add_generation_prompt: bool) -> list[int]:
+    try:
+        return srv.tokenizer.encode_chat(msgs, add_generation_prompt=add_generation_prompt)
+    except (ValueError, TypeError) as e:
+        raise ApiError(400, str(e), param="messages") from None

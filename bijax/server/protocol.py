@@ -1,0 +1,190 @@
+"""Request bodies (OpenAI's and vLLM's field names), checked into ``SamplingParams``.
+
+Every check fails with ``ApiError`` naming the field (``param``), which the app returns as
+OpenAI's error JSON - never a traceback.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from bijax.sampling_params import SamplingParams
+
+
+class ApiError(Exception):
+    """An error returned to the client as {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        kind = {401: "authentication_error", 404: "not_found_error"}.get(self.status, "invalid_request_error")
+        if self.status >= 500:
+            kind = "server_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+# Fields OpenAI/vLLM have that bijax does not implement: accepted only at their neutral value.
+_NEUTRAL = {
+    "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "logit_bias": (None, {}),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "response_format": (None, {"type": "text"}),
+}
+
+
+class _Sampling(BaseModel):
+    """What both endpoints share. Unknown fields are ignored, as vLLM does."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    n: int = 1
+    seed: int | None = None
+    stop: Any = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: dict | None = None
+    return_token_ids: bool = False
+    best_of: int | None = None
+
+    def include_usage(self) -> bool:
+        opts = self.stream_options or {}
+        if not self.stream and self.stream_options is not None:
+            raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
+        value = opts.get("include_usage", False)
+        if not isinstance(value, bool):
+            raise ApiError(400, "stream_options.include_usage must be a bool", param="stream_options")
+        return value
+
+    def check_unsupported(self) -> None:
+        for name, value in (self.model_extra or {}).items():
+            if name in _NEUTRAL and value not in _NEUTRAL[name]:
+                raise ApiError(400, f"{name} is not supported by bijax (got {value!r})", param=name)
+        if self.best_of is not None and self.best_of != self.n:
+            raise ApiError(400, "best_of is not supported by bijax (only best_of == n)", param="best_of")
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None, logprobs_field: str) -> SamplingParams:
+        stop = self.stop
+        if stop is not None and not isinstance(stop, (str, list)):
+            raise ApiError(400, "stop must be a string or a list of strings", param="stop")
+        kwargs = dict(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=-1 if self.top_k in (None, 0) else self.top_k,  # vLLM: 0 and -1 both mean off
+            min_p=0.0 if self.min_p is None else self.min_p,
+            seed=self.seed,
+            n=self.n,
+            max_tokens=max_tokens,
+            stop=stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+        )
+        try:
+            return SamplingParams(**kwargs)
+        except (ValueError, TypeError) as e:
+            msg = str(e)
+            m = re.search(r"SamplingParams\.(\w+)", msg)
+            field = m.group(1) if m else None
+            if field == "logprobs":
+                field = logprobs_field
+            msg = msg.replace(f"SamplingParams.{m.group(1)}", field) if m else msg
+            raise ApiError(400, msg, param=field) from None
+
+
+class CompletionRequest(_Sampling):
+    prompt: Any = None
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+
+
+class ChatRequest(_Sampling):
+    messages: Any = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Any = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    model: str | None = None
+    tokens: list[int]
+
+
+def parse(model: type[BaseModel], raw: bytes):
+    """The request body as ``model``; ApiError(400) naming the first bad field."""
+    try:
+        return model.model_validate_json(raw or b"{}")
+    except ValidationError as e:
+        err = e.errors()[0]
+        if err["type"] == "json_invalid":
+            raise ApiError(400, f"the body is not valid JSON: {err['msg']}") from None
+        loc = [str(x) for x in err["loc"] if isinstance(x, int) or "[" not in str(x)]
+        field = ".".join(loc) if loc else None
+        if err["type"] == "missing":
+            raise ApiError(400, f"{field} is required", param=field) from None
+        raise ApiError(400, f"{field}: {err['msg']} (got {err.get('input')!r})", param=field) from None
+
+
+def prompts(value) -> list:
+    """``prompt`` as a list of prompts, each a str or a list of token ids."""
+    bad = ApiError(400, "prompt must be a string, a list of token ids, or a list of those", param="prompt")
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list) or not value:
+        raise bad
+
+    def ids(x) -> bool:
+        return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+    if ids(value):
+        return [value]
+    if all(isinstance(p, str) or (ids(p) and p) for p in value):
+        return value
+    raise bad
+
+
+def messages(value) -> list[dict]:
+    """``messages`` for the chat template: content given as a list of text parts is joined."""
+    if not isinstance(value, list) or not value:
+        raise ApiError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ApiError(400, f"messages[{i}] must be an object with a string role", param="messages")
+        content = m.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                raise ApiError(400, f"messages[{i}].content: only text parts are supported", param="messages")
+            content = "".join(str(p.get("text", "")) for p in content)
+        if not isinstance(content, str):
+            raise ApiError(400, f"messages[{i}].content must be a string or text parts", param="messages")
+        out.append({**m, "content": content})
+    return out

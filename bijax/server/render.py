@@ -1,0 +1,136 @@
+"""Response bodies in OpenAI's shapes (plus vLLM's ``token_ids`` / ``prompt_token_ids`` and
+bijax's ``seed``), stream deltas, and the Prometheus text of ``/metrics``.
+
+Logprobs are the engine's float32 values written as JSON numbers: float32 -> Python float is
+exact and ``json`` writes the shortest repr that reads back as the same float, so
+``np.float32(value)`` on the client has the engine's bits.
+"""
+
+from __future__ import annotations
+
+import math
+
+from bijax.outputs import CompletionOutput
+from bijax.server.engine_loop import STEP_BUCKETS, EngineLoop
+
+NEG_INF = -9999.0  # written for a -inf logprob (JSON has no infinities; vLLM's convention)
+
+
+def _f(x) -> float:
+    x = float(x)
+    return x if math.isfinite(x) else NEG_INF
+
+
+def token_str(tokenizer, i: int) -> str:
+    return tokenizer.decode([i]) if tokenizer is not None else f"token_id:{i}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def completion_logprobs(tok, o: CompletionOutput, a: int, b: int, offset: int) -> dict:
+    """The legacy completions ``logprobs`` object for tokens a:b of ``o``."""
+    tokens = [token_str(tok, t) for t in o.token_ids[a:b]]
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    tops = None
+    if o.top_logprobs is not None:
+        tops = [{token_str(tok, i): _f(v) for i, v in step} for step in o.top_logprobs[a:b]]
+    return {
+        "tokens": tokens,
+        "token_logprobs": [_f(x) for x in o.logprobs[a:b]],
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(tok, o: CompletionOutput, a: int, b: int, top: bool) -> dict:
+    """The chat ``logprobs`` object ({"content": [...]}) for tokens a:b of ``o``."""
+
+    def entry(i, v):
+        s = token_str(tok, i)
+        return {"token": s, "logprob": _f(v), "bytes": list(s.encode())}
+
+    content = []
+    for k in range(a, b):
+        e = entry(o.token_ids[k], o.logprobs[k])
+        e["top_logprobs"] = [entry(i, v) for i, v in o.top_logprobs[k]] if top and o.top_logprobs else []
+        content.append(e)
+    return {"content": content}
+
+
+class StreamState:
+    """What each sample of one request has sent so far. Text waits for complete UTF-8 and,
+    while unfinished, holds back the last ``holdback`` characters (a stop string may be
+    forming there: the final text is cut before it)."""
+
+    def __init__(self, n: int, holdback: int):
+        self.tokens, self.chars, self.done = [0] * n, [0] * n, [False] * n
+        self.holdback = holdback
+
+    def deltas(self, out):
+        """(sample, first new token, end, characters sent before, new text, finish reason or
+        None) per changed sample."""
+        result = []
+        for o in out.outputs:
+            i = o.index
+            if self.done[i]:
+                continue
+            a, b = self.tokens[i], len(o.token_ids)
+            shown, text = self.chars[i], o.text
+            if o.finish_reason is not None:
+                end = max(shown, len(text))
+            else:
+                end = len(text) - self.holdback
+                while end > shown and text[end - 1] == "\ufffd":  # an incomplete UTF-8 sequence
+                    end -= 1
+            delta = text[shown:end] if end > shown else ""
+            if b > a or delta or o.finish_reason is not None:
+                result.append((o, a, b, shown, delta, o.finish_reason))
+            self.tokens[i], self.chars[i] = b, shown + len(delta)
+            self.done[i] = o.finish_reason is not None
+        return result
+
+
+def prometheus(loop: EngineLoop, model_name: str, kv_blocks_total: int) -> str:
+    """``/metrics``: requests running and waiting, KV blocks in use, tokens, step time."""
+    s, m = loop.stats, loop.metrics
+    lab = f'model_name="{model_name}"'
+    lines = []
+
+    def metric(name, kind, help_, value, labels=lab):
+        lines.extend([f"# HELP bijax_{name} {help_}", f"# TYPE bijax_{name} {kind}"])
+        lines.append(f"bijax_{name}{{{labels}}} {value}")
+
+    metric("num_requests_running", "gauge", "Sequences (samples) in the running batch.", s.num_running_seqs)
+    metric("num_requests_waiting", "gauge", "Sequences waiting for a slot.", s.num_waiting_seqs)
+    metric("num_unfinished_requests", "gauge", "Requests in flight.", s.num_unfinished_requests)
+    metric("kv_blocks_in_use", "gauge", "KV cache blocks held by sequences.", s.num_kv_blocks_in_use)
+    metric("kv_blocks_total", "gauge", "KV cache blocks in the pool.", kv_blocks_total)
+    metric("prefix_cache_hit_blocks_total", "counter", "KV blocks served from the prefix cache.",
+           s.prefix_cache_hit_blocks)  # fmt: skip
+    metric("num_preemptions_total", "counter", "Sequences preempted (recomputed).", s.num_preemptions)
+    metric("requests_added_total", "counter", "Requests added to the engine.", m.requests_added)
+    lines.extend(["# HELP bijax_requests_finished_total Requests finished, by reason.",
+                  "# TYPE bijax_requests_finished_total counter"])  # fmt: skip
+    for reason in ("stop", "length", "abort"):
+        n = m.requests_finished.get(reason, 0)
+        lines.append(f'bijax_requests_finished_total{{{lab},finished_reason="{reason}"}} {n}')
+    metric("prompt_tokens_total", "counter", "Prompt tokens of the requests added.", m.prompt_tokens)
+    metric("generation_tokens_total", "counter", "Tokens generated.", m.generation_tokens)
+    metric("engine_errors_total", "counter", "Engine steps that failed.", m.engine_errors)
+    lines.extend(["# HELP bijax_step_seconds Wall time of one engine step.",
+                  "# TYPE bijax_step_seconds histogram"])  # fmt: skip
+    for upper, count in zip(STEP_BUCKETS, m.step_buckets, strict=True):
+        le = "+Inf" if math.isinf(upper) else repr(upper)
+        lines.append(f'bijax_step_seconds_bucket{{{lab},le="{le}"}} {count}')
+    lines.append(f"bijax_step_seconds_sum{{{lab}}} {m.step_seconds_sum}")
+    lines.append(f"bijax_step_seconds_count{{{lab}}} {m.steps}")
+    return "\n".join(lines) + "\n"

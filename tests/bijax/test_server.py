@@ -1,0 +1,486 @@
+"""`bijax serve` through the official `openai` client against real server processes.
+
+Two servers for the whole module: `tiny` (random weights, token-id prompts, 4 seqs x 64 tokens
+per step) for invariance, streaming, the 200-request burst and SIGTERM; and the embedded
+SmolLM2 (a tokenizer and a chat template; with --api-key; slower steps) for chat, text prompts,
+stop strings, tokenize, disconnects and the error cases. The in-process references are
+test_engine's shared LLMs (the tiny one with other limits: 8 seqs), so equal bits also show
+that the server's batching changed nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import openai
+import pytest
+
+from bijax import SamplingParams as SP
+from tests.bijax.test_engine import shared_llm
+from tests.conftest import bits
+
+KEY = "test-key"
+ENGINE = ["--max-model-len", "256", "--block-size", "16"]
+TINY = ["--model", "tiny", "--dtype", "float32", "--max-num-seqs", "4", "--max-num-batched-tokens", "64"]
+SMOL = ["--model", "smollm2-135m", "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
+        "--num-kv-blocks", "160", "--model-seed", "1", "--api-key", KEY,
+        "--served-model-name", "smol", "smollm2-135m"]  # fmt: skip
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class Server:
+    def __init__(self, argv):
+        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+        env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        cmd = [sys.executable, "-m", "bijax.cli", "serve", "--port", "0", *ENGINE, *argv]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        self.url = None
+
+    def wait(self, timeout=300) -> Server:
+        t0 = time.time()
+        while self.url is None:
+            text = open(self.log.name).read()
+            for line in text.splitlines():
+                if "bijax serve:" in line and " on http://" in line:
+                    self.url = line.split(" on ")[1].split()[0].removesuffix("/v1")
+            assert self.proc.poll() is None, f"server exited:\n{text[-3000:]}"
+            assert time.time() - t0 < timeout, f"server did not start:\n{text[-3000:]}"
+            time.sleep(0.2)
+        return self
+
+    def client(self, key=KEY, cls=openai.OpenAI, timeout=300.0):
+        return cls(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=timeout)
+
+    def get(self, path, key=None) -> tuple[int, str]:
+        req = urllib.request.Request(self.url + path, headers=_auth(key))
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    def post(self, path, body: bytes | dict, key=KEY) -> tuple[int, dict]:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, headers=_auth(key), method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def metric(self, name, **labels) -> float:
+        """The sum of metric ``name`` over the series that have ``labels``."""
+        _, text = self.get("/metrics")
+        want = [f'{k}="{v}"' for k, v in labels.items()]
+        lines = [x for x in text.splitlines() if x.startswith(name + "{") and all(w in x for w in want)]
+        assert lines, f"no metric {name} {labels}"
+        return sum(float(x.split()[-1]) for x in lines)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        os.unlink(self.log.name)
+
+
+def _auth(key):
+    return {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+
+
+@pytest.fixture(scope="module")
+def servers():
+    started = {"tiny": Server(TINY), "smol": Server(SMOL)}  # both start at once
+    try:
+        yield {k: s.wait() for k, s in started.items()}
+    finally:
+        for s in started.values():
+            s.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny(servers):
+    return servers["tiny"]
+
+
+@pytest.fixture(scope="module")
+def smol(servers):
+    return servers["smol"]
+
+
+def lp_bits(values) -> np.ndarray:
+    return bits(np.asarray(values, np.float32))
+
+
+NEEDLE = list(map(int, np.random.default_rng(5).integers(3, 512, 23)))
+NEEDLE_KW = dict(temperature=0.8, top_p=0.9, seed=11, max_tokens=8, logprobs=0, ignore_eos=True)
+
+
+def _others(count):
+    """31 other requests of mixed lengths, parameters, n, top logprobs (another step program)
+    and streaming."""
+    rng = np.random.default_rng(7)
+    out = []
+    for i in range(count):
+        prompt = list(map(int, rng.integers(3, 512, int(rng.integers(1, 60)))))
+        kw = [dict(temperature=0), dict(temperature=1.0, top_k=20, seed=i), dict(temperature=0.6, n=2)][i % 3]
+        if i % 5 == 0:
+            kw["logprobs"] = 3
+        out.append((prompt, dict(max_tokens=int(rng.integers(2, 9)), stream=i % 2 == 0, **kw)))
+    return out
+
+
+async def _complete(client, prompt, kw, stream_needle=False):
+    """(token ids, logprobs) of one completion; streamed ones are reassembled from the chunks."""
+    if not kw.get("stream") and not stream_needle:
+        r = await client.completions.create(model="tiny", prompt=prompt, extra_body=_extra(kw), **_std(kw))
+        c = r.choices[0]
+        return c.token_ids, (c.logprobs.token_logprobs if c.logprobs else None)
+    kw = {**kw, "stream": True}
+    ids, lps = [], []
+    async for chunk in await client.completions.create(
+        model="tiny", prompt=prompt, extra_body=_extra(kw), **_std(kw)
+    ):
+        for c in chunk.choices:
+            if c.index == 0:
+                ids += c.token_ids
+                lps += c.logprobs.token_logprobs if c.logprobs else []
+    return ids, lps
+
+
+def _complete_sync(client, prompt, kw):
+    r = client.completions.create(model="tiny", prompt=prompt, extra_body=_extra(kw), **_std(kw))
+    return r.choices[0].token_ids, r.choices[0].logprobs.token_logprobs
+
+
+_STD = ("temperature", "top_p", "seed", "max_tokens", "logprobs", "n", "stream", "stop")
+
+
+def _std(kw):
+    return {k: v for k, v in kw.items() if k in _STD}
+
+
+def _extra(kw):
+    return {"return_token_ids": True, **{k: v for k, v in kw.items() if k not in _STD}}
+
+
+def test_same_bits_alone_with_31_concurrent_and_as_llm_generate(tiny):
+    async def batch(client, stream_needle):
+        jobs = [_complete(client, p, kw) for p, kw in _others(31)]
+        jobs.insert(13, _complete(client, NEEDLE, NEEDLE_KW, stream_needle))
+        return (await asyncio.gather(*jobs))[13]
+
+    async def run():
+        async with tiny.client(cls=openai.AsyncOpenAI) as client:
+            alone = await _complete(client, NEEDLE, NEEDLE_KW)
+            return alone, await batch(client, False), await batch(client, True)
+
+    alone, crowded, streamed = asyncio.run(run())
+    ref = shared_llm("tiny").generate(NEEDLE, SP(**{k: v for k, v in NEEDLE_KW.items()}), use_tqdm=False)[0]
+    assert len(ref.token_ids) == 8
+    for ids, lps in (alone, crowded, streamed):
+        assert ids == ref.token_ids
+        np.testing.assert_array_equal(lp_bits(lps), bits(ref.logprobs))
+    # Negative control: the same check tells another seed's bits apart.
+    other = _complete_sync(tiny.client(), NEEDLE, {**NEEDLE_KW, "seed": 12})
+    assert other[0] != ref.token_ids or not np.array_equal(lp_bits(other[1]), bits(ref.logprobs))
+
+
+def test_json_floats_round_trip_the_float32_bits():
+    x = np.random.default_rng(0).standard_normal(1000).astype(np.float32) * 10
+    back = np.asarray(json.loads(json.dumps([float(v) for v in x])), np.float32)
+    np.testing.assert_array_equal(bits(back), bits(x))
+    # Control: one ulp off is caught by the same comparison.
+    bumped = back.copy()
+    bumped[500] = np.nextafter(bumped[500], np.float32(np.inf))
+    assert not np.array_equal(bits(bumped), bits(x))
+
+
+def test_streaming_every_token_once_in_order_with_usage_and_n(tiny):
+    client = tiny.client()
+    kw = dict(model="tiny", prompt=[NEEDLE, NEEDLE[:5]], temperature=1.0, seed=3, max_tokens=6, n=2)
+    whole = client.completions.create(**kw, logprobs=1, extra_body={"return_token_ids": True})
+    assert [c.index for c in whole.choices] == [0, 1, 2, 3]
+    ids, lps, reasons, usage = {}, {}, {}, None
+    for chunk in client.completions.create(
+        **kw,
+        logprobs=1,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"return_token_ids": True},
+    ):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            assert c.index not in reasons, "a chunk after the choice finished"
+            ids.setdefault(c.index, []).extend(c.token_ids)
+            lps.setdefault(c.index, []).extend(c.logprobs.token_logprobs)
+            if c.finish_reason is not None:
+                reasons[c.index] = c.finish_reason
+    for c in whole.choices:
+        assert ids[c.index] == c.token_ids and reasons[c.index] == c.finish_reason
+        np.testing.assert_array_equal(lp_bits(lps[c.index]), lp_bits(c.logprobs.token_logprobs))
+        assert len(c.logprobs.top_logprobs[0]) == 1
+    assert whole.choices[0].token_ids != whole.choices[1].token_ids  # n samples differ
+    n_out = sum(len(c.token_ids) for c in whole.choices)
+    assert whole.usage.prompt_tokens == len(NEEDLE) + 5 and whole.usage.completion_tokens == n_out
+    assert usage.model_dump() == whole.usage.model_dump()
+
+
+def test_the_seed_used_is_returned_and_reproduces(tiny):
+    client = tiny.client()
+    raw = client.completions.with_raw_response.create(
+        model="tiny", prompt=NEEDLE, temperature=1.0, max_tokens=5, logprobs=0
+    )
+    r = raw.parse()
+    seed = r.choices[0].seed
+    assert raw.headers["x-bijax-seed"] == str(seed)
+    again = client.completions.create(
+        model="tiny", prompt=NEEDLE, temperature=1.0, max_tokens=5, logprobs=0, seed=seed
+    )
+    np.testing.assert_array_equal(
+        lp_bits(again.choices[0].logprobs.token_logprobs), lp_bits(r.choices[0].logprobs.token_logprobs)
+    )
+
+
+def test_burst_of_200_concurrent_requests_loses_nothing(tiny):
+    done_before = tiny.metric("bijax_requests_finished_total")
+    tokens_before = tiny.metric("bijax_generation_tokens_total")
+    steps_before = tiny.metric("bijax_step_seconds_count")
+    rng = np.random.default_rng(1)
+    prompts = [list(map(int, rng.integers(3, 512, int(rng.integers(1, 40))))) for _ in range(200)]
+
+    async def one(client, i):
+        kw = dict(temperature=0.5, seed=i, max_tokens=1 + i % 4, ignore_eos=True, stream=i % 3 == 0)
+        return await _complete(client, prompts[i], kw)
+
+    async def run():
+        async with tiny.client(cls=openai.AsyncOpenAI) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(200)))
+
+    t0 = time.time()
+    results = asyncio.run(run())
+    assert time.time() - t0 < 120
+    assert [len(ids) for ids, _ in results] == [1 + i % 4 for i in range(200)]
+    assert tiny.metric("bijax_requests_finished_total") - done_before == 200
+    tokens = sum(1 + i % 4 for i in range(200))
+    assert tiny.metric("bijax_generation_tokens_total") - tokens_before == tokens
+    # Requests shared steps (continuous batching): one at a time would take a step per token.
+    assert tiny.metric("bijax_step_seconds_count") - steps_before < 0.6 * tokens
+    assert tiny.metric("bijax_kv_blocks_in_use") == 0 and tiny.metric("bijax_num_unfinished_requests") == 0
+
+
+# ---------------------------------------------------------------------- SmolLM2 (with --api-key)
+
+MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+
+
+def test_chat_equals_llm_chat_whole_and_streamed(smol):
+    client = smol.client()
+    kw = dict(model="smol", messages=MSGS, temperature=0.7, seed=5, max_tokens=8)
+    r = client.chat.completions.create(
+        **kw, logprobs=True, top_logprobs=2, extra_body={"return_token_ids": True}
+    )
+    ref = shared_llm("smollm2").chat(
+        MSGS, SP(temperature=0.7, seed=5, max_tokens=8, logprobs=2), use_tqdm=False
+    )[0]
+    c = r.choices[0]
+    assert c.token_ids == ref.token_ids and c.message.content == ref.text and c.message.role == "assistant"
+    assert r.prompt_token_ids == ref.prompt_token_ids
+    np.testing.assert_array_equal(lp_bits([t.logprob for t in c.logprobs.content]), bits(ref.logprobs))
+    tops = [[(t.logprob) for t in e.top_logprobs] for e in c.logprobs.content]
+    np.testing.assert_array_equal(
+        lp_bits(tops), lp_bits([[v for _, v in s] for s in ref.outputs[0].top_logprobs])
+    )
+    assert r.usage.prompt_tokens == len(ref.prompt_token_ids) and r.usage.completion_tokens == len(
+        ref.token_ids
+    )
+    # Negative control: another seed's reply fails the same comparison.
+    other = client.chat.completions.create(
+        **{**kw, "seed": 6}, logprobs=True, extra_body={"return_token_ids": True}
+    ).choices[0]
+    other_bits = lp_bits([t.logprob for t in other.logprobs.content])
+    assert other.token_ids != ref.token_ids or not np.array_equal(other_bits, bits(ref.logprobs))
+    text, ids = "", []
+    for chunk in client.chat.completions.create(**kw, stream=True, extra_body={"return_token_ids": True}):
+        for ch in chunk.choices:
+            text += ch.delta.content or ""
+            ids += getattr(ch, "token_ids", None) or []
+    assert text == ref.text and ids == ref.token_ids
+
+
+def test_text_completion_equals_llm_generate_and_stop_strings(smol):
+    client = smol.client()
+    prompt = "The capital of France is"
+    r = client.completions.create(
+        model="smollm2-135m", prompt=prompt, temperature=0, max_tokens=12, logprobs=0
+    )
+    ref = shared_llm("smollm2").generate(prompt, SP(temperature=0, max_tokens=12), use_tqdm=False)[0]
+    assert r.choices[0].text == ref.text
+    np.testing.assert_array_equal(lp_bits(r.choices[0].logprobs.token_logprobs), bits(ref.logprobs))
+    words = ref.text.split()
+    word = words[1] if len(words) > 1 else ref.text.strip()[:3]
+    cut = ref.text[: ref.text.find(word)]
+    kw = dict(model="smol", prompt=prompt, temperature=0, max_tokens=12, stop=[word])
+    s = client.completions.create(**kw)
+    assert s.choices[0].finish_reason == "stop" and s.choices[0].text == cut
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True) if c.choices)
+    assert streamed == cut  # the stop string was held back, never sent
+
+
+def test_tokenize_and_detokenize(smol):
+    tok = shared_llm("smollm2").tokenizer
+    status, r = smol.post("/tokenize", {"prompt": "Hello there, world"})
+    assert (
+        status == 200 and r["tokens"] == tok.encode("Hello there, world") and r["count"] == len(r["tokens"])
+    )
+    status, r2 = smol.post("/detokenize", {"tokens": r["tokens"]})
+    assert status == 200 and r2["prompt"] == tok.decode(r["tokens"])
+    status, r3 = smol.post("/tokenize", {"messages": MSGS})
+    assert r3["tokens"] == tok.encode_chat(MSGS) and r3["max_model_len"] == 256
+
+
+@pytest.mark.parametrize(
+    "body, status, param, text",
+    [
+        ({"prompt": "x", "temperature": -1}, 400, "temperature", ">= 0"),
+        ({"prompt": "x", "top_p": 2}, 400, "top_p", "(0, 1]"),
+        ({"prompt": "x", "n": 0}, 400, "n", ">= 1"),
+        ({"prompt": "x", "max_tokens": "5"}, 400, "max_tokens", "integer"),
+        ({"prompt": "x", "logprobs": 50}, 400, "logprobs", "[0, 20]"),
+        ({"prompt": "x", "seed": -3}, 400, "seed", "2**32"),
+        ({"prompt": "x", "stop": 5}, 400, "stop", "string"),
+        ({"prompt": 5}, 400, "prompt", "token ids"),
+        ({"prompt": [[1, 2], 3]}, 400, "prompt", "token ids"),
+        ({"prompt": [70000]}, 400, "prompt", "vocabulary"),
+        ({"prompt": "x", "frequency_penalty": 0.5}, 400, "frequency_penalty", "not supported"),
+        ({"prompt": " x" * 300, "max_tokens": 4}, 400, "prompt", "max_model_len"),
+        ({"prompt": "x", "max_tokens": 256}, 400, "prompt", "max_model_len"),
+        ({"prompt": "x", "model": "gpt-4"}, 404, "model", "does not exist"),
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", "stream"),
+    ],
+)
+def test_bad_completion_requests_name_the_field(smol, body, status, param, text):
+    got, r = smol.post("/v1/completions", body)
+    assert got == status and r["error"]["param"] == param and text in r["error"]["message"], r
+
+
+def test_bad_chat_requests_bad_json_and_the_official_clients_errors(smol):
+    got, r = smol.post("/v1/chat/completions", {"messages": "hi"})
+    assert got == 400 and r["error"]["param"] == "messages"
+    got, r = smol.post("/v1/chat/completions", {"messages": MSGS, "top_logprobs": 3})
+    assert got == 400 and r["error"]["param"] == "top_logprobs"
+    got, r = smol.post("/v1/chat/completions", {"messages": MSGS, "logprobs": True, "top_logprobs": 99})
+    assert got == 400 and r["error"]["param"] == "top_logprobs"
+    got, r = smol.post("/v1/completions", b"{not json")
+    assert got == 400 and "JSON" in r["error"]["message"]
+    big = [{"role": "user", "content": "word " * 300}]
+    got, r = smol.post("/v1/chat/completions", {"messages": big})
+    assert got == 400 and r["error"]["code"] == "context_length_exceeded"
+    with pytest.raises(openai.NotFoundError):
+        smol.client().completions.create(model="nope", prompt="x", max_tokens=1)
+    with pytest.raises(openai.BadRequestError) as e:
+        smol.client().completions.create(model="smol", prompt="x", max_tokens=1, temperature=-2)
+    assert e.value.body["param"] == "temperature"
+
+
+def test_api_key(smol):
+    for key in (None, "wrong"):
+        got, r = smol.post("/v1/completions", {"prompt": "x", "max_tokens": 1}, key=key)
+        assert got == 401 and r["error"]["code"] == "invalid_api_key"
+        assert smol.get("/v1/models", key=key)[0] == 401
+    with pytest.raises(openai.AuthenticationError):
+        smol.client(key="wrong").models.list()
+    assert smol.get("/health")[0] == 200 and smol.get("/metrics")[0] == 200  # open without the key
+    assert [m.id for m in smol.client().models.list().data] == ["smol", "smollm2-135m"]
+
+
+def test_bad_requests_do_not_harm_a_concurrent_good_one(smol):
+    kw = dict(model="smol", prompt="Once upon a time", temperature=0.9, seed=2, max_tokens=6, logprobs=0)
+
+    async def bad(client, i):
+        try:
+            await client.completions.create(
+                model="smol", prompt="x", max_tokens=1, extra_body={"top_k": -5 - i}
+            )
+        except openai.BadRequestError as e:
+            return e.status_code
+
+    async def run():
+        async with smol.client(cls=openai.AsyncOpenAI) as client:
+            alone = await client.completions.create(**kw)
+            bads = (bad(client, i) for i in range(8))
+            return alone, await asyncio.gather(client.completions.create(**kw), *bads)
+
+    alone, (good, *codes) = asyncio.run(run())
+    assert codes == [400] * 8
+    assert good.choices[0].text == alone.choices[0].text
+    np.testing.assert_array_equal(
+        lp_bits(good.choices[0].logprobs.token_logprobs), lp_bits(alone.choices[0].logprobs.token_logprobs)
+    )
+
+
+def _wait_until_no_blocks_in_use(server):
+    deadline = time.time() + 30
+    while server.metric("bijax_kv_blocks_in_use") > 0 and time.time() < deadline:
+        time.sleep(0.1)
+    assert server.metric("bijax_kv_blocks_in_use") == 0
+
+
+def test_a_disconnect_aborts_and_frees_blocks(smol):
+    """On SmolLM2 (a step takes tens of ms): 200 tokens take seconds, so the client surely
+    leaves before the end."""
+    aborted = smol.metric("bijax_requests_finished_total", finished_reason="abort")
+    kw = dict(model="smol", prompt="Once upon a time", max_tokens=200, extra_body={"ignore_eos": True})
+    stream = smol.client().completions.create(**kw, stream=True)
+    next(iter(stream))
+    assert smol.metric("bijax_kv_blocks_in_use") > 0  # control: while it streams, it holds blocks
+    stream.close()
+    _wait_until_no_blocks_in_use(smol)
+    assert smol.metric("bijax_requests_finished_total", finished_reason="abort") == aborted + 1
+    # Not streamed: a client that gives up waiting aborts its request too.
+    with pytest.raises(openai.APITimeoutError):
+        smol.client(timeout=1.0).completions.create(**kw)
+    _wait_until_no_blocks_in_use(smol)
+    assert smol.metric("bijax_requests_finished_total", finished_reason="abort") == aborted + 2
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [(["--port", "70000"], "--port"), (["--api-key", ""], "--api-key")],
+)
+def test_bad_serve_flags_exit_2_before_loading(capsys, argv, message):
+    from bijax import cli
+
+    assert cli.main(["serve", "--model", "tiny", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- last: it stops the tiny server
+
+
+def test_sigterm_stops_cleanly_during_a_stream(tiny):
+    client = tiny.client()
+    stream = client.completions.create(
+        model="tiny", prompt=NEEDLE, max_tokens=230, extra_body={"ignore_eos": True}, stream=True
+    )
+    next(iter(stream))
+    t0 = time.time()
+    tiny.proc.send_signal(signal.SIGTERM)
+    rest = list(stream)  # the stream ends properly (the client sees data: [DONE])
+    assert tiny.proc.wait(60) == 0 and time.time() - t0 < 5  # not the 5 s grace period
+    assert rest[-1].choices[0].finish_reason == "abort"
+    assert "bijax serve: stopped (SIGTERM)" in open(tiny.log.name).read()

@@ -1,0 +1,94 @@
+"""The server's engine loop and the engine statistics /metrics reads, in process (no HTTP)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from bijax import SamplingParams as SP
+from bijax.server.engine_loop import EngineError, EngineLoop
+from tests.bijax.test_engine import shared_llm
+from tests.conftest import bits
+
+PROMPTS = [list(range(3 + i, 23 + i)) for i in range(10)]  # 20 tokens each: 2 KV blocks of 16
+
+
+def test_engine_stats_count_running_waiting_and_blocks_in_use():
+    engine = shared_llm("tiny").engine
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"stats-{i}", p, SP(max_tokens=3))
+    s = engine.stats()
+    assert (s.num_running_seqs, s.num_waiting_seqs, s.num_kv_blocks_in_use) == (0, 10, 0)
+    engine.step()  # 64 tokens: three whole prompts and a chunk of the fourth
+    s = engine.stats()
+    assert (s.num_running_seqs, s.num_waiting_seqs, s.num_kv_blocks_in_use) == (4, 6, 7)
+    for i in range(len(PROMPTS)):
+        engine.abort(f"stats-{i}")
+    engine.step()
+    s = engine.stats()
+    assert (s.num_running_seqs, s.num_waiting_seqs, s.num_kv_blocks_in_use) == (0, 0, 0)
+    assert s.num_unfinished_requests == 0
+
+
+class _FailsOnce:
+    """The engine, except that its first step raises."""
+
+    def __init__(self, engine):
+        self._engine, self.failed = engine, False
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def step(self):
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("device lost")
+        return self._engine.step()
+
+
+async def _run(loop: EngineLoop, rid: str, prompt, params):
+    q: asyncio.Queue = asyncio.Queue()
+    seed = await loop.add(rid, loop.validate(prompt, params), q)
+    while True:
+        item = await q.get()
+        if isinstance(item, EngineError) or item.finished:
+            return seed, item
+
+
+def test_a_failing_step_fails_the_requests_in_flight_and_the_loop_serves_on():
+    llm = shared_llm("tiny")
+    params = SP(temperature=0.9, seed=4, max_tokens=5)
+    flaky = _FailsOnce(llm.engine)
+    loop = EngineLoop(flaky)
+    loop.start()
+    try:
+
+        async def both():
+            first = await _run(loop, "loop-0", PROMPTS[0], params)
+            second = await _run(loop, "loop-1", PROMPTS[0], params)
+            return first, second
+
+        (_, first), (seed, second) = asyncio.run(both())
+    finally:
+        loop.stop()
+    assert flaky.failed and isinstance(first, EngineError) and "device lost" in str(first)
+    assert loop.metrics.engine_errors == 1 and loop.stats.num_kv_blocks_in_use == 0
+    ref = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0]
+    assert seed == 4 and second.token_ids == ref.token_ids
+    np.testing.assert_array_equal(bits(second.logprobs), bits(ref.logprobs))
+    assert not loop.alive and not llm.engine.has_unfinished_requests()
+
+
+def test_adding_after_stop_is_refused():
+    loop = EngineLoop(shared_llm("tiny").engine)
+    loop.start()
+    loop.stop()
+
+    async def add():
+        try:
+            await loop.add("late", loop.validate(PROMPTS[0], SP(max_tokens=1)), asyncio.Queue())
+        except EngineError as e:
+            return str(e)
+
+    assert "not running" in asyncio.run(add())
