@@ -210,6 +210,8 @@ class Engine:
         for num_logprobs in [0, MAX_LOGPROBS] if logprobs else [0]:
             tick = None if on_bucket is None else (lambda s, t, n=num_logprobs: on_bucket(s, t, bool(n)))
             self.runner.warmup(pairs, num_logprobs, tick)
+        if self.speculator is not None and self.speculator.draft is not None:
+            self.speculator.draft.warmup(pairs)  # the draft model's decode steps (no logprobs)
 
     def stats(self) -> EngineStats:
         return EngineStats(
