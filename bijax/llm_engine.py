@@ -176,9 +176,11 @@ class Engine:
         return self.scheduler.has_unfinished() or bool(self._aborted)
 
     def check_weights(self) -> None:
-        """Raises (before anything is scheduled) when the weights were deleted, e.g. donated to a
-        train step since ``set_weights``."""
+        """Raises (before anything is scheduled) when the weights - the draft model's too - were
+        deleted, e.g. donated to a train step since ``set_weights``."""
         self.runner.check_params()
+        if self.speculator is not None and self.speculator.draft is not None:
+            self.speculator.draft.check_params()
 
     def set_weights(self, model) -> None:
         """Runs with ``model``'s weights from now on (same structure, shapes, dtypes: nothing
@@ -210,8 +212,11 @@ class Engine:
         for num_logprobs in [0, MAX_LOGPROBS] if logprobs else [0]:
             tick = None if on_bucket is None else (lambda s, t, n=num_logprobs: on_bucket(s, t, bool(n)))
             self.runner.warmup(pairs, num_logprobs, tick)
-        if self.speculator is not None and self.speculator.draft is not None:
-            self.speculator.draft.warmup(pairs)  # the draft model's decode steps (no logprobs)
+        if self.speculator is not None:  # verify steps sample every token row: (s, t, t)
+            verify = self.speculator.verify_buckets(self.runner.bucket_pairs())
+            self.runner.warmup(verify, 0)
+            if self.speculator.draft is not None:  # its decode steps, and the verify steps it runs too
+                self.speculator.draft.warmup(self.runner.bucket_pairs() + verify)
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -274,15 +279,15 @@ class Engine:
         self._aborted = []
         if not self.scheduler.has_unfinished():
             return outputs
-        self.runner.check_params()  # before scheduling: a failure leaves every request as it was
+        self.check_weights()  # before scheduling: a failure leaves every request as it was
         chunks = self.scheduler.schedule()
+        t0 = time.perf_counter()  # the step's time, drafting included (the adaptive rule)
         drafts = {}
         if self.speculator is not None:
             left = self.config.max_num_batched_tokens - sum(n for _, n in chunks)
             drafts = self.speculator.propose(chunks, self.blocks, left)
         run = [Chunk.pending(seq, n, drafts.get(seq.seq_id, ())) for seq, n in chunks]
         num_logprobs = MAX_LOGPROBS if any(s.params.logprobs for s, _ in chunks) else 0
-        t0 = time.perf_counter()
         tok, lp, top = self.runner.step(run, num_logprobs)
         if self.speculator is not None:
             self.speculator.observe(run)
@@ -344,15 +349,22 @@ class Engine:
             self._spec_totals[1] += accepted
         return reason
 
+    def _text(self, ids) -> str:
+        """The text of generated ids; ids past the tokenizer's vocabulary (a model's padded
+        vocabulary rows, e.g. Qwen's) have no text and are skipped, never an error."""
+        v = self.tokenizer.vocab_size
+        return self.tokenizer.decode([i for i in ids if i < v], skip_special_tokens=True)
+
     def _finish_reason(self, seq: Sequence) -> str | None:
         p, last = seq.params, seq.output_token_ids[-1]
         if (not p.ignore_eos and last in self.eos_ids) or last in p.stop_token_ids:
             return "stop"
         if p.stop and self.tokenizer is not None:
-            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+            text = self._text(seq.output_token_ids)
             hits = [i for i in (text.find(s) for s in p.stop) if i >= 0]
             if hits:
-                seq.text = text[: min(hits)]
+                seq.text = text[: min(hits)]  # may be "" (the stop string came first)
+                seq.stop_cut = True
                 return "stop"
         if len(seq.output_token_ids) >= p.max_tokens or len(seq) >= self.config.max_model_len:
             return "length"
@@ -362,8 +374,8 @@ class Engine:
         outs = []
         for s in req.seqs:
             text = s.text
-            if not (s.finish_reason == "stop" and s.text) and self.tokenizer is not None:
-                text = self.tokenizer.decode(s.output_token_ids, skip_special_tokens=True)
+            if not s.stop_cut and self.tokenizer is not None:
+                text = self._text(s.output_token_ids)
             outs.append(
                 CompletionOutput(
                     index=s.sample_index,

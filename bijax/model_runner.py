@@ -218,10 +218,8 @@ class ModelRunner:
         """One step (compiled ahead of time by ``warmup``, else jitted now); keeps the donated
         cache; returns (tokens, logprobs, top)."""
         args, kw = self._step_args(batch, sampling, num_logprobs)
-        rows = len(batch.logit_rows)
-        compiled = None
-        if rows == len(batch.context_lens):  # warm-up compiles one sampled row per sequence row
-            compiled = self._aot.get((rows, batch.num_tokens, num_logprobs))
+        key = (len(batch.context_lens), batch.num_tokens, len(batch.logit_rows), num_logprobs)
+        compiled = self._aot.get(key)
         out, self.cache = compiled(*args) if compiled is not None else step_program(*args, **kw)
         return out
 
@@ -248,10 +246,11 @@ class ModelRunner:
         cfg = self.config
         return [(s, t) for s in cfg.seq_buckets for t in cfg.token_buckets if t >= s]
 
-    def padding_batch(self, s: int, t: int) -> PagedBatch:
+    def padding_batch(self, s: int, t: int, r: int | None = None) -> PagedBatch:
         """A (sequences, tokens) bucket's inputs that are all padding: position -1, slot -1 (it
-        writes only the reserved null block and reads nothing)."""
-        return PagedBatch.padding(s, t, self.config.max_blocks_per_seq)
+        writes only the reserved null block and reads nothing); ``r`` sampled rows (default s)."""
+        b = PagedBatch.padding(s, t, self.config.max_blocks_per_seq)
+        return b if r is None or r == s else b.replace(logit_rows=np.zeros(r, np.int32))
 
     def compiled_text(self, s: int, t: int, num_logprobs: int = 0) -> str:
         """The compiled step of one bucket as HLO text (what the device runs; for audits)."""
@@ -268,24 +267,29 @@ class ModelRunner:
         return lowered.compile().as_text()
 
     def warmup(self, pairs, num_logprobs: int = 0, progress=None, workers: int | None = None) -> None:
-        """Compiles the step for each (sequences, tokens) bucket ahead of time, ``workers``
-        buckets at once (default: one per CPU core, at most 8). Tracing holds Python's lock, but
-        XLA's compile (most of the time) does not, so the buckets compile in parallel threads.
-        ``progress(s, t)`` after each bucket, in the order they finish."""
-        todo = [(s, t) for s, t in pairs if (s, t, num_logprobs) not in self._aot]
+        """Compiles the step for each (sequences, tokens) bucket - or (sequences, tokens,
+        sampled rows) for steps that sample more rows than sequences (speculative decoding) -
+        ahead of time, ``workers`` at once (default: one per CPU core, at most 8). Tracing holds
+        Python's lock, but XLA's compile (most of the time) does not, so the buckets compile in
+        parallel threads. ``progress(s, t)`` after each bucket, in the order they finish."""
+        todo = []
+        for b in pairs:
+            s, t, r = b if len(b) == 3 else (*b, b[0])
+            if (s, t, r, num_logprobs) not in self._aot:
+                todo.append((s, t, r))
         if not todo:
             return
         workers = workers or min(8, os.cpu_count() or 1)
 
-        def compile_one(st):
-            s, t = st
-            args, kw = self._step_args(self.padding_batch(s, t), SamplingRows.greedy(s), num_logprobs)
-            return st, step_program.lower(*args, **kw).compile()
+        def compile_one(str_):
+            s, t, r = str_
+            args, kw = self._step_args(self.padding_batch(s, t, r), SamplingRows.greedy(r), num_logprobs)
+            return str_, step_program.lower(*args, **kw).compile()
 
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(workers, len(todo))) as pool:
-            for future in concurrent.futures.as_completed([pool.submit(compile_one, st) for st in todo]):
-                (s, t), compiled = future.result()
-                self._aot[(s, t, num_logprobs)] = compiled
+            for future in concurrent.futures.as_completed([pool.submit(compile_one, b) for b in todo]):
+                (s, t, r), compiled = future.result()
+                self._aot[(s, t, r, num_logprobs)] = compiled
                 self.compiled_buckets.add((s, t))
                 if progress is not None:
                     progress(s, t)

@@ -9,6 +9,7 @@ import numpy as np
 
 MAX_LOGPROBS = 20  # top-n logprobs per token at most
 MAX_SEED = 2**32
+MAX_N = 4096  # samples per request at most (each is a sequence the engine holds)
 
 
 def _is_int(v) -> bool:
@@ -74,8 +75,8 @@ class SamplingParams:
                 raise TypeError(f"SamplingParams.{f} must be an int, got {getattr(self, f)!r}")
         if self.top_k == 0 or self.top_k < -1:
             bad("top_k", "must be -1 (off) or >= 1")
-        if self.n < 1:
-            bad("n", "must be >= 1")
+        if not 1 <= self.n <= MAX_N:
+            bad("n", f"must be in [1, {MAX_N}]")
         if self.max_tokens < 1:
             bad("max_tokens", "must be >= 1")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < MAX_SEED):

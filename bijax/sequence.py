@@ -47,6 +47,7 @@ class Sequence:
         self.prefix_limit: int | None = None  # at most this many tokens may come from the cache
         self.finish_reason: str | None = None
         self.text = ""
+        self.stop_cut = False  # a stop string ended it: ``text`` is cut before it
         # speculative decoding: counters (RequestOutput.metrics) and adaptive back-off
         self.num_draft_tokens = self.num_accepted_tokens = self.num_verify_steps = 0
         self.window_drafted = self.window_accepted = 0

@@ -84,7 +84,9 @@ class SpeculativeConfig:
                 raise ValueError("speculative_config: 'model' is for method 'draft_model', not 'ngram'")
             lo, hi = spec.get("prompt_lookup_min", 2), spec.get("prompt_lookup_max", 4)
             if "prompt_lookup_min" in spec and "prompt_lookup_max" not in spec:
-                hi = max(hi, lo)
+                hi = max(hi, lo)  # a default never contradicts the key given
+            if "prompt_lookup_max" in spec and "prompt_lookup_min" not in spec:
+                lo = min(lo, hi)
             if lo > hi:
                 raise ValueError(f"speculative_config: prompt_lookup_min ({lo}) > prompt_lookup_max ({hi})")
             return cls("ngram", spec["num_speculative_tokens"], hi, lo, adaptive=adaptive)
@@ -151,6 +153,18 @@ class Speculator:
         self.gain = 1.0 + spec.num_speculative_tokens / 2  # tokens per sequence per drafted step
         self.num_steps = 0
         self.draft = None if draft_model is None else ModelRunner(draft_model, config)
+
+    def verify_buckets(self, pairs) -> list[tuple[int, int, int]]:
+        """The (sequences, tokens, sampled rows) buckets of steps with drafts beyond the plain
+        ones (rows == sequences): rows bucketed like tokens, more than the sequences and at
+        most (1 + k) a sequence, in any token bucket that holds them."""
+        k = self.spec.num_speculative_tokens
+        tokens = sorted({t for _, t in pairs})
+        out = []
+        for s, t in pairs:
+            most = next(b for b in tokens if b >= min(s * (1 + k), tokens[-1]))
+            out += [(s, t, r) for r in tokens if s < r <= min(t, most)]
+        return out
 
     def _budget(self, seq, budget: int) -> int:
         """How many drafts ``seq`` may carry this step (0: decode plainly)."""

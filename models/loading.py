@@ -148,7 +148,16 @@ def _check_experts(sources, config: LlamaConfig, path: str) -> None:
         if not config.is_moe_layer(n):
             continue
         prefix = f"model.layers.{n}.mlp.experts."
-        found = {int(k[len(prefix) :].split(".")[0]) for k in sources if k.startswith(prefix)}
+        found = set()
+        for k in sources:
+            if k.startswith(prefix):
+                index = k[len(prefix) :].split(".")[0]
+                if not index.isdigit():
+                    raise ValueError(
+                        f"tensor {k} in {path}: expected per-expert tensors "
+                        f"{prefix}<expert>.(gate|up|down)_proj.weight (fused expert tensors are not supported)"
+                    )
+                found.add(int(index))
         extra = sorted(e for e in found if e >= config.num_experts)
         if extra:
             raise ValueError(

@@ -37,6 +37,8 @@ class Server:
         self.names, self.api_key = names, api_key
         self.tokenizer = llm.tokenizer
         self.max_model_len = llm.config.max_model_len
+        # the longest request the KV pool can hold (block 0 reserved): Engine.validate's rule
+        self.max_tokens_in_pool = (llm.config.num_kv_blocks - 1) * llm.config.block_size
         self.kv_blocks_total = llm.config.num_kv_blocks - 1
         self.loop = EngineLoop(llm.engine)
         self.created = int(time.time())
@@ -140,8 +142,8 @@ def build_app(llm: LLM, *, served_model_names: list[str], api_key: str | None = 
         srv.need_tokenizer("the chat template")
         ids = _encode_chat(srv, messages(req.messages), req.add_generation_prompt)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        if max_tokens is None:
-            max_tokens = max(1, srv.max_model_len - len(ids))
+        if max_tokens is None:  # what is left of the context, and of the KV pool
+            max_tokens = max(1, min(srv.max_model_len, srv.max_tokens_in_pool) - len(ids))
         if req.top_logprobs is not None and not req.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         lp = (req.top_logprobs or 0) if req.logprobs else None

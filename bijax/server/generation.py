@@ -62,6 +62,9 @@ class Job:
             self._abort(self.rids[: len(self.seeds)])
             status = 503 if isinstance(e, EngineError) else 400
             raise ApiError(status, str(e)) from None
+        except BaseException:  # cancelled (client gone) or anything else: none may run unread
+            self._abort(self.rids)  # (the loop takes commands in order; unknown ids are ignored)
+            raise
 
     def _abort(self, rids) -> None:
         for rid in rids:
@@ -152,20 +155,26 @@ class Job:
                     if self.token_ids:
                         chunk["prompt_token_ids"] = self.valid[0].token_ids
                     yield _sse(chunk)
+            text_offsets: dict = {}
             while remaining:
                 item = await self.queue.get()
                 if isinstance(item, EngineError):
                     yield _sse(ApiError(500, str(item)).body())
                     break
                 p = index[item.request_id]
-                for o, a, b, shown, delta, reason in states[item.request_id].deltas(item):
+                for o, a, b, _, delta, reason in states[item.request_id].deltas(item):
                     c = {"index": p * n + o.index}
                     if self.chat:
                         c["delta"] = {"content": delta} if delta or reason is None else {}
                         lp = chat_logprobs(tok, o, a, b, True) if self.want_logprobs else None
                     else:
                         c["text"] = delta
-                        lp = completion_logprobs(tok, o, a, b, shown) if self.want_logprobs else None
+                        lp = None
+                        if self.want_logprobs:  # offsets continue from the tokens already sent
+                            key = (item.request_id, o.index)
+                            lp = completion_logprobs(tok, o, a, b, text_offsets.get(key, 0))
+                            if lp["tokens"]:
+                                text_offsets[key] = lp["text_offset"][-1] + len(lp["tokens"][-1])
                     c.update(logprobs=lp, finish_reason=reason, seed=item.seed)
                     if self.token_ids:
                         if not self.chat and a == 0:

@@ -104,6 +104,12 @@ def test_stop_strings_with_a_real_tokenizer():
         "The capital of France is", SP(temperature=0, max_tokens=12, stop=[word]), use_tqdm=False
     )[0]
     assert o.finish_reason == "stop" and word not in o.text and ref.text.startswith(o.text)
+    # a stop string the output starts with: the text is empty, not the whole output
+    first = ref.text[:2]
+    o = smol.generate(
+        "The capital of France is", SP(temperature=0, max_tokens=12, stop=[first]), use_tqdm=False
+    )[0]
+    assert o.finish_reason == "stop" and o.text == "" and o.token_ids
 
 
 def test_unknown_model_name_or_path():

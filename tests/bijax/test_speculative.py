@@ -140,17 +140,14 @@ def test_repeating_output_accepts_drafts_in_fewer_steps():
 
 
 def test_preemption_with_a_small_pool():
-    eng = llm("draft-same").engine
+    # its own LLM (limit_kv_pool turns prefix caching off); the step programs are shared
+    own = bijax.LLM(shared_model("tiny")[0], speculative_config=spec_config("draft-same"), **KW)
+    own.engine.limit_kv_pool(12)  # 11 usable blocks: the batch cannot fit at once
     prompts, params = workload()
-    eng.limit_kv_pool(12)  # 11 usable blocks: the batch cannot fit at once
-    try:
-        before = eng.stats().num_preemptions
-        outs = llm("draft-same").generate(prompts, params, use_tqdm=False)
-        assert eng.stats().num_preemptions > before
-    finally:
-        eng.limit_kv_pool(KW["num_kv_blocks"])
+    outs = own.generate(prompts, params, use_tqdm=False)
+    assert own.engine.stats().num_preemptions > 0
     assert same(outs, plain_outputs())
-    assert eng.stats().num_free_blocks == KW["num_kv_blocks"] - 1  # rejected drafts' blocks came back
+    assert own.engine.stats().num_free_blocks == 11  # rejected drafts' blocks came back
 
 
 def test_tensor_parallel():
@@ -166,6 +163,22 @@ def test_negative_control_xla_path_differs():
     prompts, params = workload()
     outs = llm("draft-same", invariant=False).generate(prompts, params, use_tqdm=False)
     assert not same(outs, plain_outputs(invariant=False))
+
+
+def test_abort_mid_generation_frees_every_block():
+    eng = llm("ngram").engine
+    prompts, params = workload()
+    free = eng.stats().num_free_blocks
+    eng.add_request("a", prompts[0], params[0])
+    eng.add_request("b", prompts[1], params[1])
+    for _ in range(4):
+        eng.step()
+    assert eng.stats().num_draft_tokens > 0
+    eng.abort("a")
+    eng.abort("b")
+    outs = {o.request_id: o for o in eng.step()}
+    assert outs["a"].finish_reason == "abort" and not eng.has_unfinished_requests()
+    assert eng.stats().num_free_blocks == free
 
 
 def test_ngram_propose():
@@ -254,3 +267,30 @@ def test_adaptive_rules():
     sp.record(seq, 4, 0)
     sp.record(seq, 4, 0)
     assert seq.spec_resume_at == 100 + 2 * ADAPT_BACKOFF  # twice as long after a second miss
+
+
+def test_warmup_compiles_the_verify_steps():
+    """After LLM.warmup every step - verify steps sample every token row: programs with more
+    sampled rows than sequences - runs a program compiled ahead of time. Control: warming
+    only the plain buckets leaves verify steps to compile at run time."""
+
+    def aot_misses(warm):
+        own = bijax.LLM(shared_model("tiny")[0], speculative_config=NGRAM, **KW)
+        warm(own)
+        runner, misses = own.engine.runner, []
+
+        class Recording(dict):
+            def get(self, key, default=None):
+                if key not in self:
+                    misses.append(key)
+                return super().get(key, default)
+
+        runner._aot = Recording(runner._aot)
+        prompts, params = workload()
+        outs = own.generate(prompts, [dataclasses.replace(p, logprobs=None) for p in params], use_tqdm=False)
+        assert totals(outs)[0] > 0
+        return misses
+
+    assert aot_misses(lambda llm: llm.warmup(progress=False)) == []
+    plain_only = lambda llm: llm.engine.runner.warmup(llm.engine.runner.bucket_pairs())  # noqa: E731
+    assert aot_misses(plain_only)
