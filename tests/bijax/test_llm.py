@@ -110,6 +110,11 @@ def test_stop_strings_with_a_real_tokenizer():
         "The capital of France is", SP(temperature=0, max_tokens=12, stop=[first]), use_tqdm=False
     )[0]
     assert o.finish_reason == "stop" and o.text == "" and o.token_ids
+    # ids past the tokenizer's vocabulary (a model's padded rows) have no text, and no error
+    ids, v = list(ref.token_ids), smol.tokenizer.vocab_size
+    assert smol.engine._text(ids[:3] + [v, v + 7] + ids[3:]) == ref.text
+    with pytest.raises(ValueError, match="outside the vocabulary"):  # what a plain decode does
+        smol.tokenizer.decode(ids + [v])
 
 
 def test_unknown_model_name_or_path():
