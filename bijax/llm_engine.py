@@ -12,25 +12,16 @@ import time
 
 import numpy as np
 
+from bijax import prompts, scoring
 from bijax.block_manager import BlockManager
 from bijax.config import EngineConfig
 from bijax.model_runner import Chunk, ModelRunner, num_compiled_steps
 from bijax.outputs import CompletionOutput, RequestOutput, SpeculativeMetrics
+from bijax.prompts import ValidPrompt
 from bijax.sampling_params import MAX_LOGPROBS, SamplingParams, check_temperature
 from bijax.scheduler import Scheduler
 from bijax.sequence import Sequence, Status
 from bijax.speculative import SpeculativeConfig, Speculator
-
-
-@dataclasses.dataclass(frozen=True)
-class ValidPrompt:
-    """A prompt tokenized and checked by ``Engine.validate`` for one engine and SamplingParams:
-    ``add_request`` takes it without tokenizing or checking again."""
-
-    text: str | None
-    token_ids: tuple[int, ...]
-    params: SamplingParams
-    checked_by: object  # the validating engine's token (an object, so no id() can be reused)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,46 +95,10 @@ class Engine:
         return ValidPrompt(text, tuple(ids), params, self._token)
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
-        """(text or None, token ids) of a prompt: a str, a list of token ids, or
-        {"prompt_token_ids": [...]}."""
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" not in prompt:
-                raise ValueError("a dict prompt must have 'prompt_token_ids'")
-            prompt = prompt["prompt_token_ids"]
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: give prompts as lists of token ids")
-            if not prompt:
-                raise ValueError("prompt is empty")
-            return prompt, self.tokenizer.encode(prompt)
-        try:
-            ids = [int(t) for t in prompt]
-        except (TypeError, ValueError):
-            raise TypeError(
-                f"a prompt must be a str or a list of int token ids, got {type(prompt).__name__}"
-            ) from None
-        if any(not isinstance(t, (int, np.integer)) or isinstance(t, bool) for t in prompt):
-            raise TypeError("prompt token ids must be ints")
-        return None, ids
+        return prompts.tokenize(self.tokenizer, prompt)
 
     def _check(self, ids: list[int], params: SamplingParams) -> None:
-        v, cfg = self.model_config.vocab_size, self.config
-        if not ids:
-            raise ValueError("prompt is empty")
-        bad = [t for t in ids if not 0 <= t < v]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {v})")
-        total = len(ids) + params.max_tokens
-        if total > cfg.max_model_len:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
-                f"max_model_len ({cfg.max_model_len})"
-            )
-        if -(-total // cfg.block_size) > cfg.num_kv_blocks - 1:
-            raise ValueError(
-                f"a request of {total} tokens needs {-(-total // cfg.block_size)} KV blocks; the pool has "
-                f"{cfg.num_kv_blocks - 1}"
-            )
+        prompts.check_request(ids, params, self.model_config.vocab_size, self.config)
 
     # ------------------------------------------------------------------ API
 
@@ -418,27 +373,4 @@ class Engine:
             seq = Sequence(-1 - i, f"score-{i}", ids, dummy, 0, 0, i)
             seq.prefix_limit = pl - 1  # positions from pl - 1 on need their logits
             seqs.append(seq)
-        results = [np.zeros(len(s) - pl, np.float32) for s, pl in zip(seqs, prompt_lens, strict=True)]
-        sched = Scheduler(self.config, self.blocks)
-        for s in seqs:
-            sched.add(s)
-        while sched.has_unfinished():
-            chunks = sched.schedule()
-            targets, where = [], []
-            for seq, n in chunks:
-                i = -1 - seq.seq_id
-                for p in range(seq.num_computed, seq.num_computed + n):
-                    want = prompt_lens[i] <= p + 1 < len(seq)
-                    targets.append(seq.token_ids[p + 1] if want else -1)
-                    where.append((i, p + 1 - prompt_lens[i]) if want else None)
-            lp = self.runner.score_step(
-                [Chunk.pending(s, n) for s, n in chunks], np.asarray(targets, np.int32), float(temperature)
-            )
-            for v, w in zip(lp, where, strict=True):
-                if w is not None:
-                    results[w[0]][w[1]] = v
-            for seq, n in chunks:
-                seq.num_computed += n
-                if seq.num_computed == len(seq):
-                    sched.finish(seq, "stop")
-        return results
+        return scoring.score_sequences(self.runner, self.blocks, self.config, seqs, prompt_lens, temperature)

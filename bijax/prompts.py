@@ -1,0 +1,66 @@
+"""A request's prompt tokenized and checked against an engine, once, before it is queued."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from bijax.config import EngineConfig
+from bijax.sampling_params import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class ValidPrompt:
+    """A prompt tokenized and checked by ``Engine.validate`` for one engine and SamplingParams:
+    ``add_request`` takes it without tokenizing or checking again."""
+
+    text: str | None
+    token_ids: tuple[int, ...]
+    params: SamplingParams
+    checked_by: object  # the validating engine's token (an object, so no id() can be reused)
+
+
+def tokenize(tokenizer, prompt) -> tuple[str | None, list[int]]:
+    """(text or None, token ids) of a prompt: a str, a list of token ids, or
+    {"prompt_token_ids": [...]}; ValueError / TypeError naming the problem."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" not in prompt:
+            raise ValueError("a dict prompt must have 'prompt_token_ids'")
+        prompt = prompt["prompt_token_ids"]
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer: give prompts as lists of token ids")
+        if not prompt:
+            raise ValueError("prompt is empty")
+        return prompt, tokenizer.encode(prompt)
+    try:
+        ids = [int(t) for t in prompt]
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"a prompt must be a str or a list of int token ids, got {type(prompt).__name__}"
+        ) from None
+    if any(not isinstance(t, (int, np.integer)) or isinstance(t, bool) for t in prompt):
+        raise TypeError("prompt token ids must be ints")
+    return None, ids
+
+
+def check_request(ids: list[int], params: SamplingParams, vocab_size: int, cfg: EngineConfig) -> None:
+    """Raises ValueError when the prompt ids and ``params.max_tokens`` do not fit the model's
+    vocabulary, ``max_model_len`` or the KV pool."""
+    if not ids:
+        raise ValueError("prompt is empty")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    total = len(ids) + params.max_tokens
+    if total > cfg.max_model_len:
+        raise ValueError(
+            f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
+            f"max_model_len ({cfg.max_model_len})"
+        )
+    if -(-total // cfg.block_size) > cfg.num_kv_blocks - 1:
+        raise ValueError(
+            f"a request of {total} tokens needs {-(-total // cfg.block_size)} KV blocks; the pool has "
+            f"{cfg.num_kv_blocks - 1}"
+        )
