@@ -1,9 +1,9 @@
 """GGUF checkpoints (llama.cpp's format) through the ``gguf`` package.
 
-Llama-architecture metadata becomes a ``LlamaConfig``; tensors are dequantized (Q4_0, Q4_1,
+Llama, Qwen2, Qwen3 and Qwen3-MoE metadata becomes a ``LlamaConfig``; tensors are dequantized (Q4_0, Q4_1,
 Q8_0, F16, BF16, F32) to the chosen dtype. GGUF stores a matrix as [out, in] rows like HF,
-and llama.cpp's converter permuted the rows of Q and K for its interleaved RoPE; both are
-undone here. Unsupported quantizations or architectures raise ValueError naming them.
+and llama.cpp's converter permuted the rows of Q and K of Llama models for its interleaved
+RoPE; both are undone here (Qwen's NeoX RoPE needs no un-permuting). Unsupported quantizations or architectures raise ValueError naming them.
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ from models.configs import LlamaConfig
 from models.llama import Llama
 
 SUPPORTED_QUANTS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
-SUPPORTED_ARCHS = ("llama",)
+# GGUF architecture -> our model_type. llama.cpp permutes Q/K rows only for "llama" (its
+# interleaved RoPE); the Qwen families use NeoX RoPE, which pairs halves as HF does.
+SUPPORTED_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
 
 
 _SCALARS = {
@@ -181,6 +183,8 @@ def config_from_gguf(reader) -> LlamaConfig:
     arch = field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
+    if arch == "qwen3moe" and any(n.endswith("ffn_gate_inp_shexp.weight") for n in reader.tensors):
+        raise ValueError("unsupported: a GGUF MoE with shared experts (ffn_*_shexp tensors)")
     a = arch + "."
     scaling = field(reader, a + "rope.scaling.type")
     if scaling not in (None, "none"):
@@ -191,6 +195,20 @@ def config_from_gguf(reader) -> LlamaConfig:
     factors = None
     if "rope_freqs.weight" in reader.tensors:
         factors = tuple(float(x) for x in _dequantize(reader.tensors["rope_freqs.weight"]).reshape(-1))
+    moe = {}
+    if arch == "qwen3moe":
+        dense = tuple(
+            n
+            for n in range(int(_require(reader, a + "block_count")))
+            if f"blk.{n}.ffn_gate_inp.weight" not in reader.tensors
+        )
+        moe = dict(
+            num_experts=int(_require(reader, a + "expert_count")),
+            num_experts_per_tok=int(_require(reader, a + "expert_used_count")),
+            moe_intermediate_size=int(_require(reader, a + "expert_feed_forward_length")),
+            norm_topk_prob=bool(field(reader, a + "expert_weights_norm", True)),
+            mlp_only_layers=dense,
+        )
     tokens = field(reader, "tokenizer.ggml.tokens")
     vocab = field(reader, a + "vocab_size", len(tokens) if tokens is not None else None)
     if vocab is None:
@@ -200,20 +218,28 @@ def config_from_gguf(reader) -> LlamaConfig:
     return LlamaConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(_require(reader, a + "feed_forward_length")),
+        intermediate_size=int(
+            _require(reader, a + "feed_forward_length")
+            if not moe
+            else field(reader, a + "feed_forward_length", 1)
+        ),
         num_layers=int(_require(reader, a + "block_count")),
         num_heads=heads,
         num_kv_heads=int(field(reader, a + "attention.head_count_kv", heads)),
         head_dim=head_dim,
-        rms_norm_eps=float(field(reader, a + "attention.layer_norm_rms_epsilon", 1e-5)),
+        rms_norm_eps=float(
+            field(reader, a + "attention.layer_norm_rms_epsilon", 1e-5 if arch == "llama" else 1e-6)
+        ),
         rope_theta=float(field(reader, a + "rope.freq_base", 10000.0)),
         rope_freq_factors=factors,
         max_position_embeddings=int(field(reader, a + "context_length", 4096)),
         tie_word_embeddings="output.weight" not in reader.tensors,
-        attention_bias=False,
+        attention_bias=arch == "qwen2",  # as HF's defaults for these model types
+        qk_norm=arch in ("qwen3", "qwen3moe"),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
-        model_type="llama",
+        model_type=SUPPORTED_ARCHS[arch],
+        **moe,
     )
 
 
@@ -237,18 +263,33 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def gguf_names(config: LlamaConfig) -> dict[str, tuple[str, tuple[int, ...], bool, int]]:
-    """GGUF tensor name -> (our parameter path, numpy shape, transpose?, heads to un-permute or 0)."""
+    """GGUF tensor name -> (our parameter path, numpy shape, transpose the last two axes?, heads
+    to un-permute or 0)."""
     c = config
     h, i = c.hidden_size, c.intermediate_size
+    permuted = c.model_type == "llama"  # llama.cpp's Q/K row permutation (see SUPPORTED_ARCHS)
     out = {"token_embd.weight": ("embed", (c.vocab_size, h), False, 0)}
     for n in range(c.num_layers):
         g, ours = f"blk.{n}.", f"layers.{n}."
         out[g + "attn_norm.weight"] = (ours + "attn_norm", (h,), False, 0)
         out[g + "ffn_norm.weight"] = (ours + "mlp_norm", (h,), False, 0)
-        out[g + "attn_q.weight"] = (ours + "attn.wq", (c.q_dim, h), True, c.num_heads)
-        out[g + "attn_k.weight"] = (ours + "attn.wk", (c.kv_dim, h), True, c.num_kv_heads)
+        out[g + "attn_q.weight"] = (ours + "attn.wq", (c.q_dim, h), True, c.num_heads * permuted)
+        out[g + "attn_k.weight"] = (ours + "attn.wk", (c.kv_dim, h), True, c.num_kv_heads * permuted)
         out[g + "attn_v.weight"] = (ours + "attn.wv", (c.kv_dim, h), True, 0)
         out[g + "attn_output.weight"] = (ours + "attn.wo", (h, c.q_dim), True, 0)
+        if c.attention_bias:
+            for proj, rows in (("q", c.q_dim), ("k", c.kv_dim), ("v", c.kv_dim)):
+                out[g + f"attn_{proj}.bias"] = (ours + "attn.b" + proj, (rows,), False, 0)
+        if c.qk_norm:
+            out[g + "attn_q_norm.weight"] = (ours + "attn.q_norm", (c.head_dim,), False, 0)
+            out[g + "attn_k_norm.weight"] = (ours + "attn.k_norm", (c.head_dim,), False, 0)
+        if c.is_moe_layer(n):
+            e, mi = c.num_experts, c.moe_intermediate_size
+            out[g + "ffn_gate_inp.weight"] = (ours + "mlp.router", (e, h), True, 0)
+            out[g + "ffn_gate_exps.weight"] = (ours + "mlp.experts_gate", (e, mi, h), True, 0)
+            out[g + "ffn_up_exps.weight"] = (ours + "mlp.experts_up", (e, mi, h), True, 0)
+            out[g + "ffn_down_exps.weight"] = (ours + "mlp.experts_down", (e, h, mi), True, 0)
+            continue
         out[g + "ffn_gate.weight"] = (ours + "mlp.w_gate", (i, h), True, 0)
         out[g + "ffn_up.weight"] = (ours + "mlp.w_up", (i, h), True, 0)
         out[g + "ffn_down.weight"] = (ours + "mlp.w_down", (h, i), True, 0)
@@ -261,7 +302,8 @@ def gguf_names(config: LlamaConfig) -> dict[str, tuple[str, tuple[int, ...], boo
 def load_gguf(
     path: str | os.PathLike, *, dtype=jnp.float32, k_shards: int = 1, progress: bool = False
 ) -> Llama:
-    """Loads a Llama-architecture GGUF file, dequantized to ``dtype``."""
+    """Loads a GGUF file of a supported architecture (Llama, Qwen2, Qwen3, Qwen3-MoE),
+    dequantized to ``dtype``."""
     reader = open_gguf(path)
     config = config_from_gguf(reader)
     expected = gguf_names(config)
@@ -281,6 +323,6 @@ def load_gguf(
         if heads:
             w = _unpermute(w, heads)
         if transpose:
-            w = w.T
+            w = np.swapaxes(w, -1, -2)  # [out, in] -> [in, out]; per expert for [E, out, in]
         variable(model, ours).set_value(jnp.asarray(np.ascontiguousarray(w).astype(dtype)))
     return model

@@ -47,6 +47,17 @@ def write_gguf(path, name="llama2", qtype=Q.F32, arch="llama", drop=None, extra=
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
+    if cfg.num_experts:  # as llama.cpp's converter: experts stacked [E, out, in], router ffn_gate_inp
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        w.add_expert_weights_norm(cfg.norm_topk_prob)
+        for i in range(cfg.num_layers):
+            if cfg.is_moe_layer(i):
+                x = f"model.layers.{i}.mlp."
+                for proj, g in (("gate", "ffn_gate_exps"), ("up", "ffn_up_exps"), ("down", "ffn_down_exps")):
+                    e = [hf.pop(f"{x}experts.{k}.{proj}_proj.weight") for k in range(cfg.num_experts)]
+                    hf[f"{x}{g}"] = np.stack(e)
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
     names["lm_head.weight"] = "output.weight"
     for i in range(cfg.num_layers):
@@ -57,17 +68,26 @@ def write_gguf(path, name="llama2", qtype=Q.F32, arch="llama", drop=None, extra=
             ("self_attn.k_proj", "attn_k"),
             ("self_attn.v_proj", "attn_v"),
             ("self_attn.o_proj", "attn_output"),
+            ("self_attn.q_norm", "attn_q_norm"),
+            ("self_attn.k_norm", "attn_k_norm"),
+            ("mlp.gate", "ffn_gate_inp"),
             ("mlp.gate_proj", "ffn_gate"),
             ("mlp.up_proj", "ffn_up"),
             ("mlp.down_proj", "ffn_down"),
         ):
             names[f"model.layers.{i}.{a}.weight"] = f"blk.{i}.{b}.weight"
+        for proj in "qkv":
+            names[f"model.layers.{i}.self_attn.{proj}_proj.bias"] = f"blk.{i}.attn_{proj}.bias"
+        for g in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
+            names[f"model.layers.{i}.mlp.{g}"] = f"blk.{i}.{g}.weight"
     stored = {}
     for hname, gname in names.items():
         if hname not in hf or gname == drop:
             continue
         t = hf[hname]
-        if gname.endswith("attn_q.weight"):
+        if arch != "llama":
+            pass  # NeoX RoPE: the converter leaves Q/K rows as they are
+        elif gname.endswith("attn_q.weight"):
             t = _permute(t, cfg.num_heads)
         elif gname.endswith("attn_k.weight"):
             t = _permute(t, cfg.num_kv_heads)
@@ -94,13 +114,28 @@ def _bits_equal(a, b):
     )
 
 
-@pytest.mark.parametrize("name", ["llama2", "smollm2"])
-def test_f32_gguf_equals_the_hf_checkpoint(tmp_path, name):
-    """Same weights through GGUF (permuted Q/K, reversed dims) and safetensors: same bits."""
-    write_gguf(tmp_path / "m.gguf", name)
+@pytest.mark.parametrize(
+    "name, arch",
+    [
+        ("llama2", "llama"),
+        ("smollm2", "llama"),
+        ("qwen2", "qwen2"),
+        ("qwen3", "qwen3"),
+        ("qwen3_moe", "qwen3moe"),
+    ],
+)
+def test_f32_gguf_equals_the_hf_checkpoint(tmp_path, name, arch):
+    """Same weights through GGUF (Llama: permuted Q/K; reversed dims; Qwen3-MoE: stacked experts)
+    and safetensors: same config, same bits."""
+    write_gguf(tmp_path / "m.gguf", name, arch=arch)
     ours = load_gguf(tmp_path / "m.gguf")
     ref = load_hf(os.path.join(FIXTURES, name))
-    assert ours.config.tie_word_embeddings == ref.config.tie_word_embeddings
+    for f in ("model_type", "tie_word_embeddings", "attention_bias", "qk_norm", "num_experts",
+              "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "head_dim"):  # fmt: skip
+        assert getattr(ours.config, f) == getattr(ref.config, f), f
+    assert [ours.config.is_moe_layer(n) for n in range(ref.config.num_layers)] == [
+        ref.config.is_moe_layer(n) for n in range(ref.config.num_layers)
+    ]
     assert _bits_equal(ours, ref)
 
 
