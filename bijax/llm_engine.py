@@ -90,6 +90,8 @@ class Engine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if params.stop and self.tokenizer is None:  # they could never match: say so
+            raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
         text, ids = self._tokenize(prompt)
         self._check(ids, params)
         return ValidPrompt(text, tuple(ids), params, self._token)

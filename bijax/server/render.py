@@ -102,7 +102,8 @@ class StreamState:
 def prometheus(loop: EngineLoop, model_name: str, kv_blocks_total: int) -> str:
     """``/metrics``: requests running and waiting, KV blocks in use, tokens, step time."""
     s, m = loop.stats, loop.metrics
-    lab = f'model_name="{model_name}"'
+    escaped = model_name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    lab = f'model_name="{escaped}"'
     lines = []
 
     def metric(name, kind, help_, value, labels=lab):

@@ -178,3 +178,9 @@ def test_engine_public_door(llm):
         eng.step()
     with pytest.raises(ValueError, match="num_blocks must be an int"):
         eng.limit_kv_pool(1)
+
+
+def test_stop_strings_without_a_tokenizer_are_an_error():
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        _llm("tiny").generate([[5, 6, 7]], SP(max_tokens=3, stop=["x"]), use_tqdm=False)
+    assert _llm("tiny").generate([[5, 6, 7]], SP(max_tokens=3, stop_token_ids=[9]), use_tqdm=False)
