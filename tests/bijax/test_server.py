@@ -358,7 +358,8 @@ def test_tokenize_and_detokenize(smol):
     [
         ({"prompt": "x", "temperature": -1}, 400, "temperature", ">= 0"),
         ({"prompt": "x", "top_p": 2}, 400, "top_p", "(0, 1]"),
-        ({"prompt": "x", "n": 0}, 400, "n", ">= 1"),
+        ({"prompt": "x", "n": 0}, 400, "n", "[1, 4096]"),
+        ({"prompt": "x", "n": 10**9}, 400, "n", "[1, 4096]"),  # never a billion sequences
         ({"prompt": "x", "max_tokens": "5"}, 400, "max_tokens", "integer"),
         ({"prompt": "x", "logprobs": 50}, 400, "logprobs", "[0, 20]"),
         ({"prompt": "x", "seed": -3}, 400, "seed", "2**32"),
