@@ -47,14 +47,38 @@ class EngineError(RuntimeError):
 
 class _Sink:
     """Where one request's outputs go: an asyncio queue (several requests may share one), fed
-    from the engine thread."""
+    from the engine thread. Outputs are cumulative, so a snapshot the reader has not taken yet
+    is replaced by the next one (a slow reader holds one snapshot per request, not one per
+    step): the queue carries the sink itself as a marker, and ``next_item`` resolves it."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, q: asyncio.Queue):
         self.loop, self.queue = loop, q
         self.tokens = 0  # tokens generated so far (all samples)
+        self._latest = None  # event-loop side: the snapshot not yet taken
+        self._queued = False
 
     def put(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        self.loop.call_soon_threadsafe(self._deliver, item)
+
+    def _deliver(self, item) -> None:  # on the event loop
+        if isinstance(item, EngineError):
+            self.queue.put_nowait(item)
+            return
+        self._latest = item
+        if not self._queued:
+            self._queued = True
+            self.queue.put_nowait(self)
+
+    def take(self):
+        self._queued = False
+        item, self._latest = self._latest, None
+        return item
+
+
+async def next_item(q: asyncio.Queue):
+    """The next RequestOutput (the latest snapshot of its request) or EngineError from ``q``."""
+    item = await q.get()
+    return item.take() if isinstance(item, _Sink) else item
 
 
 class EngineLoop:

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from bijax.llm_engine import ValidPrompt
 from bijax.outputs import RequestOutput
-from bijax.server.engine_loop import EngineError
+from bijax.server.engine_loop import EngineError, next_item
 from bijax.server.protocol import ApiError
 from bijax.server.render import StreamState, chat_logprobs, completion_logprobs, usage
 
@@ -75,7 +75,7 @@ class Job:
 
         async def wait_all():
             while len(finals) < len(self.rids):
-                item = await self.queue.get()
+                item = await next_item(self.queue)
                 if isinstance(item, EngineError):
                     raise ApiError(500, str(item))
                 if item.finished:
@@ -157,7 +157,7 @@ class Job:
                     yield _sse(chunk)
             text_offsets: dict = {}
             while remaining:
-                item = await self.queue.get()
+                item = await next_item(self.queue)
                 if isinstance(item, EngineError):
                     yield _sse(ApiError(500, str(item)).body())
                     break

@@ -7,7 +7,7 @@ import asyncio
 import numpy as np
 
 from bijax import SamplingParams as SP
-from bijax.server.engine_loop import EngineError, EngineLoop
+from bijax.server.engine_loop import EngineError, EngineLoop, _Sink, next_item
 from tests.bijax.test_engine import shared_llm
 from tests.conftest import bits
 
@@ -51,7 +51,7 @@ async def _run(loop: EngineLoop, rid: str, prompt, params):
     q: asyncio.Queue = asyncio.Queue()
     seed = await loop.add(rid, loop.validate(prompt, params), q)
     while True:
-        item = await q.get()
+        item = await next_item(q)
         if isinstance(item, EngineError) or item.finished:
             return seed, item
 
@@ -92,3 +92,23 @@ def test_adding_after_stop_is_refused():
             return str(e)
 
     assert "not running" in asyncio.run(add())
+
+
+def test_a_slow_reader_holds_one_snapshot_per_request():
+    """Outputs are cumulative: snapshots the reader has not taken are replaced, not queued."""
+
+    async def go():
+        q: asyncio.Queue = asyncio.Queue()
+        sink = _Sink(asyncio.get_running_loop(), q)
+        for step in range(5):  # five steps' outputs before the reader looks
+            sink.put(("snapshot", step))
+        sink.put(EngineError("late failure"))
+        await asyncio.sleep(0)
+        assert q.qsize() == 2  # one marker for the snapshots, then the error
+        first, second = await next_item(q), await next_item(q)
+        sink.put(("snapshot", 5))
+        await asyncio.sleep(0)
+        return first, second, await next_item(q)
+
+    first, second, third = asyncio.run(go())
+    assert first == ("snapshot", 4) and isinstance(second, EngineError) and third == ("snapshot", 5)
