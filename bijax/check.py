@@ -78,6 +78,8 @@ class Report:
                 "All dimensions identical, but the negative control (invariant=False) found no "
                 "difference either, so on this model and machine the check could not tell."
             )
+        if not any(r.dimension == "negative control" for r in self.rows):
+            return "All dimensions bit-identical (the negative control was not run)."
         return "All dimensions bit-identical; the negative control shows the plain-XLA path is not."
 
 

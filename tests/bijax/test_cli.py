@@ -373,3 +373,11 @@ def test_warm_steps_are_dropped_when_the_model_config_changes():
     llm.engine.set_weights(other)
     got = llm.generate([[5] * 20], sp, use_tqdm=False)[0].outputs[0]
     assert got.token_ids == want.token_ids and np.array_equal(bits(got.logprobs), bits(want.logprobs))
+
+
+def test_summary_says_when_the_control_was_not_run():
+    from bijax.check import Report, Row
+
+    assert "was not run" in Report([Row("batch 1 vs N", "PASS", "")], 1.0).summary()
+    with_control = Report([Row("batch 1 vs N", "PASS", ""), Row("negative control", "DETECTED", "")], 1.0)
+    assert "shows the plain-XLA path is not" in with_control.summary()
