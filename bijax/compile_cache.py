@@ -5,7 +5,9 @@ the cache on disk a second start loads the compiled steps instead. The cache hol
 code, not numerics choices: a step loaded from it gives the same bits as a fresh compile.
 
 ``BIJAX_COMPILATION_CACHE=0`` leaves JAX's configuration alone; ``BIJAX_CACHE_DIR`` moves the
-cache (default ``~/.cache/bijax/jax``). A cache directory the user configured already wins.
+cache (default ``~/.cache/bijax/jax``), ``BIJAX_CACHE_MAX_GB`` bounds it (default 16; least
+recently used entries are evicted, and reads and writes take a file lock, so processes can share
+it). A cache directory the user configured already wins.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import threading
 import jax
 
 DEFAULT_DIR = os.path.join(os.path.expanduser("~"), ".cache", "bijax", "jax")
+# The cache's size bound (least recently used entries go first): BIJAX_CACHE_MAX_GB, default 16.
+MAX_BYTES = int(float(os.environ.get("BIJAX_CACHE_MAX_GB", "16")) * 2**30)
 
 
 def enable(path: str | os.PathLike | None = None) -> str | None:
@@ -35,6 +39,11 @@ def enable(path: str | os.PathLike | None = None) -> str | None:
     jax.config.update("jax_compilation_cache_dir", path)
     # Cache every step and kernel that took noticeable time to compile.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    if jax.config.jax_compilation_cache_max_size == -1:
+        # A bound makes JAX's cache an LRU under a file lock (the `filelock` package). Without
+        # it, reads and writes are unlocked, and a process can load an entry that another
+        # process is still writing - a segfault seen with two pytest workers.
+        jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
     return path
 
 

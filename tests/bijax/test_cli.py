@@ -321,6 +321,8 @@ hits = []
 jax.monitoring.register_event_listener(lambda e, **kw: hits.append(e) if e.endswith("cache_hits") else None)
 import bijax
 assert bijax.compile_cache.directory() == sys.argv[1], bijax.compile_cache.directory()
+# bounded, so JAX takes a file lock around cache reads and writes (processes share the cache)
+assert jax.config.jax_compilation_cache_max_size == bijax.compile_cache.MAX_BYTES > 0
 llm = bijax.LLM("tiny", max_model_len=64, max_num_seqs=1, max_num_batched_tokens=16, num_kv_blocks=10)
 llm.warmup(progress=False)
 r = llm.last_warmup
