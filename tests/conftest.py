@@ -2,10 +2,25 @@
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import pytest
+import atexit
+import os
+import shutil
+import tempfile
+
+# One fresh compilation cache per test run, shared by its workers and the processes tests start
+# (set here, in the controller, before pytest-xdist spawns the workers, which inherit it): a run
+# never loads executables that an earlier run or another version wrote - loading a stale entry
+# from a long-lived ~/.cache crashed a worker (segfault in JAX's cache read) - and each run
+# is what CI on a fresh machine sees. BIJAX_CACHE_DIR, if set, wins.
+if "BIJAX_CACHE_DIR" not in os.environ and "PYTEST_XDIST_WORKER" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="bijax-test-cache-")
+    os.environ["BIJAX_CACHE_DIR"] = _cache
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 # Tensor-parallel tests shard over 8 fake CPU devices (set before JAX starts its CPU backend);
 # everything else runs on device 0 as before.
