@@ -15,7 +15,9 @@ attention goes through ``pallas_kernels``; the rest is per-token gathers and ele
 math in float32, so a token's logits depend only on its sequence, never on the batch. The
 packed forward runs the same attention kernel over a paged view of its own KV, so it gives
 the same bits as the paged forward. ``invariant=False`` uses plain XLA ops (the kernels'
-``*_reference`` functions) - the negative control and the speed baseline, never a fallback.
+``*_reference`` functions; the paged forward's attention is ``attention_xla``: cuDNN flash
+attention for first chunks, a bounded paged loop for cached keys) - the negative control and
+the speed baseline, never a fallback.
 
 Weights are stored [in, out] (HF's [out, in] is transposed once at load). Row-parallel
 weights (o, down) use the model's ``k_shards`` (docs/design.md); column-parallel ones (q, k, v,
@@ -390,8 +392,10 @@ class Llama(nnx.Module):
             kc, vc = new_cache[i]
             kc, vc = pk.write_kv(kc, vc, k.astype(kc.dtype), v.astype(vc.dtype), b.slot_mapping)
             new_cache[i] = (kc, vc)
-            fn = pk.attention if invariant else pk.attention_reference
-            return fn(q, kc, vc, b.block_tables, b.context_lens, b.token_seq, b.token_pos)
+            index = (b.block_tables, b.context_lens, b.token_seq, b.token_pos)
+            if invariant:
+                return pk.attention(q, kc, vc, *index)
+            return pk.attention_xla(q, k, v, kc, vc, *index)
 
         x = self.embed[...][tokens]
         h = self._layers(x, b.token_pos, attend, invariant=invariant, tp=tp)

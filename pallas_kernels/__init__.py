@@ -25,6 +25,7 @@ from pallas_kernels.attention import (
     segment_attention_reference,
     write_kv,
 )
+from pallas_kernels.attention_xla import attention_xla
 from pallas_kernels.collectives import gather_last, tree_psum
 from pallas_kernels.grouped_matmul import group_rows, grouped_matmul, grouped_matmul_reference
 from pallas_kernels.matmul import matmul, matmul_partial, matmul_reference
@@ -51,6 +52,7 @@ __all__ = [
     "AttentionSpec",
     "attention",
     "attention_reference",
+    "attention_xla",
     "segment_attention_reference",
     "write_kv",
     "CPU_CONSISTENT_MATH",
