@@ -281,19 +281,24 @@ class LLM:
             prompts.append({"prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def warmup(self, *, logprobs: bool = False, progress: bool = True) -> float:
+    def warmup(
+        self, *, logprobs: bool = False, progress: bool = True, max_step_tokens: int | None = None
+    ) -> float:
         """Compiles the engine step for every (sequences, tokens) bucket now - ahead of time,
         several buckets at once in threads (one per CPU core, at most 8) - with a progress
         bar, so that no request waits on a compile; returns the seconds it took. With JAX's
         persistent compilation cache on (bijax turns it on at import), a second start loads
         the compiled steps from disk. ``logprobs``: also the variant that returns top
         logprobs (requests with ``SamplingParams.logprobs``). ``LLM.last_warmup`` then says
-        how many step programs were loaded from the persistent cache and how many compiled."""
+        how many step programs were loaded from the persistent cache and how many compiled.
+        ``max_step_tokens``: compile only the token buckets a step of that many tokens needs
+        (e.g. the prompts' total when they are known: fewer compiles; a step that needs a
+        larger bucket compiles it when it comes - outputs are the same either way)."""
         import time
 
         from bijax import compile_cache
 
-        pairs = self.engine.pending_buckets(logprobs=logprobs)
+        pairs = self.engine.pending_buckets(logprobs=logprobs, max_step_tokens=max_step_tokens)
         hits, misses = compile_cache.counts()
         t0 = time.perf_counter()
         bar = None
@@ -309,7 +314,7 @@ class LLM:
                 bar.update(1)
 
         try:
-            self.engine.warmup(logprobs=logprobs, on_bucket=tick)
+            self.engine.warmup(logprobs=logprobs, on_bucket=tick, max_step_tokens=max_step_tokens)
         finally:
             if bar is not None:
                 bar.close()

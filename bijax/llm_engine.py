@@ -14,7 +14,7 @@ import numpy as np
 
 from bijax import prompts, scoring
 from bijax.block_manager import BlockManager
-from bijax.config import EngineConfig
+from bijax.config import EngineConfig, bucket
 from bijax.model_runner import Chunk, ModelRunner, num_compiled_steps
 from bijax.outputs import CompletionOutput, RequestOutput, SpeculativeMetrics
 from bijax.prompts import ValidPrompt
@@ -156,16 +156,26 @@ class Engine:
     def num_compiled_buckets(self) -> int:
         return len(self.runner.compiled_buckets)
 
-    def pending_buckets(self, *, logprobs: bool = False) -> list[tuple[int, int]]:
+    def pending_buckets(
+        self, *, logprobs: bool = False, max_step_tokens: int | None = None
+    ) -> list[tuple[int, int]]:
         """The (sequences, tokens) step buckets ``warmup`` would compile (all of them with
-        ``logprobs``: the top-logprobs variant is compiled separately)."""
+        ``logprobs``: the top-logprobs variant is compiled separately); with
+        ``max_step_tokens``, only token buckets up to the one that holds that many tokens."""
         pairs = self.runner.bucket_pairs()
+        if max_step_tokens is not None:
+            if max_step_tokens < 1:
+                raise ValueError(f"max_step_tokens must be >= 1, got {max_step_tokens}")
+            buckets = self.config.token_buckets
+            cap = bucket(min(max_step_tokens, buckets[-1]), buckets)
+            pairs = [(s, t) for s, t in pairs if t <= cap]
         return pairs if logprobs else [p for p in pairs if p not in self.runner.compiled_buckets]
 
-    def warmup(self, *, logprobs: bool = False, on_bucket=None) -> None:
+    def warmup(self, *, logprobs: bool = False, on_bucket=None, max_step_tokens: int | None = None) -> None:
         """Compiles every pending step bucket (and with ``logprobs`` the top-logprobs variant);
-        ``on_bucket(num_seqs, num_tokens, with_logprobs)`` after each."""
-        pairs = self.pending_buckets(logprobs=logprobs)
+        ``on_bucket(num_seqs, num_tokens, with_logprobs)`` after each. ``max_step_tokens``: see
+        ``pending_buckets`` (a step that needs a larger bucket compiles it when it comes)."""
+        pairs = self.pending_buckets(logprobs=logprobs, max_step_tokens=max_step_tokens)
         for num_logprobs in [0, MAX_LOGPROBS] if logprobs else [0]:
             tick = None if on_bucket is None else (lambda s, t, n=num_logprobs: on_bucket(s, t, bool(n)))
             self.runner.warmup(pairs, num_logprobs, tick)

@@ -140,12 +140,15 @@ def run(args: argparse.Namespace) -> int:
         inputs = [{"prompt_token_ids": x} for x in ids]
     else:
         inputs = prompts
+    # Prompt tokens of every sequence: the most a step holds here, so the warm-up's bound (a
+    # recompute after preemption or a verify step may need more: that bucket compiles then).
+    work = 0
     for i, p in enumerate(inputs):  # all checked before anything compiles or runs
         try:
-            llm.engine.validate(p, params)
+            work += len(llm.engine.validate(p, params).token_ids) * args.n
         except ValueError as e:
             raise ValueError(f"prompt {i}: {e}") from None
-    warmup(llm, args, logprobs=bool(args.logprobs))
+    warmup(llm, args, logprobs=bool(args.logprobs), max_step_tokens=max(work, s))
     holdback = max((len(x) for x in params.stop), default=1) - 1
     stream = None if args.json else _Streamer(prompts, holdback, headers=len(prompts) > 1)
 

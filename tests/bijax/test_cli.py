@@ -358,6 +358,29 @@ def test_second_start_loads_compiled_steps_from_the_persistent_cache(tmp_path):
     assert r.stdout.strip() == "None"
 
 
+def test_warmup_bounded_by_the_work_compiles_only_what_it_needs():
+    """``max_step_tokens`` (the CLI passes its prompts' total): only the token buckets a step of
+    that size needs; such work then compiles nothing, and a bad bound is a clear error."""
+    llm = bijax.LLM(
+        "tiny",
+        dtype=np.float32,
+        max_model_len=64,
+        max_num_seqs=2,
+        max_num_batched_tokens=32,
+        num_kv_blocks=20,
+    )
+    assert llm.engine.pending_buckets(max_step_tokens=7) == [(2, 16)]
+    assert llm.engine.pending_buckets(max_step_tokens=17) == [(2, 16), (2, 32)]
+    assert llm.engine.pending_buckets(max_step_tokens=1000) == [(2, 16), (2, 32)]
+    with pytest.raises(ValueError, match="max_step_tokens"):
+        llm.warmup(progress=False, max_step_tokens=0)
+    llm.warmup(progress=False, max_step_tokens=7)
+    assert llm.engine.stats().num_compiled_buckets == 1
+    before = num_compiled_steps()
+    llm.generate([[7] * 3, [5] * 4], SP(max_tokens=3), use_tqdm=False)
+    assert num_compiled_steps() == before
+
+
 def test_warm_steps_are_dropped_when_the_model_config_changes():
     """Ahead-of-time steps are compiled for one model structure and config; set_weights with
     another config (here rms_norm_eps) must not keep running them."""
