@@ -34,6 +34,7 @@ from jax import lax
 __all__ = ["GATHER_BYTES", "attention_xla", "chunk_blocks"]
 
 GATHER_BYTES = 64 << 20  # K gathered per loop iteration (V the same): the loop's memory bound
+CHUNK_TOKENS = 256  # keys per iteration at most: short contexts gather little past their end
 CUDNN_MIN_TOKENS = 64  # below this a step's own-keys attention is a few tiny dots: XLA's
 
 
@@ -41,9 +42,9 @@ def chunk_blocks(
     num_tokens: int, block_size: int, num_kv_heads: int, head_dim: int, itemsize: int, max_blocks: int
 ) -> int:
     """KV blocks gathered per loop iteration: a power of two, at least 1, at most the table's
-    width, with ``num_tokens`` rows of K within ``GATHER_BYTES``."""
+    width and ``CHUNK_TOKENS`` keys, with ``num_tokens`` rows of K within ``GATHER_BYTES``."""
     per_block = num_tokens * block_size * num_kv_heads * head_dim * itemsize
-    n = max(1, GATHER_BYTES // per_block)
+    n = max(1, min(GATHER_BYTES // per_block, CHUNK_TOKENS // block_size))
     n = 1 << (int(n).bit_length() - 1)
     return int(min(n, max_blocks))
 
