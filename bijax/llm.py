@@ -152,12 +152,7 @@ class LLM:
             )
         draft = None
         if spec is not None and spec.method == "draft_model":
-            draft = load(spec.model)
-            if draft.config.vocab_size != cfg.vocab_size:
-                raise ValueError(
-                    f"speculative_config: the draft model's vocabulary ({draft.config.vocab_size}) is not "
-                    f"the model's ({cfg.vocab_size}): it must use the same tokenizer"
-                )
+            draft = load(spec.model)  # its vocabulary is checked by the Engine
         blocks_per_seq = -(-max_model_len // block_size)
         if num_kv_blocks is None:
             num_kv_blocks = _kv_blocks(

@@ -61,8 +61,8 @@ class Engine:
                 raise ValueError("speculative method 'draft_model' needs the loaded draft_model")
             if draft_model.config.vocab_size != model.config.vocab_size:
                 raise ValueError(
-                    f"the draft model's vocabulary ({draft_model.config.vocab_size}) is not the model's "
-                    f"({model.config.vocab_size}): it must use the same tokenizer"
+                    f"speculative_config: the draft model's vocabulary ({draft_model.config.vocab_size}) "
+                    f"is not the model's ({model.config.vocab_size}): it must use the same tokenizer"
                 )
         self.speculator = None if spec is None else Speculator(spec, config, draft_model)
         self._spec_totals = [0, 0]
