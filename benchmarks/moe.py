@@ -37,6 +37,8 @@ from jax import lax
 
 import bijax
 import pallas_kernels as pk
+from benchmarks.kernels import bits, rand
+from benchmarks.kernels import kernel_us as cupti_us
 from models.configs import preset
 from models.llama import Llama
 from models.ops import moe
@@ -52,22 +54,10 @@ def check(name: str, ok: bool, detail: str = "") -> None:
         FAILURES.append(name)
 
 
-def bits(a) -> np.ndarray:
-    a = np.asarray(jax.device_get(a))
-    return a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
-
-
-def rand(key, shape, dtype, scale=1.0):
-    return (jax.random.normal(jax.random.key(key), shape, jnp.float32) * scale).astype(dtype)
-
-
 def kernel_us(fn, *args, cupti: bool, iterations: int = 20) -> float:
-    """Median per-iteration kernel time (CUPTI on the GPU; wall clock in --smoke)."""
+    """Median per-iteration kernel time (CUPTI on the GPU: kernels.py's; wall clock in --smoke)."""
     if cupti:
-        from jax.experimental.mosaic.gpu import profiler
-
-        _, times = profiler.measure(fn, iterations=iterations)(*args)
-        return statistics.median(times) * 1e3
+        return cupti_us(fn, *args, iterations=iterations)
     jax.block_until_ready(fn(*args))
     times = []
     for _ in range(3):

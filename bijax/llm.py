@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Sequence as Seq
 
@@ -48,6 +49,23 @@ def _kv_blocks(
                 f"({stats.get('bytes_in_use', 0) / 2**30:.1f} GiB in use of {stats.get('bytes_limit', 0) / 2**30:.1f})"
             )
     return int(max(2, min(want, budget // per_block)))
+
+
+def _load(model, *, dtype, k_shards: int, seed: int, tensor_parallel_size: int) -> Llama:
+    """``model`` as a ``Llama`` (the target's or the draft's): a ``Llama`` as is, else ``load_model``."""
+    if isinstance(model, Llama):
+        return model
+    if isinstance(model, str) and model in PRESETS:  # fail before building a large model
+        check_tensor_parallel(PRESETS[model], tensor_parallel_size, k_shards)
+    return load_model(
+        model,
+        dtype=dtype,
+        k_shards=k_shards,
+        seed=seed,
+        progress=True,
+        # presets are built in their shards; checkpoints load whole, then split
+        tensor_parallel_size=tensor_parallel_size if model in PRESETS else 1,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,20 +124,10 @@ class LLM:
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
         spec = SpeculativeConfig.create(speculative_config)  # checked before loading anything
-        if isinstance(model, Llama):
-            self.model = model
-        else:
-            if isinstance(model, str) and model in PRESETS:  # fail before building a large model
-                check_tensor_parallel(PRESETS[model], tensor_parallel_size, k_shards)
-            self.model = load_model(
-                model,
-                dtype=dtype,
-                k_shards=k_shards,
-                seed=seed,
-                progress=True,
-                # presets are built in their shards; checkpoints load whole, then split
-                tensor_parallel_size=tensor_parallel_size if model in PRESETS else 1,
-            )
+        load = functools.partial(
+            _load, dtype=dtype, k_shards=k_shards, seed=seed, tensor_parallel_size=tensor_parallel_size
+        )
+        self.model = load(model)
         if (
             tokenizer is None
             and not isinstance(model, Llama)
@@ -144,21 +152,7 @@ class LLM:
             )
         draft = None
         if spec is not None and spec.method == "draft_model":
-            draft = spec.model
-            if not isinstance(draft, Llama):
-                draft = load_model(
-                    draft,
-                    dtype=dtype,
-                    k_shards=k_shards,
-                    seed=seed,
-                    progress=True,
-                    tensor_parallel_size=tensor_parallel_size if draft in PRESETS else 1,
-                )
-            if draft.config.vocab_size != cfg.vocab_size:
-                raise ValueError(
-                    f"speculative_config: the draft model's vocabulary ({draft.config.vocab_size}) is not "
-                    f"the model's ({cfg.vocab_size}): it must use the same tokenizer"
-                )
+            draft = load(spec.model)  # its vocabulary is checked by the Engine
         blocks_per_seq = -(-max_model_len // block_size)
         if num_kv_blocks is None:
             num_kv_blocks = _kv_blocks(

@@ -61,8 +61,8 @@ class Engine:
                 raise ValueError("speculative method 'draft_model' needs the loaded draft_model")
             if draft_model.config.vocab_size != model.config.vocab_size:
                 raise ValueError(
-                    f"the draft model's vocabulary ({draft_model.config.vocab_size}) is not the model's "
-                    f"({model.config.vocab_size}): it must use the same tokenizer"
+                    f"speculative_config: the draft model's vocabulary ({draft_model.config.vocab_size}) "
+                    f"is not the model's ({model.config.vocab_size}): it must use the same tokenizer"
                 )
         self.speculator = None if spec is None else Speculator(spec, config, draft_model)
         self._spec_totals = [0, 0]
@@ -259,16 +259,20 @@ class Engine:
         if self.speculator is not None:
             self.speculator.observe(run)
         seconds = time.perf_counter() - t0
-        emitted = sum(len(s.output_token_ids) for s, _ in chunks)
+        emitted = 0  # tokens this step appends, and whether every chunk is a decode (adaptive rule)
+        decode_only = True
         touched = {}
         row = 0
         for c, (seq, n) in zip(run, chunks, strict=True):
             first, row = row, row + c.num_rows
+            decode_only = decode_only and len(c.tokens) == c.num_rows  # one pending token + drafts
             seq.num_computed += n
             if seq.num_computed < len(seq):
                 self.blocks.register(seq)
                 continue  # mid-prompt chunk: nothing sampled yet
+            before = len(seq.output_token_ids)
             reason = self._emit(seq, c, tok, lp, top, first)
+            emitted += len(seq.output_token_ids) - before
             seq.num_computed = len(seq) - 1  # the last token (sampled) is pending, as in plain decoding
             self.blocks.register(seq)
             if reason is not None:
@@ -279,8 +283,7 @@ class Engine:
                 self.blocks.trim(seq)  # blocks of rejected drafts go back
             touched[seq.request_id] = self._requests[seq.request_id]
         if self.speculator is not None:
-            emitted = sum(len(s.output_token_ids) for s, _ in chunks) - emitted
-            self.speculator.timed(run, bool(drafts), seconds, emitted)
+            self.speculator.timed(len(run), decode_only, bool(drafts), seconds, emitted)
         for req in touched.values():
             out = self._output(req)
             outputs.append(out)

@@ -113,8 +113,9 @@ def ngram_propose(token_ids, k: int, max_n: int, min_n: int) -> list[int]:
     return []
 
 
-def _size(chunks) -> int:
-    return 1 << max(0, (len(chunks) - 1).bit_length())
+def _size(num_seqs: int) -> int:
+    """The batch-size bucket of a step of ``num_seqs`` sequences (a power of two)."""
+    return 1 << max(0, (num_seqs - 1).bit_length())
 
 
 class NgramIndex:
@@ -186,22 +187,22 @@ class Speculator:
         if not self.spec.adaptive:
             return True
         self.num_steps += 1
-        t = self.times.get(_size(chunks))
+        t = self.times.get(_size(len(chunks)))
         if t is None or t[0] is None or t[1] is None:
             return t is None or t[1] is None or self.num_steps % PROBE_EVERY == 0
         worth = self.gain / t[1] >= 1.0 / t[0]
         return worth != (self.num_steps % PROBE_EVERY == 0)
 
-    def timed(self, chunks, drafted: bool, seconds: float, emitted: int) -> None:
-        """Records a step's time (decode-only steps), and with drafts the tokens it emitted per
-        sequence."""
-        if any(len(c.tokens) - c.num_rows + 1 != 1 for c in chunks):
+    def timed(self, num_seqs: int, decode_only: bool, drafted: bool, seconds: float, emitted: int) -> None:
+        """Records the time of a step of ``num_seqs`` sequences (decode-only steps: one pending
+        token per sequence, drafts aside), and with drafts the tokens it emitted per sequence."""
+        if not decode_only:
             return  # a prefill chunk in the step: not comparable
-        t = self.times.setdefault(_size(chunks), [None, None])
+        t = self.times.setdefault(_size(num_seqs), [None, None])
         i = int(drafted)
         t[i] = seconds if t[i] is None else (1 - EMA) * t[i] + EMA * seconds
         if drafted:
-            per_seq = emitted / len(chunks)
+            per_seq = emitted / num_seqs
             self.gain = (1 - EMA) * self.gain + EMA * per_seq
 
     def propose(self, chunks, blocks, budget: int) -> dict[int, list[int]]:

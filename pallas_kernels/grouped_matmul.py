@@ -37,7 +37,7 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels import runtime
 from pallas_kernels.checks import check_float_dtype, check_same_dtype
 from pallas_kernels.matmul import jnp_row_tile
-from pallas_kernels.matmul_triton import GpuTiles, gpu_tile_m, k_loop, swizzle
+from pallas_kernels.matmul_triton import GpuTiles, gpu_tile_m, k_loop, leaf_output, swizzle
 from pallas_kernels.plan import (
     GPU_MIN_TILE_N,
     H200_SMS,
@@ -152,16 +152,7 @@ def _grouped_pallas(xbuf, tile_group, wl, *, plan, num_leaves, num_groups, out_d
         leaf, i, _ = ids(pid)
         return i, leaf
 
-    def o_map(pid):
-        leaf, i, j = ids(pid)
-        return (i, j) if num_leaves == 1 else (leaf, i, j)
-
-    if num_leaves == 1:
-        out_spec = pl.BlockSpec((tm, tn), o_map)
-        out_shape = jax.ShapeDtypeStruct((mp, np_), out_dtype)
-    else:
-        out_spec = pl.BlockSpec((pl.squeezed, tm, tn), o_map)
-        out_shape = jax.ShapeDtypeStruct((num_leaves, mp, np_), jnp.float32)
+    out_spec, out_shape = leaf_output(ids, num_leaves, (mp, np_), (tm, tn), out_dtype)
     out = pl.pallas_call(
         functools.partial(
             _grouped_kernel, num_groups=num_groups, tile_k=plan.tile_k, leaf_k=lk, row_tiles=rt, col_tiles=ct

@@ -100,6 +100,20 @@ def swizzle(pid, row_tiles: int, col_tiles: int):
     return leaf, first + (t % width) % size, (t % width) // size
 
 
+def leaf_output(ids, num_leaves: int, shape, block, out_dtype):
+    """The output's BlockSpec and shape for a (leaf, row tile, column tile) grid: one [M, N]
+    result in out_dtype for one leaf, else an fp32 [L, M, N] of partial sums (one per leaf,
+    combined afterwards). ``ids`` maps a program id to (leaf, row tile, column tile)."""
+
+    def o_map(pid):
+        leaf, i, j = ids(pid)
+        return (i, j) if num_leaves == 1 else (leaf, i, j)
+
+    if num_leaves == 1:
+        return pl.BlockSpec(block, o_map), jax.ShapeDtypeStruct(shape, out_dtype)
+    return pl.BlockSpec((pl.squeezed, *block), o_map), jax.ShapeDtypeStruct((num_leaves, *shape), jnp.float32)
+
+
 def _matmul_pallas(x, w, *, plan: MatmulPlan, num_leaves: int, out_dtype, tiles: GpuTiles, interpret: bool):
     """x[M, L*leaf_k], w[L*leaf_k, N] (leaf layout) -> combined result in out_dtype."""
     m, n = x.shape[0], w.shape[1]
@@ -121,16 +135,7 @@ def _matmul_pallas(x, w, *, plan: MatmulPlan, num_leaves: int, out_dtype, tiles:
         leaf, _, j = ids(pid)
         return leaf, j
 
-    def o_map(pid):
-        leaf, i, j = ids(pid)
-        return (i, j) if num_leaves == 1 else (leaf, i, j)
-
-    if num_leaves == 1:
-        out_spec = pl.BlockSpec((tm, tn), o_map)
-        out_shape = jax.ShapeDtypeStruct((mp, np_), out_dtype)
-    else:
-        out_spec = pl.BlockSpec((pl.squeezed, tm, tn), o_map)
-        out_shape = jax.ShapeDtypeStruct((num_leaves, mp, np_), jnp.float32)
+    out_spec, out_shape = leaf_output(ids, num_leaves, (mp, np_), (tm, tn), out_dtype)
     out = pl.pallas_call(
         functools.partial(_matmul_kernel, tile_k=plan.tile_k, leaf_k=lk),
         grid=(num_leaves * rt * ct,),

@@ -48,6 +48,15 @@ class Server:
             raise ApiError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
         return name or self.names[0]
 
+    async def read_generation(self, request: Request, model: type[CompletionRequest | ChatRequest]):
+        """What /v1/completions and /v1/chat/completions first do, in this order: the body parsed
+        as ``model``, the model name checked, unsupported fields refused, stream_options read.
+        Returns (the request, the served model name, include_usage)."""
+        req = parse(model, await request.body())
+        name = self.check_model(req.model)
+        req.check_unsupported()
+        return req, name, req.include_usage()
+
     def need_tokenizer(self, what: str) -> None:
         if self.tokenizer is None:
             raise ApiError(400, f"this model has no tokenizer: {what} needs one")
@@ -120,10 +129,7 @@ def build_app(llm: LLM, *, served_model_names: list[str], api_key: str | None = 
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request):
-        req = parse(CompletionRequest, await request.body())
-        name = srv.check_model(req.model)
-        req.check_unsupported()
-        include_usage = req.include_usage()
+        req, name, include_usage = await srv.read_generation(request, CompletionRequest)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         params = req.sampling_params(max_tokens, req.logprobs, "logprobs")
         items = prompts(req.prompt)
@@ -135,10 +141,7 @@ def build_app(llm: LLM, *, served_model_names: list[str], api_key: str | None = 
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat(request: Request):
-        req = parse(ChatRequest, await request.body())
-        name = srv.check_model(req.model)
-        req.check_unsupported()
-        include_usage = req.include_usage()
+        req, name, include_usage = await srv.read_generation(request, ChatRequest)
         srv.need_tokenizer("the chat template")
         ids = _encode_chat(srv, messages(req.messages), req.add_generation_prompt)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

@@ -202,7 +202,7 @@ def test_config_errors():
     with pytest.raises(TypeError, match="dict"):
         SpeculativeConfig.create("ngram")
     small = Llama(dataclasses.replace(preset("tiny"), vocab_size=300), dtype=jnp.float32, seed=0)
-    with pytest.raises(ValueError, match="vocabulary"):
+    with pytest.raises(ValueError, match=r"draft model's vocabulary \(300\) is not the model's"):
         bijax.LLM(
             shared_model("tiny")[0],
             speculative_config={"method": "draft_model", "model": small, "num_speculative_tokens": 2},
