@@ -8,7 +8,10 @@ RoPE; both are undone here (Qwen's NeoX RoPE needs no un-permuting). Unsupported
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import dataclasses
+import itertools
 import os
 import struct
 
@@ -20,6 +23,7 @@ from models.configs import LlamaConfig
 from models.llama import Llama
 
 SUPPORTED_QUANTS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+BLOCK_QUANTS = ("Q8_0", "Q4_0", "Q4_1")
 # GGUF architecture -> our model_type. llama.cpp permutes Q/K rows only for "llama" (its
 # interleaved RoPE); the Qwen families use NeoX RoPE, which pairs halves as HF does.
 SUPPORTED_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
@@ -138,6 +142,19 @@ class GGUFFile:
         self._off += n
         return s
 
+    def _strs(self, count: int) -> list[str]:
+        """``count`` strings in a row (a tokenizer's vocabulary: ~100k of them, one tight loop)."""
+        buf, off, size, out = self._buf, self._off, len(self._buf), []
+        for _ in range(count):
+            n = int.from_bytes(buf[off : off + 8], "little")
+            off += 8
+            if off + n > size:
+                raise IndexError("string past the end of the file")
+            out.append(str(buf[off : off + n], "utf-8"))
+            off += n
+        self._off = off
+        return out
+
     def _value(self, vtype):
         (vtype,) = vtype
         if vtype == 8:
@@ -148,7 +165,7 @@ class GGUFFile:
         if vtype == 9:
             itype, count = self._unpack("<IQ")
             if itype == 8:
-                return [self._str() for _ in range(count)]
+                return self._strs(count)
             if itype in _NP:
                 dt = np.dtype(_NP[itype])
                 end = self._off + count * dt.itemsize
@@ -243,6 +260,9 @@ def config_from_gguf(reader) -> LlamaConfig:
     )
 
 
+LOOKAHEAD = 4  # tensors dequantized ahead of the one being placed (bounds the extra host memory)
+
+
 def _dequantize(t: GGUFTensor) -> np.ndarray:
     import gguf
     from gguf import quants
@@ -252,7 +272,13 @@ def _dequantize(t: GGUFTensor) -> np.ndarray:
             f"tensor {t.name!r} uses quantization {t.kind}, which bijax does not support "
             f"(supported: {', '.join(SUPPORTED_QUANTS)})"
         )
-    out = quants.dequantize(t.data, gguf.GGMLQuantizationType[t.kind])
+    qtype = gguf.GGMLQuantizationType[t.kind]
+    if t.kind in BLOCK_QUANTS:  # the library's own block formula, over the whole tensor at once
+        # (its ``dequantize`` walks rows in small groups: ~10x slower on a 135M model)
+        _, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        out = getattr(quants, t.kind).dequantize_blocks(np.asarray(t.data).reshape(-1, type_size))
+    else:
+        out = quants.dequantize(t.data, qtype)
     return np.asarray(out, np.float32).reshape(t.shape)
 
 
@@ -315,14 +341,29 @@ def load_gguf(
         from tqdm import tqdm
 
         items = tqdm(items, desc=f"loading {os.path.basename(os.fspath(path))}", unit="tensor", leave=False)
-    for name, (ours, shape, transpose, heads) in items:
-        t = tensors[name]
-        if t.shape != shape:
-            raise ValueError(f"tensor {name!r} has shape {t.shape}, the metadata implies {shape}")
-        w = _dequantize(t)
+    for name, (_, shape, _, _) in expected.items():
+        if tensors[name].shape != shape:
+            raise ValueError(f"tensor {name!r} has shape {tensors[name].shape}, the metadata implies {shape}")
+
+    def prepare(name):  # numpy only (it releases the GIL): runs in worker threads
+        _, _, transpose, heads = expected[name]
+        w = _dequantize(tensors[name])
         if heads:
             w = _unpermute(w, heads)
         if transpose:
             w = np.swapaxes(w, -1, -2)  # [out, in] -> [in, out]; per expert for [E, out, in]
-        variable(model, ours).set_value(jnp.asarray(np.ascontiguousarray(w).astype(dtype)))
+        return np.ascontiguousarray(w).astype(dtype)
+
+    # Dequantize a few tensors ahead in threads; at most LOOKAHEAD are held at once.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+        pending = collections.deque()
+        names = iter(expected)
+        for name in itertools.islice(names, LOOKAHEAD):
+            pending.append(pool.submit(prepare, name))
+        for _name, (ours, _, _, _) in items:
+            w = pending.popleft().result()
+            nxt = next(names, None)
+            if nxt is not None:
+                pending.append(pool.submit(prepare, nxt))
+            variable(model, ours).set_value(jnp.asarray(w))
     return model
