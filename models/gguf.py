@@ -8,10 +8,7 @@ RoPE; both are undone here (Qwen's NeoX RoPE needs no un-permuting). Unsupported
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
 import dataclasses
-import itertools
 import os
 import struct
 
@@ -260,9 +257,6 @@ def config_from_gguf(reader) -> LlamaConfig:
     )
 
 
-LOOKAHEAD = 4  # tensors dequantized ahead of the one being placed (bounds the extra host memory)
-
-
 def _dequantize(t: GGUFTensor) -> np.ndarray:
     import gguf
     from gguf import quants
@@ -341,29 +335,14 @@ def load_gguf(
         from tqdm import tqdm
 
         items = tqdm(items, desc=f"loading {os.path.basename(os.fspath(path))}", unit="tensor", leave=False)
-    for name, (_, shape, _, _) in expected.items():
-        if tensors[name].shape != shape:
-            raise ValueError(f"tensor {name!r} has shape {tensors[name].shape}, the metadata implies {shape}")
-
-    def prepare(name):  # numpy only (it releases the GIL): runs in worker threads
-        _, _, transpose, heads = expected[name]
-        w = _dequantize(tensors[name])
+    for name, (ours, shape, transpose, heads) in items:
+        t = tensors[name]
+        if t.shape != shape:
+            raise ValueError(f"tensor {name!r} has shape {t.shape}, the metadata implies {shape}")
+        w = _dequantize(t)
         if heads:
             w = _unpermute(w, heads)
         if transpose:
             w = np.swapaxes(w, -1, -2)  # [out, in] -> [in, out]; per expert for [E, out, in]
-        return np.ascontiguousarray(w).astype(dtype)
-
-    # Dequantize a few tensors ahead in threads; at most LOOKAHEAD are held at once.
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
-        pending = collections.deque()
-        names = iter(expected)
-        for name in itertools.islice(names, LOOKAHEAD):
-            pending.append(pool.submit(prepare, name))
-        for _name, (ours, _, _, _) in items:
-            w = pending.popleft().result()
-            nxt = next(names, None)
-            if nxt is not None:
-                pending.append(pool.submit(prepare, nxt))
-            variable(model, ours).set_value(jnp.asarray(w))
+        variable(model, ours).set_value(jnp.asarray(np.ascontiguousarray(w).astype(dtype)))
     return model

@@ -89,7 +89,7 @@ def _paged_decode(q_rows, k_cache, v_cache, block_tables, context_lens, scale):
     return out[:, 0]
 
 
-def _cached_keys(q, k_cache, v_cache, block_tables, context_lens, seq, pos, need, scale):
+def _cached_keys(q, k_cache, v_cache, block_tables, seq, pos, need, scale):
     """Attention of the tokens marked ``need`` over their sequence's cached keys 0..pos, in a loop
     over KV chunks (online softmax in float32); other rows come back as zeros."""
     t, hq, d = q.shape
@@ -158,6 +158,6 @@ def attention_xla(q, k, v, k_cache, v_cache, block_tables, context_lens, token_s
         ctx = jnp.where(need, token_pos + 1, 1)  # rows that need nothing read the null block
         cached = _paged_decode(q, k_cache, v_cache, block_tables[seq], ctx, scale)
     else:
-        cached = _cached_keys(q, k_cache, v_cache, block_tables, context_lens, seq, token_pos, need, scale)
+        cached = _cached_keys(q, k_cache, v_cache, block_tables, seq, token_pos, need, scale)
     out = jnp.where(need[:, None, None], cached.astype(q.dtype), own)
     return jnp.where(real[:, None, None], out, jnp.zeros_like(out)).astype(q.dtype)

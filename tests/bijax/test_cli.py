@@ -31,6 +31,12 @@ TINY_CHECK = [
 ]  # fmt: skip
 
 
+def small_llm(**kw) -> bijax.LLM:
+    """`tiny` in float32 on a small engine (2 sequences, 32 tokens a step); ``kw`` overrides."""
+    limits = dict(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32, num_kv_blocks=20)
+    return bijax.LLM("tiny", dtype=np.float32, **{**limits, **kw})
+
+
 def _json_lines(text):
     return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
 
@@ -248,14 +254,7 @@ def test_bench_counts_compiles_and_fails_on_them(capsys, monkeypatch):
     when a timed run compiled: the check can fail."""
     from bijax.cli import bench
 
-    llm = bijax.LLM(
-        "tiny",
-        dtype=np.float32,
-        max_model_len=128,
-        max_num_seqs=2,
-        max_num_batched_tokens=32,
-        num_kv_blocks=40,
-    )
+    llm = small_llm(max_model_len=128, num_kv_blocks=40)
     reqs = [([3] * 40, SP(temperature=0, max_tokens=3))]
     assert bench._bench_run(llm, reqs)[4] > 0
     assert bench._bench_run(llm, reqs)[4] == 0
@@ -292,16 +291,7 @@ def test_warmup_compiles_every_bucket_so_generate_compiles_nothing(tp):
     """Warm-up compiles the buckets ahead of time, in parallel threads; generate then runs those
     executables (the jitted step compiles nothing) and gives the bits of an engine that compiled
     as it went - also with the step inside shard_map over 2 devices."""
-    make = lambda: bijax.LLM(
-        "tiny",
-        dtype=np.float32,
-        k_shards=8,
-        tensor_parallel_size=tp,
-        max_model_len=64,
-        max_num_seqs=2,
-        max_num_batched_tokens=32,
-        num_kv_blocks=20,
-    )
+    make = lambda: small_llm(k_shards=8, tensor_parallel_size=tp)
     prompts, sp = [[5] * 40, [7] * 3], SP(temperature=0.8, seed=3, max_tokens=6)
     llm = make()
     llm.warmup(progress=False)
@@ -361,14 +351,7 @@ def test_second_start_loads_compiled_steps_from_the_persistent_cache(tmp_path):
 def test_warmup_bounded_by_the_work_compiles_only_what_it_needs():
     """``max_step_tokens`` (the CLI passes its prompts' total): only the token buckets a step of
     that size needs; such work then compiles nothing, and a bad bound is a clear error."""
-    llm = bijax.LLM(
-        "tiny",
-        dtype=np.float32,
-        max_model_len=64,
-        max_num_seqs=2,
-        max_num_batched_tokens=32,
-        num_kv_blocks=20,
-    )
+    llm = small_llm()
     assert llm.engine.pending_buckets(max_step_tokens=7) == [(2, 16)]
     assert llm.engine.pending_buckets(max_step_tokens=17) == [(2, 16), (2, 32)]
     assert llm.engine.pending_buckets(max_step_tokens=1000) == [(2, 16), (2, 32)]
@@ -393,7 +376,7 @@ def test_warm_steps_are_dropped_when_the_model_config_changes():
     other = Llama(dataclasses.replace(preset("tiny"), rms_norm_eps=0.5), dtype=np.float32, seed=0)
     sp = SP(temperature=0.8, seed=2, max_tokens=4)
     want = bijax.LLM(other, **kw).generate([[5] * 20], sp, use_tqdm=False)[0].outputs[0]
-    llm = bijax.LLM("tiny", dtype=np.float32, **kw)
+    llm = small_llm()
     llm.warmup(progress=False)
     llm.engine.set_weights(other)
     got = llm.generate([[5] * 20], sp, use_tqdm=False)[0].outputs[0]
