@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels as pk
+from bijax import step_cache
 from bijax.config import EngineConfig, bucket
 from bijax.sampler import SamplingRows, sample_rows, target_logprobs
 from bijax.sequence import Sequence
@@ -105,6 +106,23 @@ def num_compiled_steps() -> int:
     """How many engine step programs this process has compiled (all engines together): a
     constant across calls shows that nothing recompiled."""
     return step_program._cache_size()
+
+
+class _FlatStep:
+    """A bucket's step lowered from its exported program, which takes and returns flat leaves;
+    compiled, it is called as ``step_program``'s compiled form is: (params, cache, batch,
+    sampling) -> (out, cache)."""
+
+    def __init__(self, lowered, cache_def):
+        self.lowered, self.cache_def, self.compiled = lowered, cache_def, None
+
+    def compile(self) -> _FlatStep:
+        self.compiled = self.lowered.compile()
+        return self
+
+    def __call__(self, *args):
+        out, cache = self.compiled(*jax.tree_util.tree_leaves(args))
+        return out, jax.tree_util.tree_unflatten(self.cache_def, cache)
 
 
 class ModelRunner:
@@ -269,9 +287,13 @@ class ModelRunner:
     def warmup(self, pairs, num_logprobs: int = 0, progress=None, workers: int | None = None) -> None:
         """Compiles the step for each (sequences, tokens) bucket - or (sequences, tokens,
         sampled rows) for steps that sample more rows than sequences (speculative decoding) -
-        ahead of time, ``workers`` at once (default: one per CPU core, at most 8). Tracing holds
-        Python's lock, but XLA's compile (most of the time) does not, so the buckets compile in
-        parallel threads. ``progress(s, t)`` after each bucket, in the order they finish."""
+        ahead of time, ``workers`` at once (default: one per CPU core, at most 8). Each bucket's
+        program comes from ``step_cache`` (exported by an earlier start; CPU only) or is traced
+        and lowered now, in this thread and in a fixed order - tracing holds Python's lock anyway,
+        and a fixed order keeps the lowered text (Mosaic GPU numbers its kernels as it lowers
+        them) and so JAX's persistent cache keys the same from start to start. XLA's compile,
+        most of the time, releases the lock: it runs in worker threads while the next bucket
+        lowers. ``progress(s, t)`` after each bucket, in the order they finish."""
         todo = []
         for b in pairs:
             s, t, r = b if len(b) == 3 else (*b, b[0])
@@ -280,19 +302,41 @@ class ModelRunner:
         if not todo:
             return
         workers = workers or min(8, os.cpu_count() or 1)
-
-        def compile_one(str_):
-            s, t, r = str_
-            args, kw = self._step_args(self.padding_batch(s, t, r), SamplingRows.greedy(r), num_logprobs)
-            return str_, step_program.lower(*args, **kw).compile()
-
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(workers, len(todo))) as pool:
-            for future in concurrent.futures.as_completed([pool.submit(compile_one, b) for b in todo]):
-                (s, t, r), compiled = future.result()
-                self._aot[(s, t, r, num_logprobs)] = compiled
+            futures = {}
+            for s, t, r in todo:
+                lowered = self._lowered_step(s, t, r, num_logprobs)
+                futures[pool.submit(lowered.compile)] = (s, t, r)
+            for future in concurrent.futures.as_completed(futures):
+                s, t, r = futures[future]
+                self._aot[(s, t, r, num_logprobs)] = future.result()
                 self.compiled_buckets.add((s, t))
                 if progress is not None:
                     progress(s, t)
+
+    def _lowered_step(self, s: int, t: int, r: int, num_logprobs: int):
+        """One bucket's step lowered for inputs shaped as this runner's: where ``step_cache``
+        keeps exported steps, from the one an earlier start saved (else exported and saved now),
+        else from tracing. Its ``compile()`` is what ``_run`` calls."""
+        args, kw = self._step_args(self.padding_batch(s, t, r), SamplingRows.greedy(r), num_logprobs)
+        if step_cache.directory() is None:
+            return step_program.lower(*args, **kw)
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        avals = [(x.shape, str(x.dtype), getattr(x, "sharding", None)) for x in leaves]
+        name = step_cache.key("step_program", tree, avals, sorted(kw.items()))
+        exported = step_cache.load(name)
+        if exported is None:
+
+            def flat(*leaves):
+                out, cache = step_program(*jax.tree_util.tree_unflatten(tree, leaves), **kw)
+                return out, jax.tree_util.tree_leaves(cache)
+
+            exported = step_cache.export_fn(jax.jit(flat), *leaves)
+            step_cache.save(name, exported)
+        cache_def = jax.tree_util.tree_structure(args[1])
+        first = len(jax.tree_util.tree_leaves(args[0]))  # the cache's leaves follow the params'
+        donate = tuple(range(first, first + cache_def.num_leaves))
+        return _FlatStep(jax.jit(exported.call, donate_argnums=donate).lower(*leaves), cache_def)
 
     def check_params(self) -> None:
         for leaf in jax.tree_util.tree_leaves(self.params):

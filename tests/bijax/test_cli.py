@@ -286,16 +286,22 @@ def test_chat_equals_generate_on_the_template_and_checks_input():
         _llm("tiny").chat(conv, sp)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_warmup_compiles_every_bucket_so_generate_compiles_nothing(tp):
+@pytest.mark.parametrize("tp,exported", [(1, True), (2, True), (1, False)])
+def test_warmup_compiles_every_bucket_so_generate_compiles_nothing(tp, exported, monkeypatch):
     """Warm-up compiles the buckets ahead of time, in parallel threads; generate then runs those
     executables (the jitted step compiles nothing) and gives the bits of an engine that compiled
-    as it went - also with the step inside shard_map over 2 devices."""
+    as it went - also with the step inside shard_map over 2 devices, and both when the steps
+    come through ``step_cache`` (exported) and when they are lowered from tracing (as on GPU)."""
+    from bijax import step_cache
+
+    if not exported:
+        monkeypatch.setattr(step_cache, "directory", lambda: None)
     make = lambda: small_llm(k_shards=8, tensor_parallel_size=tp)
     prompts, sp = [[5] * 40, [7] * 3], SP(temperature=0.8, seed=3, max_tokens=6)
     llm = make()
     llm.warmup(progress=False)
     assert llm.engine.stats().num_compiled_buckets == 2  # (2, 16), (2, 32): sequence buckets start at 16
+    assert bool(step_cache.directory() and os.listdir(step_cache.directory())) == exported
     before = num_compiled_steps()
     out = llm.generate(prompts, sp, use_tqdm=False)
     assert num_compiled_steps() == before
@@ -313,29 +319,46 @@ import bijax
 assert bijax.compile_cache.directory() == sys.argv[1], bijax.compile_cache.directory()
 # bounded, so JAX takes a file lock around cache reads and writes (processes share the cache)
 assert jax.config.jax_compilation_cache_max_size == bijax.compile_cache.MAX_BYTES > 0
+exports = []
+export_fn = bijax.step_cache.export_fn
+bijax.step_cache.export_fn = lambda *a: exports.append(1) or export_fn(*a)
 llm = bijax.LLM("tiny", max_model_len=64, max_num_seqs=1, max_num_batched_tokens=16, num_kv_blocks=10)
 llm.warmup(progress=False)
 r = llm.last_warmup
-print("HITS", len(hits), "REPORT", r.num_programs, r.loaded_from_cache, r.compiled)
+print("HITS", len(hits), "REPORT", r.num_programs, r.loaded_from_cache, r.compiled, "EXPORTS", len(exports))
+print("TOKENS", llm.generate([[5, 6, 7]], bijax.SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids)
 """
 
 
 def test_second_start_loads_compiled_steps_from_the_persistent_cache(tmp_path):
+    """The second start reads each step's exported program (no tracing) and loads its compiled
+    code from the persistent cache; an unreadable exported file is rebuilt, not trusted."""
     env = dict(os.environ, BIJAX_CACHE_DIR=str(tmp_path), JAX_PLATFORMS="cpu")
     env.pop("BIJAX_COMPILATION_CACHE", None)
-    runs = [
-        subprocess.run(
+
+    def start():
+        r = subprocess.run(
             [sys.executable, "-c", _CACHE_PROBE, str(tmp_path)], env=env, capture_output=True, text=True
         )
-        for _ in range(2)
-    ]
-    for r in runs:
         assert r.returncode == 0, r.stderr[-2000:]
+        return r
+
+    runs = [start(), start()]
+    exports = [int(r.stdout.split("EXPORTS")[1].split()[0]) for r in runs]
+    tokens = {r.stdout.split("TOKENS")[1].strip() for r in runs}
+    steps = tmp_path / "bijax-steps"
+    assert exports[0] > 0 and exports[1] == 0 and len(list(steps.iterdir())) == exports[0]
+    for f in steps.iterdir():
+        f.write_bytes(b"not an exported program")
+    third = start()
+    assert int(third.stdout.split("EXPORTS")[1].split()[0]) == exports[0]
+    tokens.add(third.stdout.split("TOKENS")[1].strip())
+    assert len(tokens) == 1, tokens
     first, second = (int(r.stdout.split("HITS")[1].split()[0]) for r in runs)
     assert first == 0 and second > 0 and any(tmp_path.iterdir())
     # LLM.last_warmup: the first start compiled its step buckets, the second loaded them
     (n1, loaded1, compiled1), (n2, loaded2, compiled2) = (
-        tuple(int(x) for x in r.stdout.split("REPORT")[1].split()) for r in runs
+        tuple(int(x) for x in r.stdout.split("REPORT")[1].split()[:3]) for r in runs
     )
     assert n1 == n2 > 0 and loaded1 == 0 and compiled1 >= n1 and loaded2 >= n2 and compiled2 == 0
     off = dict(env, BIJAX_COMPILATION_CACHE="0")

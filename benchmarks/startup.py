@@ -1,0 +1,127 @@
+"""Start-up time on the GPU, each measure a fresh process (the start-up issue's targets):
+
+  engine   ``LLM(model, max_num_seqs=64, max_num_batched_tokens=2048).warmup()`` on an empty
+           persistent compile cache, then again in a second process from the filled cache;
+  single   one request's first token - ``LLM`` sized as ``bijax generate`` sizes it for one
+           prompt (1 sequence, 512 tokens per step), ``warmup(max_step_tokens=prompt)``, then
+           ``generate`` of 1 token - on an empty cache, timed from the process's start.
+
+Each child prints its phases (import, model build, warm-up with compiled / loaded counts, the
+first generate); the parent prints the wall time of each process and a table last.
+
+  PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/startup.py [--model llama3-8b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+T_START = time.perf_counter()
+
+
+def child(kind: str, model: str) -> None:
+    t = {}
+    import jax
+
+    import bijax
+
+    jax.devices()
+    t["import"] = time.perf_counter() - T_START
+    t0 = time.perf_counter()
+    if kind == "engine":
+        llm = bijax.LLM(model, max_num_seqs=64, max_num_batched_tokens=2048)
+    else:
+        llm = bijax.LLM(model, max_num_seqs=1, max_num_batched_tokens=512)
+    t["load"] = time.perf_counter() - t0
+    prompt = list(range(10, 74))  # 64 ids inside any vocabulary
+    t0 = time.perf_counter()
+    llm.warmup(progress=False, max_step_tokens=None if kind == "engine" else len(prompt))
+    t["warmup"] = time.perf_counter() - t0
+    r = llm.last_warmup
+    t0 = time.perf_counter()
+    out = llm.generate([{"prompt_token_ids": prompt}], bijax.SamplingParams(max_tokens=1), use_tqdm=False)
+    t["generate"] = time.perf_counter() - t0
+    assert len(out[0].outputs[0].token_ids) == 1
+    t["total"] = time.perf_counter() - T_START
+    if kind == "single":
+        # Same bits from the warmed-up steps (exported, then compiled) as from steps jitted as
+        # they come: run 8 seeded tokens, then drop the warmed-up steps (a private door, for
+        # this check only) and run them again.
+        import numpy as np
+
+        sp = bijax.SamplingParams(max_tokens=8, temperature=0.8, seed=1)
+        a = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0].outputs[0]
+        llm.engine.runner._aot.clear()
+        llm.reset_prefix_cache()
+        b = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0].outputs[0]
+        bits = lambda o: np.asarray(o.logprobs, np.float32).view(np.uint32)  # noqa: E731
+        t["aot_vs_jit_same_bits"] = a.token_ids == b.token_ids and np.array_equal(bits(a), bits(b))
+    print(
+        "RESULT "
+        + json.dumps({**t, "compiled": r.compiled, "loaded": r.loaded_from_cache, "buckets": r.num_programs})
+    )
+
+
+def run_child(kind: str, model: str, cache: str) -> dict:
+    env = dict(os.environ, BIJAX_CACHE_DIR=cache, PYTHONUNBUFFERED="1")
+    t0 = time.perf_counter()
+    p = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--child", kind, "--model", model],
+        env=env,
+        text=True,
+        capture_output=True,
+    )
+    wall = time.perf_counter() - t0
+    sys.stdout.write(p.stdout[-3000:])
+    if p.returncode:
+        sys.stdout.write(p.stderr[-3000:])
+        raise SystemExit(f"child {kind} failed with exit {p.returncode}")
+    line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")][-1]
+    return {**json.loads(line[len("RESULT ") :]), "wall": wall}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama3-8b")
+    ap.add_argument("--child", choices=("engine", "single"))
+    a = ap.parse_args()
+    if a.child:
+        child(a.child, a.model)
+        return 0
+    import datetime
+
+    print(
+        f"# benchmarks/startup.py --model {a.model} {datetime.date.today()}, {os.cpu_count()} CPU cores",
+        flush=True,
+    )
+    rows = []
+    with tempfile.TemporaryDirectory() as c1, tempfile.TemporaryDirectory() as c2:
+        for name, kind, cache in (
+            ("64 seqs x 2048 tokens, empty cache", "engine", c1),
+            ("64 seqs x 2048 tokens, filled cache", "engine", c1),
+            ("one request, first token, empty cache", "single", c2),
+        ):
+            r = run_child(kind, a.model, cache)
+            print(name, json.dumps(r), flush=True)
+            rows.append((name, r))
+    print("warmed-up vs jitted steps, same tokens and logprob bits:", rows[-1][1]["aot_vs_jit_same_bits"])
+    print(
+        "\n| start | process wall s | import s | model s | warm-up s (buckets: compiled / loaded) | first generate s |"
+    )
+    print("|---|---|---|---|---|---|")
+    for name, r in rows:
+        print(
+            f"| {name} | {r['wall']:.1f} | {r['import']:.1f} | {r['load']:.1f} | "
+            f"{r['warmup']:.1f} ({r['buckets']}: {r['compiled']} / {r['loaded']}) | {r['generate']:.2f} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
