@@ -29,6 +29,9 @@ from jax import export
 
 from bijax import compile_cache
 
+# At most this many programs are kept (the oldest go first): each source change names new ones.
+MAX_FILES = 256
+
 # The programs are read back only by this machine's same jax version (the key says so), so the
 # export format's stability guarantees for custom calls (Triton and Mosaic GPU kernels,
 # cuDNN) do not matter here.
@@ -58,7 +61,9 @@ def _source_digest() -> str:
 def key(*parts) -> str:
     """A file name for the step described by ``parts`` (static arguments, input avals and
     shardings, ...) built by this process's code, jax and devices."""
+    import flax
     import jaxlib
+    import numpy
 
     backend = jax.extend.backend.get_backend()
     h = hashlib.sha256()
@@ -66,6 +71,8 @@ def key(*parts) -> str:
         _source_digest(),
         jax.__version__,
         jaxlib.__version__,
+        flax.__version__,
+        numpy.__version__,
         backend.platform,
         backend.platform_version,
         [(d.id, d.device_kind) for d in jax.devices()],
@@ -95,9 +102,12 @@ def load(name: str) -> export.Exported | None:
     where = directory()
     if where is None:
         return None
+    path = os.path.join(where, name)
     try:
-        with open(os.path.join(where, name), "rb") as f:
-            return export.deserialize(bytearray(f.read()))
+        with open(path, "rb") as f:
+            exported = export.deserialize(bytearray(f.read()))
+        os.utime(path)  # recently used: pruned last
+        return exported
     except Exception:  # noqa: BLE001 - a cache entry that cannot be read is a miss
         return None
 
@@ -115,8 +125,22 @@ def save(name: str, exported: export.Exported) -> None:
         with os.fdopen(fd, "wb") as f:
             f.write(blob)
         os.replace(tmp, os.path.join(where, name))
+        _prune(where)
     except (OSError, ImportError):
         return
+
+
+def _prune(where: str) -> None:
+    """Deletes the oldest programs beyond ``MAX_FILES`` (by modification time)."""
+    files = [e for e in os.scandir(where) if e.is_file() and not e.name.startswith(".tmp-")]
+    if len(files) <= MAX_FILES:
+        return
+    files.sort(key=lambda e: e.stat().st_mtime)
+    for e in files[: len(files) - MAX_FILES]:
+        try:
+            os.remove(e.path)
+        except OSError:
+            pass  # another process removed it first
 
 
 def export_fn(fn, *args) -> export.Exported:
