@@ -64,7 +64,15 @@ def child(kind: str, model: str) -> None:
         t["aot_vs_jit_same_bits"] = a.token_ids == b.token_ids and np.array_equal(bits(a), bits(b))
     print(
         "RESULT "
-        + json.dumps({**t, "compiled": r.compiled, "loaded": r.loaded_from_cache, "buckets": r.num_programs})
+        + json.dumps(
+            {
+                **t,
+                "compiled": r.compiled,
+                "loaded": r.loaded_from_cache,
+                "buckets": r.num_programs,
+                "tracing": r.tracing_seconds,
+            }
+        )
     )
 
 
@@ -112,13 +120,15 @@ def main() -> int:
             rows.append((name, r))
     print("warmed-up vs jitted steps, same tokens and logprob bits:", rows[-1][1]["aot_vs_jit_same_bits"])
     print(
-        "\n| start | process wall s | import s | model s | warm-up s (buckets: compiled / loaded) | first generate s |"
+        "\n| start | process wall s | import s | model s | warm-up s (programs: compiled / loaded)"
+        " | of it tracing s | first generate s |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for name, r in rows:
         print(
             f"| {name} | {r['wall']:.1f} | {r['import']:.1f} | {r['load']:.1f} | "
-            f"{r['warmup']:.1f} ({r['buckets']}: {r['compiled']} / {r['loaded']}) | {r['generate']:.2f} |"
+            f"{r['warmup']:.1f} ({r['buckets']}: {r['compiled']} / {r['loaded']}) | {r['tracing']:.1f} | "
+            f"{r['generate']:.2f} |"
         )
     return 0
 

@@ -72,12 +72,14 @@ def _load(model, *, dtype, k_shards: int, seed: int, tensor_parallel_size: int) 
 class WarmupReport:
     """What ``LLM.warmup`` did: seconds, step programs made ready, and of the programs XLA was
     asked for, how many came from the persistent cache and how many were compiled (both 0 when
-    the cache is off)."""
+    the cache is off); ``tracing_seconds``: the part of ``seconds`` spent tracing and lowering
+    the steps (or reading their exported programs) - the rest compiled or loaded them."""
 
     seconds: float
     num_programs: int
     loaded_from_cache: int
     compiled: int
+    tracing_seconds: float
 
 
 class LLM:
@@ -308,13 +310,15 @@ class LLM:
                 bar.update(1)
 
         try:
-            self.engine.warmup(logprobs=logprobs, on_bucket=tick, max_step_tokens=max_step_tokens)
+            tracing = self.engine.warmup(logprobs=logprobs, on_bucket=tick, max_step_tokens=max_step_tokens)
         finally:
             if bar is not None:
                 bar.close()
         took = time.perf_counter() - t0
         h, m = compile_cache.counts()
-        self.last_warmup = WarmupReport(took, len(pairs) * (2 if logprobs else 1), h - hits, m - misses)
+        self.last_warmup = WarmupReport(
+            took, len(pairs) * (2 if logprobs else 1), h - hits, m - misses, tracing_seconds=tracing
+        )
         return took
 
     def reset_prefix_cache(self) -> None:

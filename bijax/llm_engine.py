@@ -171,19 +171,22 @@ class Engine:
             pairs = [(s, t) for s, t in pairs if t <= cap]
         return pairs if logprobs else [p for p in pairs if p not in self.runner.compiled_buckets]
 
-    def warmup(self, *, logprobs: bool = False, on_bucket=None, max_step_tokens: int | None = None) -> None:
+    def warmup(self, *, logprobs: bool = False, on_bucket=None, max_step_tokens: int | None = None) -> float:
         """Compiles every pending step bucket (and with ``logprobs`` the top-logprobs variant);
         ``on_bucket(num_seqs, num_tokens, with_logprobs)`` after each. ``max_step_tokens``: see
-        ``pending_buckets`` (a step that needs a larger bucket compiles it when it comes)."""
+        ``pending_buckets`` (a step that needs a larger bucket compiles it when it comes).
+        Returns the seconds spent tracing and lowering (the rest compiles or loads)."""
         pairs = self.pending_buckets(logprobs=logprobs, max_step_tokens=max_step_tokens)
+        tracing = 0.0
         for num_logprobs in [0, MAX_LOGPROBS] if logprobs else [0]:
             tick = None if on_bucket is None else (lambda s, t, n=num_logprobs: on_bucket(s, t, bool(n)))
-            self.runner.warmup(pairs, num_logprobs, tick)
+            tracing += self.runner.warmup(pairs, num_logprobs, tick)
         if self.speculator is not None:  # verify steps sample every token row: (s, t, t)
             verify = self.speculator.verify_buckets(self.runner.bucket_pairs())
-            self.runner.warmup(verify, 0)
+            tracing += self.runner.warmup(verify, 0)
             if self.speculator.draft is not None:  # its decode steps, and the verify steps it runs too
-                self.speculator.draft.warmup(self.runner.bucket_pairs() + verify)
+                tracing += self.speculator.draft.warmup(self.runner.bucket_pairs() + verify)
+        return tracing
 
     def stats(self) -> EngineStats:
         return EngineStats(

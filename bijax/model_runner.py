@@ -17,6 +17,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import os
+import time
 
 import jax
 import numpy as np
@@ -106,23 +107,6 @@ def num_compiled_steps() -> int:
     """How many engine step programs this process has compiled (all engines together): a
     constant across calls shows that nothing recompiled."""
     return step_program._cache_size()
-
-
-class _FlatStep:
-    """A bucket's step lowered from its exported program, which takes and returns flat leaves;
-    compiled, it is called as ``step_program``'s compiled form is: (params, cache, batch,
-    sampling) -> (out, cache)."""
-
-    def __init__(self, lowered, cache_def):
-        self.lowered, self.cache_def, self.compiled = lowered, cache_def, None
-
-    def compile(self) -> _FlatStep:
-        self.compiled = self.lowered.compile()
-        return self
-
-    def __call__(self, *args):
-        out, cache = self.compiled(*jax.tree_util.tree_leaves(args))
-        return out, jax.tree_util.tree_unflatten(self.cache_def, cache)
 
 
 class ModelRunner:
@@ -284,7 +268,7 @@ class ModelRunner:
         )
         return lowered.compile().as_text()
 
-    def warmup(self, pairs, num_logprobs: int = 0, progress=None, workers: int | None = None) -> None:
+    def warmup(self, pairs, num_logprobs: int = 0, progress=None, workers: int | None = None) -> float:
         """Compiles the step for each (sequences, tokens) bucket - or (sequences, tokens,
         sampled rows) for steps that sample more rows than sequences (speculative decoding) -
         ahead of time, ``workers`` at once (default: one per CPU core, at most 8). Each bucket's
@@ -293,19 +277,23 @@ class ModelRunner:
         and a fixed order keeps the lowered text (Mosaic GPU numbers its kernels as it lowers
         them) and so JAX's persistent cache keys the same from start to start. XLA's compile,
         most of the time, releases the lock: it runs in worker threads while the next bucket
-        lowers. ``progress(s, t)`` after each bucket, in the order they finish."""
+        lowers. ``progress(s, t)`` after each bucket, in the order they finish. Returns the
+        seconds spent tracing and lowering (or reading exported programs), in this thread."""
         todo = []
         for b in pairs:
             s, t, r = b if len(b) == 3 else (*b, b[0])
             if (s, t, r, num_logprobs) not in self._aot:
                 todo.append((s, t, r))
         if not todo:
-            return
+            return 0.0
         workers = workers or min(8, os.cpu_count() or 1)
+        tracing = 0.0
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(workers, len(todo))) as pool:
             futures = {}
             for s, t, r in todo:
+                t0 = time.perf_counter()
                 lowered = self._lowered_step(s, t, r, num_logprobs)
+                tracing += time.perf_counter() - t0
                 futures[pool.submit(lowered.compile)] = (s, t, r)
             for future in concurrent.futures.as_completed(futures):
                 s, t, r = futures[future]
@@ -313,30 +301,16 @@ class ModelRunner:
                 self.compiled_buckets.add((s, t))
                 if progress is not None:
                     progress(s, t)
+        return tracing
 
     def _lowered_step(self, s: int, t: int, r: int, num_logprobs: int):
-        """One bucket's step lowered for inputs shaped as this runner's: where ``step_cache``
-        keeps exported steps, from the one an earlier start saved (else exported and saved now),
-        else from tracing. Its ``compile()`` is what ``_run`` calls."""
+        """One bucket's step lowered for inputs shaped as this runner's - through ``step_cache``
+        (an exported program read back, or exported now) where it keeps programs, else from
+        tracing. Its ``compile()`` gives what ``_run`` calls."""
         args, kw = self._step_args(self.padding_batch(s, t, r), SamplingRows.greedy(r), num_logprobs)
         if step_cache.directory() is None:
             return step_program.lower(*args, **kw)
-        leaves, tree = jax.tree_util.tree_flatten(args)
-        avals = [(x.shape, str(x.dtype), getattr(x, "sharding", None)) for x in leaves]
-        name = step_cache.key("step_program", tree, avals, sorted(kw.items()))
-        exported = step_cache.load(name)
-        if exported is None:
-
-            def flat(*leaves):
-                out, cache = step_program(*jax.tree_util.tree_unflatten(tree, leaves), **kw)
-                return out, jax.tree_util.tree_leaves(cache)
-
-            exported = step_cache.export_fn(jax.jit(flat), *leaves)
-            step_cache.save(name, exported)
-        cache_def = jax.tree_util.tree_structure(args[1])
-        first = len(jax.tree_util.tree_leaves(args[0]))  # the cache's leaves follow the params'
-        donate = tuple(range(first, first + cache_def.num_leaves))
-        return _FlatStep(jax.jit(exported.call, donate_argnums=donate).lower(*leaves), cache_def)
+        return step_cache.lower(step_program, args, kw, donate=1, label="step_program")
 
     def check_params(self) -> None:
         for leaf in jax.tree_util.tree_leaves(self.params):

@@ -3,18 +3,26 @@
 JAX's persistent compilation cache (``bijax.compile_cache``) skips compiling, but not tracing and
 lowering: to find a cached executable JAX first needs the lowered module. For llama3-8b on the
 H200 host that is 1-3 s per step bucket, ~38 s for the 21 buckets of a 64-sequence engine -
-more than loading all of them. So ``ModelRunner.warmup`` builds each bucket's step through
-``jax.export``: the exported program (StableHLO, a few hundred kB) is written here, and a later
-start reads it back (~0.1 s) and compiles it, which the persistent cache then answers.
+more than loading all of them. So ``ModelRunner.warmup`` lowers each bucket's step through
+``lower``: the step's exported program (``jax.export``, StableHLO, a few hundred kB) is written
+here, and a later start reads it back and compiles it, which the persistent cache then answers.
 
 A file's name is a hash of everything the traced program depends on: the source of ``bijax``,
-``pallas_kernels`` and ``models``; the jax and jaxlib versions; the backend, its version and
-its devices; ``XLA_FLAGS``; JAX's configuration; and the step's static arguments and the shapes,
-dtypes and shardings of its inputs. A change in any of them names another file, so a stale
-program is never read. Files live next to the persistent cache (``<cache dir>/bijax-steps``),
-so ``BIJAX_COMPILATION_CACHE=0`` turns this off too; then warm-up exports without saving.
-The compiled program is the one a direct ``jit`` of the step compiles (the tests compare the
-bits of steps compiled both ways).
+``pallas_kernels`` and ``models``; the jax, jaxlib, flax, numpy and ml_dtypes versions; the
+backend, its version and its devices; ``XLA_FLAGS``; JAX's configuration; and the step's static
+arguments and its inputs' tree, shapes, dtypes, weak types and shardings (each part by its
+``repr``, which must be complete and stable). A change in any of them names another file, so a
+stale program is never read. Files live next to the persistent cache (``<cache dir>/bijax-steps``,
+at most ``MAX_FILES`` of them, not counted in ``BIJAX_CACHE_MAX_GB``); with the cache off
+(``BIJAX_COMPILATION_CACHE=0``) steps are traced as before. The compiled program is the one a
+direct ``jit`` of the step compiles: the tests compare the bits of steps built both ways.
+
+GPUs trace as before (``directory`` is None there): in jax 0.11.2 a step with Mosaic GPU kernels
+read back from its export failed to compile in a fresh process on the H200 ("Failed to lookup
+host symbol: ..._mosaic_gpu"). Likely cause, untested: the Mosaic GPU custom call finds its
+runtime library through ``MOSAIC_GPU_RUNTIME_LIB_PATH``, which importing
+``jax.experimental.mosaic.gpu`` sets - and a process that never lowered a Mosaic kernel never
+imported it.
 """
 
 from __future__ import annotations
@@ -25,11 +33,13 @@ import os
 import tempfile
 
 import jax
+import jax.extend
 from jax import export
 
 from bijax import compile_cache
 
-# At most this many programs are kept (the oldest go first): each source change names new ones.
+# At most this many programs are kept (the least recently used go first): each source change
+# names new ones.
 MAX_FILES = 256
 
 # The programs are read back only by this machine's same jax version (the key says so), so the
@@ -59,10 +69,11 @@ def _source_digest() -> str:
 
 
 def key(*parts) -> str:
-    """A file name for the step described by ``parts`` (static arguments, input avals and
-    shardings, ...) built by this process's code, jax and devices."""
+    """A file name for the program described by ``parts`` (static arguments, input avals and
+    shardings, ...; each by its repr) built by this process's code, libraries and devices."""
     import flax
     import jaxlib
+    import ml_dtypes
     import numpy
 
     backend = jax.extend.backend.get_backend()
@@ -73,6 +84,7 @@ def key(*parts) -> str:
         jaxlib.__version__,
         flax.__version__,
         numpy.__version__,
+        ml_dtypes.__version__,
         backend.platform,
         backend.platform_version,
         [(d.id, d.device_kind) for d in jax.devices()],
@@ -85,10 +97,8 @@ def key(*parts) -> str:
 
 
 def directory() -> str | None:
-    """Where exported steps are kept; None: steps are lowered from tracing as they always were
-    - when the persistent cache is off, and on GPUs: in jax 0.11.2 a step with Mosaic GPU
-    kernels read back from an export fails to compile in a fresh process ("Failed to lookup
-    host symbol: ..._mosaic_gpu", H200, 2026-12-01)."""
+    """Where exported steps are kept; None (steps are traced as they always were) when the
+    persistent cache is off, and on GPUs (see the module's docstring)."""
     base = compile_cache.directory()
     if base is None or jax.default_backend() != "cpu":
         return None
@@ -96,7 +106,7 @@ def directory() -> str | None:
 
 
 def load(name: str) -> export.Exported | None:
-    """The exported step saved under ``name``, or None: not saved, or not readable (the
+    """The program saved under ``name``, or None: not saved, or not readable (the
     serialization library missing, a truncated or foreign file - whatever the error, the
     program is then exported again and the file replaced)."""
     where = directory()
@@ -106,18 +116,24 @@ def load(name: str) -> export.Exported | None:
     try:
         with open(path, "rb") as f:
             exported = export.deserialize(bytearray(f.read()))
-        os.utime(path)  # recently used: pruned last
-        return exported
+        exported.mlir_module()  # the module's bytes parse
     except Exception:  # noqa: BLE001 - a cache entry that cannot be read is a miss
         return None
+    try:
+        os.utime(path)  # recently used: pruned last
+    except OSError:
+        pass  # a read-only cache, or another process pruned it: the program is still good
+    return exported
 
 
-def save(name: str, exported: export.Exported) -> None:
-    """Writes ``exported`` under ``name`` (atomically: a reader never sees half a file); a
-    cache that cannot be written is skipped."""
+def save(name: str, exported: export.Exported) -> export.Exported:
+    """Writes ``exported`` under ``name`` (atomically: a reader never sees half a file) and
+    returns it as a later ``load`` will read it back; a cache that cannot be written is skipped
+    (``exported`` returned as given)."""
     where = directory()
     if where is None:
-        return
+        return exported
+    tmp = None
     try:
         blob = exported.serialize()
         os.makedirs(where, exist_ok=True)
@@ -125,24 +141,100 @@ def save(name: str, exported: export.Exported) -> None:
         with os.fdopen(fd, "wb") as f:
             f.write(blob)
         os.replace(tmp, os.path.join(where, name))
-        _prune(where)
+        tmp = None
     except (OSError, ImportError):
-        return
+        return exported
+    finally:
+        if tmp is not None:
+            try:
+                os.remove(tmp)  # a half-written file (disk full)
+            except OSError:
+                pass
+    _prune(where)
+    return export.deserialize(blob)
 
 
 def _prune(where: str) -> None:
-    """Deletes the oldest programs beyond ``MAX_FILES`` (by modification time)."""
-    files = [e for e in os.scandir(where) if e.is_file() and not e.name.startswith(".tmp-")]
-    if len(files) <= MAX_FILES:
+    """Deletes the least recently used programs beyond ``MAX_FILES``; never fails (another
+    process may be pruning the same files)."""
+    try:
+        files = []
+        for e in os.scandir(where):
+            if e.is_file() and not e.name.startswith(".tmp-"):
+                files.append((e.stat().st_mtime, e.path))
+    except OSError:
         return
-    files.sort(key=lambda e: e.stat().st_mtime)
-    for e in files[: len(files) - MAX_FILES]:
+    files.sort()
+    for _, path in files[: max(0, len(files) - MAX_FILES)]:
         try:
-            os.remove(e.path)
+            os.remove(path)
         except OSError:
-            pass  # another process removed it first
+            pass
+
+
+class FlatStep:
+    """A step lowered from its exported program, which takes and returns flat leaves. Its
+    ``compile()`` gives a callable taking the step's arguments as the jitted step does and
+    returning (out, new value of the donated argument)."""
+
+    def __init__(self, lowered, in_tree, donated_tree):
+        self.lowered, self.in_tree, self.donated_tree, self.compiled = lowered, in_tree, donated_tree, None
+
+    def compile(self) -> FlatStep:
+        self.compiled = self.lowered.compile()
+        return self
+
+    def __call__(self, *args):
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        if tree != self.in_tree:
+            raise TypeError(f"step arguments changed structure since warm-up: {tree} != {self.in_tree}")
+        out, donated = self.compiled(*leaves)
+        return out, jax.tree_util.tree_unflatten(self.donated_tree, donated)
 
 
 def export_fn(fn, *args) -> export.Exported:
     """``jax.export`` of the jitted ``fn`` at ``args`` (arrays or ShapeDtypeStructs)."""
     return export.export(fn, disabled_checks=_CHECKS)(*args)
+
+
+def lower(fn, args: tuple, kw: dict, *, donate: int, label: str) -> FlatStep:
+    """``fn(*args, **kw)`` lowered through its exported program - ``fn`` a jitted function of
+    pytree ``args`` and static ``kw`` that returns (out, new value of ``args[donate]``), which is
+    donated - read back when a previous start saved it (under ``label`` and what ``step_key``
+    names), else exported and saved now. Call only when ``directory()`` is not None."""
+    name = step_key(label, args, kw)
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    donated_tree = jax.tree_util.tree_structure(args[donate])
+    first = sum(jax.tree_util.tree_structure(a).num_leaves for a in args[:donate])
+    donate_argnums = tuple(range(first, first + donated_tree.num_leaves))
+
+    def via(exported):
+        return FlatStep(
+            jax.jit(exported.call, donate_argnums=donate_argnums).lower(*leaves), tree, donated_tree
+        )
+
+    exported = load(name)
+    if exported is not None:
+        try:
+            return via(exported)
+        except Exception:  # noqa: BLE001 - a program that read back but does not lower: rebuild it
+            pass
+
+    def flat(*leaves):
+        out, donated = fn(*jax.tree_util.tree_unflatten(tree, leaves), **kw)
+        return out, jax.tree_util.tree_leaves(donated)
+
+    # Compiled as read back (when it could be written), so this start and the next compile the
+    # same text and the persistent cache answers the next one.
+    return via(save(name, export_fn(jax.jit(flat), *leaves)))
+
+
+def step_key(label: str, args: tuple, kw: dict) -> str:
+    """``key`` of a step ``label`` at these arguments (their tree, shapes, dtypes, weak types
+    and shardings) and static keyword arguments."""
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    avals = [
+        (x.shape, str(x.dtype), bool(getattr(x, "weak_type", False)), getattr(x, "sharding", None))
+        for x in leaves
+    ]
+    return key(label, tree, avals, sorted(kw.items()))

@@ -136,7 +136,10 @@ def warmup(llm, args, logprobs: bool, max_step_tokens: int | None = None) -> Non
     took = llm.warmup(logprobs=logprobs, max_step_tokens=max_step_tokens)
     r = llm.last_warmup
     where = compile_cache.directory()
-    how = f" ({r.loaded_from_cache} loaded from the cache, {r.compiled} compiled)" if where else ""
-    info(f"warm-up: {llm.engine.num_compiled_buckets} step buckets ready in {took:.1f}s{how}")
+    how = f"{r.loaded_from_cache} loaded from the cache, {r.compiled} compiled, " if where else ""
+    info(
+        f"warm-up: {llm.engine.num_compiled_buckets} step buckets ready in {took:.1f}s "
+        f"({how}{r.tracing_seconds:.1f}s of it tracing)"
+    )
     if where and r.compiled:
         info(f"         (compiled steps are cached in {where}: the next start loads them)")

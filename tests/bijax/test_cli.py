@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -302,9 +303,12 @@ def test_warmup_compiles_every_bucket_so_generate_compiles_nothing(tp, exported,
     llm.warmup(progress=False)
     assert llm.engine.stats().num_compiled_buckets == 2  # (2, 16), (2, 32): sequence buckets start at 16
     assert bool(step_cache.directory() and os.listdir(step_cache.directory())) == exported
+    assert 0 < llm.last_warmup.tracing_seconds <= llm.last_warmup.seconds
     before = num_compiled_steps()
+    kv = jax.tree_util.tree_leaves(llm.engine.runner.cache)[0]
     out = llm.generate(prompts, sp, use_tqdm=False)
     assert num_compiled_steps() == before
+    assert kv.is_deleted()  # the KV cache is donated to the warmed-up step, not copied
     lazy = make().generate(prompts, sp, use_tqdm=False)  # jitted as it goes (after: no shared cache)
     for a, b in zip(out, lazy, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
