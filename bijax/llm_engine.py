@@ -15,6 +15,7 @@ import numpy as np
 from bijax import prompts, scoring
 from bijax.block_manager import BlockManager
 from bijax.config import EngineConfig, bucket
+from bijax.detokenize import current_text
 from bijax.model_runner import Chunk, ModelRunner, num_compiled_steps
 from bijax.outputs import CompletionOutput, RequestOutput, SpeculativeMetrics
 from bijax.prompts import ValidPrompt
@@ -328,12 +329,19 @@ class Engine:
         v = self.tokenizer.vocab_size
         return self.tokenizer.decode([i for i in ids if i < v], skip_special_tokens=True)
 
+    def _current_text(self, seq: Sequence) -> str:
+        """The text of ``seq``'s outputs so far, decoding only the new tokens (bijax.detokenize)."""
+        now, seq.text, seq.text_tokens = current_text(
+            self._text, seq.output_token_ids, seq.text, seq.text_tokens
+        )
+        return now
+
     def _finish_reason(self, seq: Sequence) -> str | None:
         p, last = seq.params, seq.output_token_ids[-1]
         if (not p.ignore_eos and last in self.eos_ids) or last in p.stop_token_ids:
             return "stop"
-        if p.stop and self.tokenizer is not None:
-            text = self._text(seq.output_token_ids)
+        if p.stop and self.tokenizer is not None and any(s in self._current_text(seq) for s in p.stop):
+            text = self._text(seq.output_token_ids)  # the cut comes from a whole decode
             hits = [i for i in (text.find(s) for s in p.stop) if i >= 0]
             if hits:
                 seq.text = text[: min(hits)]  # may be "" (the stop string came first)
@@ -348,7 +356,9 @@ class Engine:
         for s in req.seqs:
             text = s.text
             if not s.stop_cut and self.tokenizer is not None:
-                text = self._text(s.output_token_ids)
+                # partial outputs (streaming) from the incremental text; a finished one decoded whole
+                done = s.status == Status.FINISHED
+                text = self._text(s.output_token_ids) if done else self._current_text(s)
             outs.append(
                 CompletionOutput(
                     index=s.sample_index,

@@ -46,7 +46,8 @@ class Sequence:
         self.block_keys: list[tuple] = []  # prefix-cache keys of its full blocks
         self.prefix_limit: int | None = None  # at most this many tokens may come from the cache
         self.finish_reason: str | None = None
-        self.text = ""
+        self.text = ""  # the text of the first ``text_tokens`` outputs (bijax.detokenize)
+        self.text_tokens = 0
         self.stop_cut = False  # a stop string ended it: ``text`` is cut before it
         # speculative decoding: counters (RequestOutput.metrics) and adaptive back-off
         self.num_draft_tokens = self.num_accepted_tokens = self.num_verify_steps = 0

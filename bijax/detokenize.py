@@ -1,0 +1,31 @@
+"""Output text built as tokens come: each step decodes a few tokens, not the whole output.
+
+Decoding a whole output after every token costs O(length) per token (~150 us for 256 tokens
+with SmolLM2's tokenizer: ~5 ms of host time per step at 64 sequences). Instead a sequence keeps
+the text of its first k output tokens, and a new token's text is the difference between the
+decode of a window of ``WINDOW`` tokens before k plus the new ones and the decode of that window
+alone. The window absorbs what decoders do at a slice's first token (a stripped leading space);
+a decode ending in U+FFFD (an incomplete UTF-8 character) is shown but not kept, so the next
+token completes it. For decoders whose text concatenates so (byte-level BPE, SentencePiece
+metaspace) the result is the decode of the whole output; a decoder caught not doing so (the
+window's text not a prefix of the longer decode) gets the whole output decoded. Final texts and
+stop-string cuts are taken from a whole decode anyway (``Engine``)."""
+
+from __future__ import annotations
+
+WINDOW = 4
+
+
+def current_text(decode, ids, text: str, k: int) -> tuple[str, str, int]:
+    """``decode`` (ids -> str), the output ``ids``, and the text kept for ``ids[:k]``; returns
+    (the text of ``ids`` now, the text to keep, how many ids it covers)."""
+    if k == len(ids):
+        return text, text, k
+    p = max(0, k - WINDOW)
+    head = decode(ids[p:k]) if p < k else ""
+    tail = decode(ids[p:])
+    if not tail.startswith(head):  # this decoder's text does not concatenate: decode it all
+        now = decode(ids)
+        return (now, text, k) if now.endswith("\ufffd") else (now, now, len(ids))
+    now = text + tail[len(head) :]
+    return (now, text, k) if tail.endswith("\ufffd") else (now, now, len(ids))

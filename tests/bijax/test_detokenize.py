@@ -1,0 +1,68 @@
+"""bijax.detokenize: the incremental text equals the whole decode at every token."""
+
+import numpy as np
+import pytest
+
+from bijax.detokenize import current_text
+from models.loading import embedded_model_path
+from models.tokenizer import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(embedded_model_path("smollm2-135m"))
+
+
+def _texts(decode, ids):
+    """The incremental text after each token, as the engine builds it."""
+    text, k, out = "", 0, []
+    for n in range(1, len(ids) + 1):
+        now, text, k = current_text(decode, ids[:n], text, k)
+        out.append(now)
+    return out
+
+
+def test_incremental_text_is_the_whole_decode_after_every_token(tok):
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+    rng = np.random.default_rng(0)
+    # random ids (byte tokens that split UTF-8 characters included), and real text with
+    # multi-byte characters, leading spaces and a special token in the middle
+    cases = [rng.integers(0, tok.vocab_size, 300).tolist()]
+    cases.append(tok.encode(" Grüße, 東京 — naïve café\n\n  déjà vu: ✓ 🎉 end", add_special_tokens=False))
+    cases.append(cases[1][:5] + list(tok.eos_token_ids) + cases[1][5:])
+    for ids in cases:
+        for n, now in enumerate(_texts(decode, ids), start=1):
+            assert now == decode(ids[:n]), (n, now, decode(ids[:n]))
+
+
+def test_sentencepiece_style_decoders_too():
+    """Llama-2-style (metaspace words, byte fallback, a stripped leading space) and plain
+    metaspace decoders: a slice's first space is stripped, which the window absorbs."""
+    from tokenizers import Tokenizer, decoders, models
+
+    words = ["<unk>", "▁Hello", "▁wor", "ld", "▁", "<0xE2>", "<0x9C>", "<0x93>", "▁caf", "é", "!", "▁▁x"]
+    rng = np.random.default_rng(1)
+    ids = rng.integers(1, len(words), 200).tolist() + [4, 5, 6, 7, 1, 5, 6]  # ends mid-character
+    for dec in (
+        decoders.Sequence(
+            [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+        ),
+        decoders.Metaspace(),
+    ):
+        t = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+        t.decoder = dec
+        for n, now in enumerate(_texts(t.decode, ids), start=1):
+            assert now == t.decode(ids[:n]), (n, now, t.decode(ids[:n]))
+
+
+def test_a_decoder_that_does_not_concatenate_gets_the_whole_decode():
+    # a toy decoder that rewrites "ab" across token boundaries: a later token changes the text
+    # of earlier ones, which the window check must catch
+    words = ["a", "b", "c", " "]
+    decode = lambda ids: "".join(words[i] for i in ids).replace("ab", "X")  # noqa: E731
+    ids = [2, 3, 0, 0, 1, 2, 0, 3, 2, 2, 3, 3, 0, 1]
+    for n, now in enumerate(_texts(decode, ids), start=1):
+        assert now == decode(ids[:n])
+    # control: appending each token's own text (no window, no check) goes wrong here
+    naive = "".join(decode([i]) for i in ids)
+    assert naive != decode(ids)
