@@ -16,6 +16,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import itertools
 import os
 import time
 
@@ -53,6 +54,24 @@ class Chunk:
         nc = seq.num_computed
         ids = seq.token_ids
         return cls(seq, nc, tuple(ids[nc : nc + n]) + tuple(drafts), 1 + len(drafts))
+
+
+def _chunk_arrays(chunks: list[Chunk]):
+    """Per chunk: (token count, start position, sampled rows) as int32 arrays."""
+    n = len(chunks)
+    return (
+        np.fromiter((len(c.tokens) for c in chunks), np.int32, n),
+        np.fromiter((c.start for c in chunks), np.int32, n),
+        np.fromiter((c.num_rows for c in chunks), np.int32, n),
+    )
+
+
+def _last_rows(ends, counts):
+    """The last ``counts[i]`` integers before ``ends[i]``, for each i in order, concatenated."""
+    offsets = np.cumsum(counts) - counts
+    return (np.arange(int(counts.sum()), dtype=np.int32) + np.repeat(ends - counts - offsets, counts)).astype(
+        np.int32
+    )
 
 
 def _forward(params, cache, batch: PagedBatch, *, graphdef, invariant, tp=None):
@@ -159,28 +178,33 @@ class ModelRunner:
         chunk - one per sequence row when every chunk samples one (R = S), else bucketed like
         tokens - or, without, every token row goes through the LM head."""
         cfg = self.config
-        t = bucket(sum(len(c.tokens) for c in chunks), cfg.token_buckets)
+        lens, starts, nrows = _chunk_arrays(chunks)
+        total = int(lens.sum())
+        t = bucket(total, cfg.token_buckets)
         s = bucket(len(chunks), cfg.seq_buckets)
         bs = cfg.block_size
         b = PagedBatch.padding(s, t, cfg.max_blocks_per_seq, logit_rows=logit_rows)
-        rows = sum(c.num_rows for c in chunks)
+        rows = int(nrows.sum())
         if logit_rows and rows > len(chunks):
             b = b.replace(logit_rows=np.zeros(bucket(rows, cfg.token_buckets), np.int32))
-        i = j = 0
+        # Whole arrays at once (no per-chunk slices): token r's sequence row, position and slot.
+        first = np.cumsum(lens) - lens  # each chunk's first flat token
+        seq = np.repeat(np.arange(len(chunks), dtype=np.int32), lens)
+        pos = np.arange(total, dtype=np.int32) + np.repeat(starts - first, lens)
         for r, c in enumerate(chunks):
-            n = len(c.tokens)
-            p = np.arange(c.start, c.start + n, dtype=np.int32)
-            table = np.asarray(c.seq.block_table, np.int32)
-            b.tokens[i : i + n] = c.tokens
-            b.token_seq[i : i + n] = r
-            b.token_pos[i : i + n] = p
-            b.slot_mapping[i : i + n] = table[p // bs] * bs + p % bs
-            b.block_tables[r, : len(table)] = table
-            b.context_lens[r] = c.start + n
-            if logit_rows:
-                b.logit_rows[j : j + c.num_rows] = np.arange(i + n - c.num_rows, i + n)
-                j += c.num_rows
-            i += n
+            b.block_tables[r, : len(c.seq.block_table)] = c.seq.block_table
+        blocks = np.fromiter((len(c.seq.block_table) for c in chunks), np.int32, len(chunks))
+        if total and (pos // bs >= blocks[seq]).any():  # an engine bug, never a silent null-block write
+            raise RuntimeError("a scheduled token's position lies past its sequence's allocated blocks")
+        b.tokens[:total] = np.fromiter(
+            itertools.chain.from_iterable(c.tokens for c in chunks), np.int32, total
+        )
+        b.token_seq[:total] = seq
+        b.token_pos[:total] = pos
+        b.slot_mapping[:total] = b.block_tables[seq, pos // bs] * bs + pos % bs
+        b.context_lens[: len(chunks)] = starts + lens
+        if logit_rows:  # the last num_rows tokens of each chunk
+            b.logit_rows[:rows] = _last_rows(first + lens, nrows)
         return b
 
     def step(self, chunks: list[Chunk], num_logprobs: int = 0):
@@ -191,19 +215,25 @@ class ModelRunner:
         batch = self._batch(chunks)
         self.compiled_buckets.add((len(batch.context_lens), batch.num_tokens))
         sampling = SamplingRows.greedy(len(batch.logit_rows))
-        j = 0
-        for c in chunks:
-            p = c.seq.params
-            rows = slice(j, j + c.num_rows)
-            sampling.temperature[rows] = p.temperature
-            sampling.top_k[rows] = p.top_k
-            sampling.top_p[rows] = p.top_p
-            sampling.min_p[rows] = p.min_p
-            sampling.seed[rows] = c.seq.seed
-            sampling.sample_index[rows] = c.seq.sample_index
-            end = c.start + len(c.tokens)
-            sampling.position[rows] = np.arange(end - c.num_rows + 1, end + 1)
-            j += c.num_rows
+        lens, starts, nrows = _chunk_arrays(chunks)
+        j = int(nrows.sum())
+        params = [c.seq.params for c in chunks]
+        for name, dtype in (
+            ("temperature", np.float32),
+            ("top_k", np.int32),
+            ("top_p", np.float32),
+            ("min_p", np.float32),
+        ):
+            values = np.fromiter((getattr(p, name) for p in params), dtype, len(chunks))
+            getattr(sampling, name)[:j] = np.repeat(values, nrows)
+        sampling.seed[:j] = np.repeat(
+            np.fromiter((c.seq.seed for c in chunks), np.uint32, len(chunks)), nrows
+        )
+        sampling.sample_index[:j] = np.repeat(
+            np.fromiter((c.seq.sample_index for c in chunks), np.int32, len(chunks)), nrows
+        )
+        # a row samples the token after its own: positions end - num_rows + 1 .. end
+        sampling.position[:j] = _last_rows(starts + lens + 1, nrows)
         tok, tok_lp, top = self._run(batch, sampling, num_logprobs)
         tok, tok_lp = sharding.host(tok), sharding.host(tok_lp)
         top = None if top is None else (sharding.host(top[0])[:j], sharding.host(top[1])[:j])
