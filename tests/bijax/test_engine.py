@@ -152,3 +152,18 @@ def test_negative_control_xla_path_differs(name):
             return
         passed.append(check)
     pytest.fail(f"the XLA path passed every check: {passed}")
+
+
+def test_step_inputs_name_a_position_past_the_allocated_blocks():
+    """The step's inputs are built as whole arrays; a token whose position lies past its
+    sequence's blocks (an engine bug) is an error, never a write to the null block."""
+    from bijax.model_runner import Chunk
+    from bijax.sequence import Sequence
+
+    runner = shared_llm("tiny").engine.runner
+    seq = Sequence(0, "r", list(range(1, 40)), SP(max_tokens=1), 0, 0, 0)
+    seq.block_table = [3, 4]  # 32 positions with 16-token blocks
+    ok = runner._batch([Chunk(seq, 0, tuple(seq.prompt_token_ids[:32]))])
+    assert list(ok.slot_mapping[:32]) == [3 * 16 + p for p in range(16)] + [4 * 16 + p for p in range(16)]
+    with pytest.raises(RuntimeError, match="past its sequence's allocated blocks"):
+        runner._batch([Chunk(seq, 0, tuple(seq.prompt_token_ids))])
