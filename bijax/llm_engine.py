@@ -340,13 +340,15 @@ class Engine:
         p, last = seq.params, seq.output_token_ids[-1]
         if (not p.ignore_eos and last in self.eos_ids) or last in p.stop_token_ids:
             return "stop"
-        if p.stop and self.tokenizer is not None and any(s in self._current_text(seq) for s in p.stop):
-            text = self._text(seq.output_token_ids)  # the cut comes from a whole decode
-            hits = [i for i in (text.find(s) for s in p.stop) if i >= 0]
-            if hits:
-                seq.text = text[: min(hits)]  # may be "" (the stop string came first)
-                seq.stop_cut = True
-                return "stop"
+        if p.stop and self.tokenizer is not None:
+            now = self._current_text(seq)  # decoded once per token, searched for every stop string
+            if any(s in now for s in p.stop):
+                text = self._text(seq.output_token_ids)  # the cut comes from a whole decode
+                hits = [i for i in (text.find(s) for s in p.stop) if i >= 0]
+                if hits:
+                    seq.text = text[: min(hits)]  # may be "" (the stop string came first)
+                    seq.stop_cut = True
+                    return "stop"
         if len(seq.output_token_ids) >= p.max_tokens or len(seq) >= self.config.max_model_len:
             return "length"
         return None

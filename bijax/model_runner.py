@@ -215,25 +215,21 @@ class ModelRunner:
         batch = self._batch(chunks)
         self.compiled_buckets.add((len(batch.context_lens), batch.num_tokens))
         sampling = SamplingRows.greedy(len(batch.logit_rows))
-        lens, starts, nrows = _chunk_arrays(chunks)
-        j = int(nrows.sum())
-        params = [c.seq.params for c in chunks]
+        j = sum(c.num_rows for c in chunks)
+        flat = batch.logit_rows[:j]  # each sampled row's token in the batch
+        owner = batch.token_seq[flat]  # and the chunk it belongs to
         for name, dtype in (
             ("temperature", np.float32),
             ("top_k", np.int32),
             ("top_p", np.float32),
             ("min_p", np.float32),
         ):
-            values = np.fromiter((getattr(p, name) for p in params), dtype, len(chunks))
-            getattr(sampling, name)[:j] = np.repeat(values, nrows)
-        sampling.seed[:j] = np.repeat(
-            np.fromiter((c.seq.seed for c in chunks), np.uint32, len(chunks)), nrows
-        )
-        sampling.sample_index[:j] = np.repeat(
-            np.fromiter((c.seq.sample_index for c in chunks), np.int32, len(chunks)), nrows
-        )
-        # a row samples the token after its own: positions end - num_rows + 1 .. end
-        sampling.position[:j] = _last_rows(starts + lens + 1, nrows)
+            getattr(sampling, name)[:j] = np.fromiter((getattr(c.seq.params, name) for c in chunks), dtype)[
+                owner
+            ]
+        sampling.seed[:j] = np.fromiter((c.seq.seed for c in chunks), np.uint32)[owner]
+        sampling.sample_index[:j] = np.fromiter((c.seq.sample_index for c in chunks), np.int32)[owner]
+        sampling.position[:j] = batch.token_pos[flat] + 1  # a row samples the token after its own
         tok, tok_lp, top = self._run(batch, sampling, num_logprobs)
         tok, tok_lp = sharding.host(tok), sharding.host(tok_lp)
         top = None if top is None else (sharding.host(top[0])[:j], sharding.host(top[1])[:j])
