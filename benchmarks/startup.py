@@ -4,7 +4,9 @@
            persistent compile cache, then again in a second process from the filled cache;
   single   one request's first token - ``LLM`` sized as ``bijax generate`` sizes it for one
            prompt (1 sequence, 512 tokens per step), ``warmup(max_step_tokens=prompt)``, then
-           ``generate`` of 1 token - on an empty cache, timed from the process's start.
+           ``generate`` of 1 token - on an empty cache, then from the filled cache, timed from
+           the process's start; each also checks that its warmed-up steps (exported, or read
+           back from the cache) give the bits of steps jitted as they come.
 
 Each child prints its phases (import, model build, warm-up with compiled / loaded counts, the
 first generate); the parent prints the wall time of each process and a table last.
@@ -114,11 +116,13 @@ def main() -> int:
             ("64 seqs x 2048 tokens, empty cache", "engine", c1),
             ("64 seqs x 2048 tokens, filled cache", "engine", c1),
             ("one request, first token, empty cache", "single", c2),
+            ("one request, first token, filled cache", "single", c2),
         ):
             r = run_child(kind, a.model, cache)
             print(name, json.dumps(r), flush=True)
             rows.append((name, r))
-    print("warmed-up vs jitted steps, same tokens and logprob bits:", rows[-1][1]["aot_vs_jit_same_bits"])
+    for name, r in rows[2:]:
+        print(f"{name}: warmed-up vs jitted steps, same tokens and logprob bits:", r["aot_vs_jit_same_bits"])
     print(
         "\n| start | process wall s | import s | model s | warm-up s (programs: compiled / loaded)"
         " | of it tracing s | first generate s |"

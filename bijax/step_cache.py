@@ -17,18 +17,17 @@ at most ``MAX_FILES`` of them, not counted in ``BIJAX_CACHE_MAX_GB``); with the 
 (``BIJAX_COMPILATION_CACHE=0``) steps are traced as before. The compiled program is the one a
 direct ``jit`` of the step compiles: the tests compare the bits of steps built both ways.
 
-GPUs trace as before (``directory`` is None there): in jax 0.11.2 a step with Mosaic GPU kernels
-read back from its export failed to compile in a fresh process on the H200 ("Failed to lookup
-host symbol: ..._mosaic_gpu"). Likely cause, untested: the Mosaic GPU custom call finds its
-runtime library through ``MOSAIC_GPU_RUNTIME_LIB_PATH``, which importing
-``jax.experimental.mosaic.gpu`` sets - and a process that never lowered a Mosaic kernel never
-imported it.
+On GPUs the Mosaic GPU custom call finds its runtime library through
+``MOSAIC_GPU_RUNTIME_LIB_PATH``, which importing ``jax.experimental.mosaic.gpu`` sets; a process
+that reads every step back never lowers a Mosaic kernel and so would never import it (the H200
+then failed with "Failed to lookup host symbol: ..._mosaic_gpu"), so ``directory`` imports it.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import os
 import tempfile
 
@@ -98,10 +97,12 @@ def key(*parts) -> str:
 
 def directory() -> str | None:
     """Where exported steps are kept; None (steps are traced as they always were) when the
-    persistent cache is off, and on GPUs (see the module's docstring)."""
+    persistent cache is off."""
     base = compile_cache.directory()
-    if base is None or jax.default_backend() != "cpu":
+    if base is None:
         return None
+    if jax.default_backend() == "gpu":
+        importlib.import_module("jax.experimental.mosaic.gpu")  # sets the runtime's path (module docstring)
     return os.path.join(base, "bijax-steps")
 
 
@@ -175,7 +176,8 @@ def _prune(where: str) -> None:
 class FlatStep:
     """A step lowered from its exported program, which takes and returns flat leaves. Its
     ``compile()`` gives a callable taking the step's arguments as the jitted step does and
-    returning (out, new value of the donated argument)."""
+    returning what it returns: (out, new value of the donated argument), or out when nothing
+    is donated (``donated_tree`` None)."""
 
     def __init__(self, lowered, in_tree, donated_tree):
         self.lowered, self.in_tree, self.donated_tree, self.compiled = lowered, in_tree, donated_tree, None
@@ -184,11 +186,16 @@ class FlatStep:
         self.compiled = self.lowered.compile()
         return self
 
-    def __call__(self, *args):
-        leaves, tree = jax.tree_util.tree_flatten(args)
+    def __call__(self, *args, flat=None):
+        """``flat``: (leaves, treedef) of ``args`` when the caller has them (a model's weights
+        flatten in Python, ~1 ms for llama3-8b: the engine flattens them once)."""
+        leaves, tree = jax.tree_util.tree_flatten(args) if flat is None else flat
         if tree != self.in_tree:
             raise TypeError(f"step arguments changed structure since warm-up: {tree} != {self.in_tree}")
-        out, donated = self.compiled(*leaves)
+        out = self.compiled(*leaves)
+        if self.donated_tree is None:
+            return out
+        out, donated = out
         return out, jax.tree_util.tree_unflatten(self.donated_tree, donated)
 
 
@@ -197,16 +204,20 @@ def export_fn(fn, *args) -> export.Exported:
     return export.export(fn, disabled_checks=_CHECKS)(*args)
 
 
-def lower(fn, args: tuple, kw: dict, *, donate: int, label: str) -> FlatStep:
+def lower(fn, args: tuple, kw: dict, *, donate: int | None, label: str) -> FlatStep:
     """``fn(*args, **kw)`` lowered through its exported program - ``fn`` a jitted function of
     pytree ``args`` and static ``kw`` that returns (out, new value of ``args[donate]``), which is
-    donated - read back when a previous start saved it (under ``label`` and what ``step_key``
-    names), else exported and saved now. Call only when ``directory()`` is not None."""
+    donated, or just out when ``donate`` is None - read back when a previous start saved it
+    (under ``label`` and what ``step_key`` names), else exported and saved now. Call only when
+    ``directory()`` is not None."""
     name = step_key(label, args, kw)
     leaves, tree = jax.tree_util.tree_flatten(args)
-    donated_tree = jax.tree_util.tree_structure(args[donate])
-    first = sum(jax.tree_util.tree_structure(a).num_leaves for a in args[:donate])
-    donate_argnums = tuple(range(first, first + donated_tree.num_leaves))
+    if donate is None:
+        donated_tree, donate_argnums = None, ()
+    else:
+        donated_tree = jax.tree_util.tree_structure(args[donate])
+        first = sum(jax.tree_util.tree_structure(a).num_leaves for a in args[:donate])
+        donate_argnums = tuple(range(first, first + donated_tree.num_leaves))
 
     def via(exported):
         return FlatStep(
@@ -221,7 +232,10 @@ def lower(fn, args: tuple, kw: dict, *, donate: int, label: str) -> FlatStep:
             pass
 
     def flat(*leaves):
-        out, donated = fn(*jax.tree_util.tree_unflatten(tree, leaves), **kw)
+        result = fn(*jax.tree_util.tree_unflatten(tree, leaves), **kw)
+        if donate is None:
+            return result
+        out, donated = result
         return out, jax.tree_util.tree_leaves(donated)
 
     # Compiled as read back (when it could be written), so this start and the next compile the
