@@ -1,6 +1,9 @@
-"""Where an engine step's time goes: per-kernel CUPTI times of the compiled step program
-(forward + sampling, KV cache donated, as the engine runs it), grouped by kernel name, next to
-the step's wall time and the gap between the two (launches, host work, transfers).
+"""Where an engine step's time goes: per-kernel CUPTI times of the compiled step programs
+(the forward, KV cache donated, then sampling - as the engine runs them), grouped by kernel
+name, next to the step's wall time, the host's time to enqueue it, and the gap between wall
+and kernel time (launches, host work, transfers). ``--trace DIR`` takes a jax.profiler trace
+instead of CUPTI's kernel times and also prints where the device sat idle: the kernels each
+idle stretch came before and after, and what the host did during the longest one.
 
 Run on the H200 from the repo root:
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/profile_step.py [--model llama3-8b]
@@ -22,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bijax.model_runner import step_program
-from bijax.sampler import SamplingRows
+from bijax.model_runner import forward_program, sample_program
+from bijax.sampler import SamplingRows, uses_filters
 from models.configs import preset
 from models.llama import Llama
 from models.paged import PagedBatch, init_kv_cache
@@ -60,18 +63,111 @@ def _group(name: str) -> str:
     return re.sub(r"(_\d+)+$", "", re.sub(r"\.\d+$", "", name))
 
 
-def profile(model, case, *, invariant: bool, iters: int, cupti: bool):
+def trace_gaps(d: str, iters: int) -> dict:
+    """From the perfetto trace under ``d``: the device's idle time per step, grouped by the
+    kernel that ran next (what the device waited to start) and by the one before it, and the
+    host events that took most time (thunk launches and the like)."""
+    import glob
+    import gzip
+    import json
+
+    path = sorted(glob.glob(os.path.join(d, "**", "*perfetto_trace.json.gz"), recursive=True))[-1]
+    with gzip.open(path) as f:
+        ev = json.load(f)
+    ev = ev["traceEvents"] if isinstance(ev, dict) else ev
+    pname = {
+        e["pid"]: e["args"].get("name", "")
+        for e in ev
+        if e.get("ph") == "M" and e.get("name") == "process_name"
+    }
+    gpu_pids = {p for p, n in pname.items() if "GPU" in n or "gpu" in n}
+    dev = sorted(
+        (float(e["ts"]), float(e.get("dur", 0)), e["name"])
+        for e in ev
+        if e.get("ph") == "X" and e.get("pid") in gpu_pids
+    )
+    kern = collections.defaultdict(lambda: [0, 0.0])
+    for _, dur, n in dev:
+        kern[_group(n)][0] += 1
+        kern[_group(n)][1] += dur
+    host = collections.defaultdict(lambda: [0, 0.0])
+    for e in ev:
+        if e.get("ph") == "X" and e.get("pid") not in gpu_pids:
+            host[_group(e["name"])][0] += 1
+            host[_group(e["name"])][1] += float(e.get("dur", 0))
+    before = collections.defaultdict(lambda: [0, 0.0])
+    after = collections.defaultdict(lambda: [0, 0.0])
+    busy_end = None
+    prev = None
+    idle = 0.0
+    for ts, dur, n in dev:
+        if busy_end is not None and ts > busy_end:
+            g = ts - busy_end
+            idle += g
+            before[_group(n)][0] += 1
+            before[_group(n)][1] += g
+            after[_group(prev)][0] += 1
+            after[_group(prev)][1] += g
+        busy_end = ts + dur if busy_end is None else max(busy_end, ts + dur)
+        prev = n
+    span = (busy_end - dev[0][0]) if dev else 0.0
+    # The longest idle stretch: what the device ran around it, what the host did during it.
+    worst, end = (0.0, 0.0, 0), None
+    for i, (ts, dur, _) in enumerate(dev):
+        if end is not None and ts - end > worst[0]:
+            worst = (ts - end, end, i)
+        end = ts + dur if end is None else max(end, ts + dur)
+    g, g0, gi = worst
+    around = [(ts - g0, dur, n) for ts, dur, n in dev[max(0, gi - 4) : gi + 4]]
+    during = sorted(
+        (
+            (float(e["ts"]) - g0, float(e.get("dur", 0)), e["name"])
+            for e in ev
+            if e.get("ph") == "X"
+            and e.get("pid") not in gpu_pids
+            and float(e["ts"]) < g0 + g
+            and float(e["ts"]) + float(e.get("dur", 0)) > g0
+        ),
+        key=lambda x: -x[1],
+    )[:25]
+    per = lambda m: {k: (c / iters, us / iters / 1e3) for k, (c, us) in m.items()}  # noqa: E731
+    return dict(
+        events=len(dev) / iters,
+        span_ms=span / iters / 1e3,
+        idle_ms=idle / iters / 1e3,
+        before=per(before),
+        after=per(after),
+        host=per(host),
+        kernels=per(kern),
+        worst_us=g,
+        around=around,
+        during=during,
+    )
+
+
+def profile(
+    model, case, *, invariant: bool, iters: int, cupti: bool, trace_dir: str | None = None, top_p: float = 1.0
+):
     name, num_seqs, ctx, new = case
     c = model.config
     batch, sampling, nblocks = make_step(num_seqs, ctx, new, ctx + new, c.vocab_size)
+    sampling.top_p[:] = top_p
+    filters = uses_filters(sampling)  # as the engine decides, on the host
     graphdef, params = nnx.split(model)
     cache = init_kv_cache(c, nblocks, BS, model.dtype)
     batch = jax.tree_util.tree_map(jnp.asarray, batch)
     sampling = jax.tree_util.tree_map(jnp.asarray, sampling)
-    kw = dict(graphdef=graphdef, invariant=invariant, num_logprobs=0)
     t0 = time.perf_counter()
-    compiled = step_program.lower(params, cache, batch, sampling, **kw).compile()
+    fwd = forward_program.lower(params, cache, batch, graphdef=graphdef, invariant=invariant).compile()
+    logits = jax.ShapeDtypeStruct((num_seqs, c.vocab_size), jnp.float32)
+    smp = sample_program.lower(
+        logits, sampling, invariant=invariant, num_logprobs=0, filters=filters
+    ).compile()
     compile_s = time.perf_counter() - t0
+
+    def compiled(params, cache, batch, sampling):  # one engine step: its two programs
+        logits, cache = fwd(params, cache, batch)
+        return smp(logits, sampling), cache
 
     def run(cache, n):
         for _ in range(n):
@@ -83,6 +179,14 @@ def profile(model, case, *, invariant: bool, iters: int, cupti: bool):
     t0 = time.perf_counter()
     cache = run(cache, iters)
     wall_ms = (time.perf_counter() - t0) / iters * 1e3
+    # Host time to enqueue one step (the call returns before the device finishes): when it is
+    # close to the wall time, the host's launches, not the kernels, set the pace.
+    jax.block_until_ready(cache)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        out, cache = compiled(params, cache, batch, sampling)
+    dispatch_ms = (time.perf_counter() - t0) / iters * 1e3
+    jax.block_until_ready((out, cache))
     kernels = None
     if cupti:
         from jax.experimental.mosaic.gpu import profiler
@@ -98,13 +202,44 @@ def profile(model, case, *, invariant: bool, iters: int, cupti: bool):
             kernels[_group(k)][0] += 1
             kernels[_group(k)][1] += ms
         kernels = {k: (n / iters, ms / iters) for k, (n, ms) in kernels.items()}
+    # After CUPTI's kernel times: the profiler's own CUPTI session would drop their records.
+    gaps = None
+    if trace_dir is not None:
+        d = os.path.join(trace_dir, re.sub(r"\W+", "_", f"{name}_{invariant}"))
+        jax.profiler.start_trace(d, create_perfetto_trace=True)
+        try:
+            cache = run(cache, iters)
+        finally:
+            jax.profiler.stop_trace()
+        try:
+            gaps = trace_gaps(d, iters)
+        except Exception as e:  # noqa: BLE001 - a profile that cannot be read: say so, go on
+            print(f"(trace of {name} not read: {type(e).__name__}: {e})")
+    if kernels is None and gaps is not None:
+        kernels = gaps["kernels"]  # the trace's device events, when CUPTI was not asked
     return dict(
-        case=name,
+        case=name + (f", top-p {top_p}" if top_p < 1 else ""),
         path="invariant" if invariant else "XLA",
         wall_ms=wall_ms,
+        dispatch_ms=dispatch_ms,
         compile_s=compile_s,
         kernels=kernels,
+        gaps=gaps,
     )
+
+
+def kernel_table(r, top: int):
+    total = sum(ms for _, ms in r["kernels"].values())
+    n = sum(c for c, _ in r["kernels"].values())
+    print(
+        f"kernel time {total:.2f} ms in {n:.0f} launches; gap (wall - kernels) {r['wall_ms'] - total:.2f} ms;"
+        f" host enqueue {r['dispatch_ms']:.2f} ms per step\n"
+    )
+    print("| kernel | count | ms per step | share of kernel time |")
+    print("|---|---|---|---|")
+    for k, (c, ms) in sorted(r["kernels"].items(), key=lambda kv: -kv[1][1])[:top]:
+        print(f"| {k} | {c:.0f} | {ms:.3f} | {ms / total:.1%} |")
+    print()
 
 
 def report(r, top: int):
@@ -112,17 +247,67 @@ def report(r, top: int):
         f"## {r['case']} - {r['path']}: wall {r['wall_ms']:.2f} ms per step (compile {r['compile_s']:.1f} s)"
     )
     print(head)
-    if r["kernels"] is None:
+    if r["kernels"] is not None:
+        kernel_table(r, top)
+    g = r["gaps"]
+    if g is None:
         return
-    total = sum(ms for _, ms in r["kernels"].values())
-    n = sum(c for c, _ in r["kernels"].values())
     print(
-        f"kernel time {total:.2f} ms in {n:.0f} launches; gap (wall - kernels) {r['wall_ms'] - total:.2f} ms\n"
+        f"trace: {g['events']:.0f} device events per step over {g['span_ms']:.2f} ms,"
+        f" device idle {g['idle_ms']:.2f} ms per step\n"
     )
-    print("| kernel | count | ms per step | share of kernel time |")
-    print("|---|---|---|---|")
-    for k, (c, ms) in sorted(r["kernels"].items(), key=lambda kv: -kv[1][1])[:top]:
-        print(f"| {k} | {c:.0f} | {ms:.3f} | {ms / total:.1%} |")
+    for title, m in (
+        ("idle before (the event that waited)", g["before"]),
+        ("idle after", g["after"]),
+        ("host events, total", g["host"]),
+    ):
+        print(f"| {title} | count | ms per step |")
+        print("|---|---|---|")
+        for k, (c, ms) in sorted(m.items(), key=lambda kv: -kv[1][1])[:top]:
+            print(f"| {k[:90]} | {c:.0f} | {ms:.3f} |")
+        print()
+    print(
+        f"longest device idle: {g['worst_us']:.0f} us; device events around it (start us from its start, dur us):"
+    )
+    for t, d, n in g["around"]:
+        print(f"  {t:10.1f} {d:8.1f}  {n[:100]}")
+    print("host events overlapping it (start us, dur us), longest first:")
+    for t, d, n in g["during"]:
+        print(f"  {t:10.1f} {d:8.1f}  {n[:100]}")
+    print()
+
+
+def engine_profile(name: str, num_seqs: int, trace_dir: str, tokens: int, top: int) -> None:
+    """``LLM.generate`` of ``num_seqs`` x (64 in + ``tokens`` out) under a profiler trace, after
+    an identical warm-up run: wall ms per step, device busy and idle per step, and the host's
+    time by Python function (what the engine does between the device's steps)."""
+    import bijax
+
+    llm = bijax.LLM(name, max_num_seqs=num_seqs, max_num_batched_tokens=max(512, 64 * num_seqs))
+    prompts = [{"prompt_token_ids": [10 + (i + j) % 50 for j in range(64)]} for i in range(num_seqs)]
+    sp = bijax.SamplingParams(temperature=0.8, seed=1, max_tokens=tokens, ignore_eos=True)
+    llm.warmup(progress=False, max_step_tokens=64 * num_seqs)
+    llm.generate(prompts, sp, use_tqdm=False)  # compiles whatever warm-up did not
+    llm.reset_prefix_cache()
+    t0 = time.perf_counter()
+    llm.generate(prompts, sp, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    llm.reset_prefix_cache()
+    d = os.path.join(trace_dir, f"engine_{num_seqs}")
+    jax.profiler.start_trace(d, create_perfetto_trace=True)
+    try:
+        llm.generate(prompts, sp, use_tqdm=False)
+    finally:
+        jax.profiler.stop_trace()
+    g = trace_gaps(d, tokens)
+    print(
+        f"## engine {name}, {num_seqs} seqs x (64 + {tokens}): {wall / tokens * 1e3:.2f} ms per step untraced;"
+        f" traced: device busy {g['span_ms'] - g['idle_ms']:.2f} ms, idle {g['idle_ms']:.2f} ms per step\n"
+    )
+    print("| host event (per step) | count | ms per step |")
+    print("|---|---|---|")
+    for k, (c, ms) in sorted(g["host"].items(), key=lambda kv: -kv[1][1])[:top]:
+        print(f"| {k[:100]} | {c:.1f} | {ms:.3f} |")
     print()
 
 
@@ -134,9 +319,23 @@ def main():
     p.add_argument("--smoke", action="store_true", help="tiny preset, CPU, wall times only")
     p.add_argument("--cases", default="decode1,decode64,prefill", help="subset of decode1,decode64,prefill")
     p.add_argument("--paths", default="invariant,xla", help="subset of invariant,xla")
+    p.add_argument("--trace", default=None, help="directory: also take a jax.profiler trace, print idle gaps")
+    p.add_argument("--top-p", type=float, default=1.0, help="every row's top_p (< 1: the filter masks run)")
+    p.add_argument(
+        "--engine",
+        default=None,
+        help="comma-separated sequence counts: trace whole LLM.generate runs instead (needs --trace)",
+    )
+    p.add_argument("--tokens", type=int, default=64, help="--engine: output tokens per sequence")
     args = p.parse_args()
     name = "tiny" if args.smoke else args.model
-    cupti = jax.default_backend() == "gpu"
+    if args.engine:
+        for n in args.engine.split(","):
+            engine_profile(name, int(n), args.trace or "/tmp/bijax-trace", args.tokens, args.top)
+        return
+    # CUPTI's own kernel times, unless a profiler trace is taken: after one, CUPTI drops its
+    # records (the trace's device events give the kernel table then).
+    cupti = jax.default_backend() == "gpu" and args.trace is None
     print(f"# {datetime.date.today()} {jax.devices()[0].device_kind} jax {jax.__version__} model {name}")
     print(f"# XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}")
     model = Llama(preset(name), dtype=jnp.bfloat16, seed=0)
@@ -156,17 +355,26 @@ def main():
     rows = []
     for case in cases:
         for invariant in paths:
-            r = profile(model, case, invariant=invariant, iters=args.iters, cupti=cupti)
+            r = profile(
+                model,
+                case,
+                invariant=invariant,
+                iters=args.iters,
+                cupti=cupti,
+                trace_dir=args.trace,
+                top_p=args.top_p,
+            )
             report(r, args.top)
             rows.append(r)
-    print("| case | path | wall ms | kernel ms | gap ms | launches |")
-    print("|---|---|---|---|---|---|")
+    print("| case | path | wall ms | host enqueue ms | kernel ms | gap ms | launches |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         k = r["kernels"]
         kt = sum(ms for _, ms in k.values()) if k else float("nan")
         n = sum(c for c, _ in k.values()) if k else float("nan")
         print(
-            f"| {r['case']} | {r['path']} | {r['wall_ms']:.2f} | {kt:.2f} | {r['wall_ms'] - kt:.2f} | {n:.0f} |"
+            f"| {r['case']} | {r['path']} | {r['wall_ms']:.2f} | {r['dispatch_ms']:.2f} | {kt:.2f} |"
+            f" {r['wall_ms'] - kt:.2f} | {n:.0f} |"
         )
 
 

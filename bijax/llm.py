@@ -70,7 +70,8 @@ def _load(model, *, dtype, k_shards: int, seed: int, tensor_parallel_size: int) 
 
 @dataclasses.dataclass(frozen=True)
 class WarmupReport:
-    """What ``LLM.warmup`` did: seconds, step programs made ready, and of the programs XLA was
+    """What ``LLM.warmup`` did: seconds, step programs made ready (a step is two: its forward,
+    and sampling - per sampled-row count, with and without top-k / top-p), and of the programs XLA was
     asked for, how many came from the persistent cache and how many were compiled (both 0 when
     the cache is off); ``tracing_seconds``: the part of ``seconds`` spent tracing and lowering
     the steps (or reading their exported programs) - the rest compiled or loaded them."""
@@ -295,7 +296,8 @@ class LLM:
         from bijax import compile_cache
 
         pairs = self.engine.pending_buckets(logprobs=logprobs, max_step_tokens=max_step_tokens)
-        hits, misses = compile_cache.counts()
+        hits = compile_cache.counts()[0]
+        made = self.engine.programs_made()
         t0 = time.perf_counter()
         bar = None
         if progress and pairs:
@@ -315,10 +317,12 @@ class LLM:
             if bar is not None:
                 bar.close()
         took = time.perf_counter() - t0
-        h, m = compile_cache.counts()
-        self.last_warmup = WarmupReport(
-            took, len(pairs) * (2 if logprobs else 1), h - hits, m - misses, tracing_seconds=tracing
-        )
+        made = self.engine.programs_made() - made
+        loaded = compile_cache.counts()[0] - hits
+        # Compiled = the rest (a program that compiles faster than the cache's threshold is
+        # compiled but not written, so the cache's own miss count would leave it out).
+        compiled = made - loaded if compile_cache.directory() is not None else 0
+        self.last_warmup = WarmupReport(took, made, loaded, compiled, tracing_seconds=tracing)
         return took
 
     def reset_prefix_cache(self) -> None:

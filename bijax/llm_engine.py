@@ -189,6 +189,13 @@ class Engine:
                 tracing += self.speculator.draft.warmup(self.runner.bucket_pairs() + verify)
         return tracing
 
+    def programs_made(self) -> int:
+        """Step programs ``warmup`` has made ready so far (the draft model's included)."""
+        n = self.runner.programs_made
+        if self.speculator is not None and self.speculator.draft is not None:
+            n += self.speculator.draft.programs_made
+        return n
+
     def stats(self) -> EngineStats:
         return EngineStats(
             prefix_cache_hit_blocks=self.blocks.hit_blocks,

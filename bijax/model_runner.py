@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 import pallas_kernels as pk
 from bijax import step_cache
 from bijax.config import EngineConfig, bucket
-from bijax.sampler import SamplingRows, sample_rows, target_logprobs
+from bijax.sampler import SamplingRows, sample_rows, target_logprobs, uses_filters
 from bijax.sequence import Sequence
 from models import sharding
 from models.llama import Llama, TensorParallel
@@ -95,20 +95,40 @@ def _over_mesh(body, mesh, params, cache, *args):
     )(params, cache, *args)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("graphdef", "invariant", "num_logprobs", "mesh"), donate_argnames=("cache",)
-)
-def step_program(
-    params, cache, batch: PagedBatch, sampling: SamplingRows, *, graphdef, invariant, num_logprobs, mesh=None
-):
-    """One engine step: the paged forward of ``batch`` (logits of its ``logit_rows``, one per
-    sequence row) and a sampled token per row, with ``num_logprobs`` top logprobs (0: none)."""
+def _replicated(fn, mesh, *args):
+    """``fn(*args)`` as is without a mesh, else inside one shard_map with every input and output
+    replicated (each rank computes the same)."""
+    if mesh is None:
+        return fn(*args)
+    return jax.shard_map(fn, mesh=mesh, in_specs=(P(),) * len(args), out_specs=P(), check_vma=False)(*args)
 
-    def body(params, cache, batch, sampling, tp):
-        logits, cache = _forward(params, cache, batch, graphdef=graphdef, invariant=invariant, tp=tp)
-        return sample_rows(logits, sampling, invariant=invariant, num_logprobs=num_logprobs), cache
 
-    return _over_mesh(body, mesh, params, cache, batch, sampling)
+@functools.partial(jax.jit, static_argnames=("graphdef", "invariant", "mesh"), donate_argnames=("cache",))
+def forward_program(params, cache, batch: PagedBatch, *, graphdef, invariant, mesh=None):
+    """An engine step's first program: the paged forward of ``batch`` -> (logits of its
+    ``logit_rows`` [R, V], replicated under tensor parallelism; the cache)."""
+
+    def body(params, cache, batch, tp):
+        return _forward(params, cache, batch, graphdef=graphdef, invariant=invariant, tp=tp)
+
+    return _over_mesh(body, mesh, params, cache, batch)
+
+
+@functools.partial(jax.jit, static_argnames=("invariant", "num_logprobs", "filters", "mesh"))
+def sample_program(logits, sampling: SamplingRows, *, invariant, num_logprobs, filters, mesh=None):
+    """An engine step's second program: a sampled token per row of ``logits`` with
+    ``num_logprobs`` top logprobs (0: none); ``filters``: ``uses_filters`` of the rows.
+
+    Sampling is a program of its own so that whether a step needs the top-k / top-p masks is
+    decided on the host, from the rows' parameters, as the choice of program: inside the
+    forward's program it was a ``lax.cond`` on device values, and on a GPU XLA runs a cond by
+    copying its predicate to the host - the host then waited for the whole forward before it
+    launched the rest, every step (H200, llama3-8b, one sequence: 2.8 ms of a 9 ms step idle)."""
+
+    def body(logits, sampling):
+        return sample_rows(logits, sampling, invariant=invariant, num_logprobs=num_logprobs, filters=filters)
+
+    return _replicated(body, mesh, logits, sampling)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "invariant", "mesh"), donate_argnames=("cache",))
@@ -123,9 +143,9 @@ def score_program(params, cache, batch: PagedBatch, targets, temperature, *, gra
 
 
 def num_compiled_steps() -> int:
-    """How many engine step programs this process has compiled (all engines together): a
-    constant across calls shows that nothing recompiled."""
-    return step_program._cache_size()
+    """How many engine step programs (forward and sampling) this process has compiled (all
+    engines together): a constant across calls shows that nothing recompiled."""
+    return forward_program._cache_size() + sample_program._cache_size()
 
 
 class ModelRunner:
@@ -136,8 +156,9 @@ class ModelRunner:
         self.config = config
         self.model_config = model.config
         self.compiled_buckets: set = set()  # (seqs, tokens) buckets whose step is compiled
-        # Steps compiled ahead of time by ``warmup`` (in parallel), by (seqs, tokens, num_logprobs).
+        # Programs compiled ahead of time by ``warmup`` (in parallel), by ``_lowered``'s keys.
         self._aot: dict = {}
+        self.programs_made = 0  # by ``warmup``, all calls together
         if config.invariant and jax.default_backend() == "cpu":
             pk.require_consistent_cpu_math()  # CPU bits must not depend on the CPU model
         size = config.tensor_parallel_size
@@ -165,6 +186,9 @@ class ModelRunner:
             params = jax.device_put(params, jax.devices()[0])
             nnx.update(model, params)
         self.params = params
+        # Flattened once (an nnx State flattens in Python: ~1 ms per step for llama3-8b's 291
+        # arrays): ``check_params`` and the warmed-up steps' flat calls use these.
+        self._param_leaves, self._param_tree = jax.tree_util.tree_flatten(params)
 
     def _inputs(self, tree):
         """Host inputs as arrays every rank of the mesh sees whole (needed across processes)."""
@@ -235,21 +259,38 @@ class ModelRunner:
         top = None if top is None else (sharding.host(top[0])[:j], sharding.host(top[1])[:j])
         return tok[:j], tok_lp[:j], top
 
-    def _step_args(self, batch: PagedBatch, sampling: SamplingRows, num_logprobs: int):
-        args = (self.params, self.cache, self._inputs(batch), self._inputs(sampling))
-        kw = dict(
-            graphdef=self.graphdef, invariant=self.config.invariant, num_logprobs=num_logprobs, mesh=self.mesh
-        )
+    def _forward_args(self, batch: PagedBatch):
+        args = (self.params, self.cache, self._inputs(batch))
+        return args, dict(graphdef=self.graphdef, invariant=self.config.invariant, mesh=self.mesh)
+
+    def _sample_args(self, logits, sampling: SamplingRows, num_logprobs: int, filters: bool):
+        args = (logits, self._inputs(sampling))
+        kw = dict(invariant=self.config.invariant, num_logprobs=num_logprobs, filters=filters, mesh=self.mesh)
         return args, kw
 
+    def _logits_spec(self, r: int) -> jax.ShapeDtypeStruct:
+        """What ``forward_program`` returns as logits for ``r`` sampled rows."""
+        rep = None if self.mesh is None else NamedSharding(self.mesh, P())
+        return jax.ShapeDtypeStruct((r, self.model_config.vocab_size), np.float32, sharding=rep)
+
     def _run(self, batch: PagedBatch, sampling: SamplingRows, num_logprobs: int):
-        """One step (compiled ahead of time by ``warmup``, else jitted now); keeps the donated
-        cache; returns (tokens, logprobs, top)."""
-        args, kw = self._step_args(batch, sampling, num_logprobs)
-        key = (len(batch.context_lens), batch.num_tokens, len(batch.logit_rows), num_logprobs)
-        compiled = self._aot.get(key)
-        out, self.cache = compiled(*args) if compiled is not None else step_program(*args, **kw)
-        return out
+        """One step - the forward, then sampling (each compiled ahead of time by ``warmup``, else
+        jitted now); keeps the donated cache; returns (tokens, logprobs, top)."""
+        args, kw = self._forward_args(batch)
+        r = len(batch.logit_rows)
+        compiled = self._aot.get(("forward", len(batch.context_lens), batch.num_tokens, r))
+        if compiled is None:
+            logits, self.cache = forward_program(*args, **kw)
+        elif isinstance(compiled, step_cache.FlatStep):  # the weights' leaves as flattened once
+            rest, rest_tree = jax.tree_util.tree_flatten(args[1:])
+            tree = jax.tree_util.treedef_tuple([self._param_tree, *rest_tree.children()])
+            logits, self.cache = compiled(*args, flat=(self._param_leaves + rest, tree))
+        else:
+            logits, self.cache = compiled(*args)
+        filters = uses_filters(sampling)
+        args, kw = self._sample_args(logits, sampling, num_logprobs, filters)
+        compiled = self._aot.get(("sample", r, num_logprobs, filters))
+        return compiled(*args) if compiled is not None else sample_program(*args, **kw)
 
     def score_step(self, chunks: list[Chunk], targets, temperature: float):
         """Logprobs of ``targets`` (one per computed token; -1: not wanted) for one step."""
@@ -281,65 +322,85 @@ class ModelRunner:
         return b if r is None or r == s else b.replace(logit_rows=np.zeros(r, np.int32))
 
     def compiled_text(self, s: int, t: int, num_logprobs: int = 0) -> str:
-        """The compiled step of one bucket as HLO text (what the device runs; for audits)."""
-        lowered = step_program.lower(
-            self.params,
-            self.cache,
-            self._inputs(self.padding_batch(s, t)),
-            self._inputs(SamplingRows.greedy(s)),
-            graphdef=self.graphdef,
-            invariant=self.config.invariant,
-            num_logprobs=num_logprobs,
-            mesh=self.mesh,
-        )
-        return lowered.compile().as_text()
+        """The compiled programs of one bucket's step - its forward, then its sampling (both
+        variants: without and with the top-k / top-p masks) - as HLO text (what the device
+        runs; for audits)."""
+        args, kw = self._forward_args(self.padding_batch(s, t))
+        texts = [forward_program.lower(*args, **kw).compile().as_text()]
+        for filters in (False, True):
+            args, kw = self._sample_args(self._logits_spec(s), SamplingRows.greedy(s), num_logprobs, filters)
+            texts.append(sample_program.lower(*args, **kw).compile().as_text())
+        return "\n".join(texts)
 
     def warmup(self, pairs, num_logprobs: int = 0, progress=None, workers: int | None = None) -> float:
         """Compiles the step for each (sequences, tokens) bucket - or (sequences, tokens,
         sampled rows) for steps that sample more rows than sequences (speculative decoding) -
-        ahead of time, ``workers`` at once (default: one per CPU core, at most 8). Each bucket's
-        program comes from ``step_cache`` (exported by an earlier start; CPU only) or is traced
-        and lowered now, in this thread and in a fixed order - tracing holds Python's lock anyway,
+        ahead of time, ``workers`` at once (default: one per CPU core, at most 8): its forward,
+        and the sampling programs (without and with top-k / top-p masks) of its sampled rows.
+        Each program comes from ``step_cache`` (exported by an earlier start) or is traced and
+        lowered now, in this thread and in a fixed order - tracing holds Python's lock anyway,
         and a fixed order keeps the lowered text (Mosaic GPU numbers its kernels as it lowers
         them) and so JAX's persistent cache keys the same from start to start. XLA's compile,
-        most of the time, releases the lock: it runs in worker threads while the next bucket
-        lowers. ``progress(s, t)`` after each bucket, in the order they finish. Returns the
-        seconds spent tracing and lowering (or reading exported programs), in this thread."""
-        todo = []
+        most of the time, releases the lock: it runs in worker threads while the next program
+        lowers. ``progress(s, t)`` after each bucket's forward, in the order they finish.
+        Returns the seconds spent tracing and lowering (or reading exported programs), in this
+        thread; ``programs_made`` counts the programs made ready."""
+        forwards, samples, ready = [], [], []
         for b in pairs:
             s, t, r = b if len(b) == 3 else (*b, b[0])
-            if (s, t, r, num_logprobs) not in self._aot:
-                todo.append((s, t, r))
-        if not todo:
+            if ("forward", s, t, r) in self._aot or (s, t, r) in forwards:
+                ready.append((s, t))
+            else:
+                forwards.append((s, t, r))
+            for filters in (False, True):
+                key = ("sample", r, num_logprobs, filters)
+                if key not in self._aot and key not in samples:
+                    samples.append(key)
+        if progress is not None:
+            for s, t in ready:
+                progress(s, t)
+        if not forwards and not samples:
             return 0.0
         workers = workers or min(8, os.cpu_count() or 1)
         tracing = 0.0
-        with concurrent.futures.ThreadPoolExecutor(max_workers=min(workers, len(todo))) as pool:
+        with concurrent.futures.ThreadPoolExecutor(
+            max_workers=min(workers, len(forwards) + len(samples))
+        ) as pool:
             futures = {}
-            for s, t, r in todo:
+            for key in [("forward", *f) for f in forwards] + samples:
                 t0 = time.perf_counter()
-                lowered = self._lowered_step(s, t, r, num_logprobs)
+                lowered = self._lowered(key)
                 tracing += time.perf_counter() - t0
-                futures[pool.submit(lowered.compile)] = (s, t, r)
+                futures[pool.submit(lowered.compile)] = key
             for future in concurrent.futures.as_completed(futures):
-                s, t, r = futures[future]
-                self._aot[(s, t, r, num_logprobs)] = future.result()
-                self.compiled_buckets.add((s, t))
-                if progress is not None:
-                    progress(s, t)
+                key = futures[future]
+                self._aot[key] = future.result()
+                self.programs_made += 1
+                if key[0] == "forward":
+                    self.compiled_buckets.add(key[1:3])
+                    if progress is not None:
+                        progress(*key[1:3])
         return tracing
 
-    def _lowered_step(self, s: int, t: int, r: int, num_logprobs: int):
-        """One bucket's step lowered for inputs shaped as this runner's - through ``step_cache``
-        (an exported program read back, or exported now) where it keeps programs, else from
-        tracing. Its ``compile()`` gives what ``_run`` calls."""
-        args, kw = self._step_args(self.padding_batch(s, t, r), SamplingRows.greedy(r), num_logprobs)
+    def _lowered(self, key):
+        """One program lowered for inputs shaped as this runner's - ("forward", seqs, tokens,
+        rows) or ("sample", rows, num_logprobs, filters) - through ``step_cache`` (an exported
+        program read back, or exported now) where it keeps programs, else from tracing. Its
+        ``compile()`` gives what ``_run`` calls."""
+        if key[0] == "forward":
+            _, s, t, r = key
+            args, kw = self._forward_args(self.padding_batch(s, t, r))
+            fn, donate = forward_program, 1
+        else:
+            _, r, num_logprobs, filters = key
+            args, kw = self._sample_args(self._logits_spec(r), SamplingRows.greedy(r), num_logprobs, filters)
+            fn, donate = sample_program, None
         if step_cache.directory() is None:
-            return step_program.lower(*args, **kw)
-        return step_cache.lower(step_program, args, kw, donate=1, label="step_program")
+            return fn.lower(*args, **kw)
+        return step_cache.lower(fn, args, kw, donate=donate, label=key[0] + "_program")
 
     def check_params(self) -> None:
-        for leaf in jax.tree_util.tree_leaves(self.params):
+        for leaf in self._param_leaves:
             if isinstance(leaf, jax.Array) and leaf.is_deleted():
                 raise RuntimeError(
                     "the engine's weights have been deleted (donated to a train step?): "

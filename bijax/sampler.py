@@ -73,17 +73,23 @@ def sample_reference(logits, temperature, top_k, top_p, min_p, gumbel):
     return jnp.argmax(score, axis=-1).astype(jnp.int32), lp
 
 
-def sample_rows(logits, rows: SamplingRows, *, invariant: bool, num_logprobs: int):
+def uses_filters(rows: SamplingRows) -> bool:
+    """Whether a step's rows (host values) need top-k / top-p masks: ``sample_rows``' ``filters``."""
+    return pk.uses_filters(rows.temperature, rows.top_k, rows.top_p)
+
+
+def sample_rows(logits, rows: SamplingRows, *, invariant: bool, num_logprobs: int, filters: bool = True):
     """-> (tokens int32 [R], their logprobs float32 [R], (top ids [R, n], top logprobs) or None)
-    with n = ``num_logprobs`` (0: None)."""
+    with n = ``num_logprobs`` (0: None). ``filters``: ``uses_filters(rows)`` (``pk.sample``; False
+    is only for rows that use no top-k / top-p - the same bits, less work)."""
     r, v = logits.shape
     keys = row_keys(rows.seed, rows.sample_index, rows.position)
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (v,), jnp.float32))(keys)
-    filters = dict(temperature=rows.temperature, top_k=rows.top_k, top_p=rows.top_p, min_p=rows.min_p)
+    params = dict(temperature=rows.temperature, top_k=rows.top_k, top_p=rows.top_p, min_p=rows.min_p)
     if invariant:
-        tok, lp = pk.sample(logits, **filters, gumbel=gumbel)
+        tok, lp = pk.sample(logits, **params, gumbel=gumbel, filters=filters)
     else:
-        tok, lp = sample_reference(logits, **filters, gumbel=gumbel)
+        tok, lp = sample_reference(logits, **params, gumbel=gumbel)
     tok_lp = lp[jnp.arange(r), tok]
     top = None
     if num_logprobs:

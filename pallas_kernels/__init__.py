@@ -38,6 +38,7 @@ from pallas_kernels.sampling import (
     tempered,
     tempered_log_softmax,
     top_n,
+    uses_filters,
 )
 from pallas_kernels.softmax import (
     log_softmax,
@@ -81,4 +82,5 @@ __all__ = [
     "top_n",
     "tree_psum",
     "tree_sum",
+    "uses_filters",
 ]

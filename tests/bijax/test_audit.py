@@ -14,7 +14,7 @@ import pytest
 from jax.extend import core as jcore
 
 import bijax
-from bijax.model_runner import score_program, step_program
+from bijax.model_runner import forward_program, sample_program, score_program
 from bijax.sampler import SamplingRows
 from models.configs import preset
 from models.llama import Llama
@@ -88,11 +88,17 @@ def runner_inputs():
     return r, batch, sampling
 
 
-def _step_jaxpr(r, batch, sampling, invariant, num_logprobs=0):
-    fn = lambda p, c, b, s: step_program(
-        p, c, b, s, graphdef=r.graphdef, invariant=invariant, num_logprobs=num_logprobs
-    )
-    return jax.make_jaxpr(fn)(r.params, r.cache, batch, sampling).jaxpr
+def _step_reductions(r, batch, sampling, invariant, num_logprobs=0):
+    """Reductions outside the kernels in the programs of an engine step: the forward, then
+    sampling (both variants: without and with the top-k / top-p masks)."""
+    fwd = lambda p, c, b: forward_program(p, c, b, graphdef=r.graphdef, invariant=invariant)  # noqa: E731
+    jaxprs = [jax.make_jaxpr(fwd)(r.params, r.cache, batch).jaxpr]
+    for filters in (False, True):
+        fn = lambda lg, s, f=filters: sample_program(  # noqa: E731
+            lg, s, invariant=invariant, num_logprobs=num_logprobs, filters=f
+        )
+        jaxprs.append(jax.make_jaxpr(fn)(r._logits_spec(len(batch.logit_rows)), sampling).jaxpr)
+    return [x for j in jaxprs for x in reductions_outside_kernels(j)]
 
 
 def _score_jaxpr(r, batch, invariant):
@@ -106,10 +112,7 @@ def _score_jaxpr(r, batch, invariant):
 
 @pytest.mark.parametrize("num_logprobs", [0, 5])
 def test_engine_step_has_no_reduction_outside_the_kernels(runner_inputs, num_logprobs):
-    assert (
-        reductions_outside_kernels(_step_jaxpr(*runner_inputs, invariant=True, num_logprobs=num_logprobs))
-        == []
-    )
+    assert _step_reductions(*runner_inputs, invariant=True, num_logprobs=num_logprobs) == []
 
 
 def test_score_step_has_no_reduction_outside_the_kernels(runner_inputs):
@@ -119,7 +122,7 @@ def test_score_step_has_no_reduction_outside_the_kernels(runner_inputs):
 
 def test_negative_control_the_audit_finds_xla_reductions(runner_inputs):
     """The XLA path is full of them: dots, reductions, sorts and cumsums."""
-    found = set(reductions_outside_kernels(_step_jaxpr(*runner_inputs, invariant=False, num_logprobs=5)))
+    found = set(_step_reductions(*runner_inputs, invariant=False, num_logprobs=5))
     assert {"dot_general", "reduce_max", "cumsum", "sort"} <= found
     r, batch, _ = runner_inputs
     assert "dot_general" in reductions_outside_kernels(_score_jaxpr(r, batch, invariant=False))

@@ -360,11 +360,12 @@ def test_second_start_loads_compiled_steps_from_the_persistent_cache(tmp_path):
     assert len(tokens) == 1, tokens
     first, second = (int(r.stdout.split("HITS")[1].split()[0]) for r in runs)
     assert first == 0 and second > 0 and any(tmp_path.iterdir())
-    # LLM.last_warmup: the first start compiled its step buckets, the second loaded them
+    # LLM.last_warmup: the first start compiled its step programs, the second loaded them
     (n1, loaded1, compiled1), (n2, loaded2, compiled2) = (
         tuple(int(x) for x in r.stdout.split("REPORT")[1].split()[:3]) for r in runs
     )
-    assert n1 == n2 > 0 and loaded1 == 0 and compiled1 >= n1 and loaded2 >= n2 and compiled2 == 0
+    # (a program that compiles in under the cache's threshold, 0.5 s, is compiled at every start)
+    assert n1 == n2 > 0 and loaded1 == 0 and compiled1 == n1 and loaded2 > 0 and loaded2 + compiled2 == n2
     off = dict(env, BIJAX_COMPILATION_CACHE="0")
     r = subprocess.run(
         [sys.executable, "-c", "import bijax; print(bijax.compile_cache.directory())"],

@@ -24,7 +24,7 @@ import pytest
 
 import bijax
 from bijax import SamplingParams as SP
-from bijax.model_runner import step_program
+from bijax.model_runner import forward_program, sample_program
 from bijax.sampler import SamplingRows
 from models.loading import load_hf, load_model
 from models.ops import moe
@@ -141,14 +141,17 @@ def test_engine_step_has_no_reduction_outside_the_kernels():
     sampling = SamplingRows.greedy(4)
     sampling.temperature[:] = 1.0
 
-    def jaxpr(invariant):
-        fn = lambda p, c, b, s: step_program(
-            p, c, b, s, graphdef=r.graphdef, invariant=invariant, num_logprobs=0
-        )  # noqa: E731
-        return jax.make_jaxpr(fn)(r.params, r.cache, batch, sampling).jaxpr
+    def found(invariant):
+        fwd = lambda p, c, b: forward_program(p, c, b, graphdef=r.graphdef, invariant=invariant)  # noqa: E731
+        smp = lambda lg, s: sample_program(lg, s, invariant=invariant, num_logprobs=0, filters=True)  # noqa: E731
+        jaxprs = [
+            jax.make_jaxpr(fwd)(r.params, r.cache, batch).jaxpr,
+            jax.make_jaxpr(smp)(r._logits_spec(4), sampling).jaxpr,
+        ]
+        return [x for j in jaxprs for x in reductions_outside_kernels(j)]
 
-    assert reductions_outside_kernels(jaxpr(True)) == []
-    assert {"sort", "dot_general"} <= set(reductions_outside_kernels(jaxpr(False)))  # the control
+    assert found(True) == []
+    assert {"sort", "dot_general"} <= set(found(False))  # the control
 
 
 def test_sparse_layer_rule_and_hf_config_keys():

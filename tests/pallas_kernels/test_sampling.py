@@ -71,6 +71,33 @@ def test_sample_rows_are_batch_invariant():
         np.testing.assert_array_equal(bits(lp), bits(full_lp[lo:hi]))
 
 
+def test_rows_without_top_k_or_top_p_sample_the_same_with_or_without_the_filter_masks():
+    """``filters=False`` (no row of the step uses top-k / top-p: ``uses_filters``) skips the
+    masks; a row that uses neither gets the same token and logprob bits either way - so the
+    engine may pick the program by the other rows. Control: rows that do use a filter change."""
+    rng = np.random.default_rng(5)
+    r = 24
+    x = jnp.asarray((rng.standard_normal((r, V)) * 3).astype(np.float32))
+    g = jax.random.gumbel(jax.random.key(3), (r, V))
+    t, k, p, m = _params(r, rng)
+    k[: r // 2], p[: r // 2] = -1, 1.0  # the first half: no filter (greedy rows, min-p allowed)
+    k[r // 2 :], p[r // 2 :], t[r // 2 :] = 2, 0.3, 1.0  # the second half: both filters, sampled
+    assert not pk.uses_filters(t[: r // 2], k[: r // 2], p[: r // 2]) and pk.uses_filters(t, k, p)
+    assert not pk.uses_filters(np.zeros(2), [3, 5], [0.5, 0.5])  # greedy rows ignore filters
+    args = dict(temperature=t, top_k=k, top_p=p, min_p=m, gumbel=g)
+    on_tok, on_lp = pk.sample(x, **args, filters=True)
+    off_tok, off_lp = pk.sample(x, **args, filters=False)
+    h = r // 2
+    np.testing.assert_array_equal(np.asarray(on_tok[:h]), np.asarray(off_tok[:h]))
+    np.testing.assert_array_equal(bits(on_lp), bits(off_lp))  # logprobs never depend on filters
+    assert (np.asarray(on_tok[h:]) != np.asarray(off_tok[h:])).any()  # the control
+    want = [
+        _np_sample(np.asarray(x[i], np.float64), t[i], k[i], p[i], m[i], np.asarray(g[i]))[0]
+        for i in range(r)
+    ]
+    assert np.asarray(on_tok).tolist() == want
+
+
 def test_negative_control_xla_sampler_varies_with_batch():
     """The same check on the engine's plain-XLA sampler (XLA log_softmax, sort + cumsum
     top-p) finds rows whose logprob bits change with the batch size: the check can fail."""
