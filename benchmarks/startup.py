@@ -52,14 +52,18 @@ def child(kind: str, model: str) -> None:
     assert len(out[0].outputs[0].token_ids) == 1
     t["total"] = time.perf_counter() - T_START
     if kind == "single":
-        # Same bits from the warmed-up steps (exported, then compiled) as from steps jitted as
-        # they come: run 8 seeded tokens, then drop the warmed-up steps (a private door, for
-        # this check only) and run them again.
+        # Same bits from the warmed-up steps (exported, then compiled) as from steps lowered
+        # from tracing as they come: run 8 seeded tokens, then drop the compiled steps and turn
+        # exporting off (private doors, for this check only) and run them again.
         import numpy as np
+
+        from bijax import model_runner, step_cache
 
         sp = bijax.SamplingParams(max_tokens=8, temperature=0.8, seed=1)
         a = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0].outputs[0]
         llm.engine.runner._aot.clear()
+        model_runner._shared.clear()
+        step_cache.directory = lambda: None
         llm.reset_prefix_cache()
         b = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0].outputs[0]
         bits = lambda o: np.asarray(o.logprobs, np.float32).view(np.uint32)  # noqa: E731

@@ -142,10 +142,17 @@ def score_program(params, cache, batch: PagedBatch, targets, temperature, *, gra
     return _over_mesh(body, mesh, params, cache, batch, targets, temperature)
 
 
+_compiles = [0]  # step programs compiled by every runner of this process
+# Compiled programs by ``ModelRunner._shared_name``: runners of the same model and shapes (an
+# engine rebuilt, a draft model equal to the target, tests) share them, as jit's cache would.
+_shared: dict = {}
+
+
 def num_compiled_steps() -> int:
     """How many engine step programs (forward and sampling) this process has compiled (all
-    engines together): a constant across calls shows that nothing recompiled."""
-    return forward_program._cache_size() + sample_program._cache_size()
+    engines together, ahead of time or when a step first needed them): a constant across calls
+    shows that nothing recompiled."""
+    return _compiles[0]
 
 
 class ModelRunner:
@@ -237,7 +244,6 @@ class ModelRunner:
         Rows of sequences that are still mid-prompt are sampled too; the caller ignores them.
         """
         batch = self._batch(chunks)
-        self.compiled_buckets.add((len(batch.context_lens), batch.num_tokens))
         sampling = SamplingRows.greedy(len(batch.logit_rows))
         j = sum(c.num_rows for c in chunks)
         flat = batch.logit_rows[:j]  # each sampled row's token in the batch
@@ -274,23 +280,35 @@ class ModelRunner:
         return jax.ShapeDtypeStruct((r, self.model_config.vocab_size), np.float32, sharding=rep)
 
     def _run(self, batch: PagedBatch, sampling: SamplingRows, num_logprobs: int):
-        """One step - the forward, then sampling (each compiled ahead of time by ``warmup``, else
-        jitted now); keeps the donated cache; returns (tokens, logprobs, top)."""
-        args, kw = self._forward_args(batch)
+        """One step - the forward, then sampling, each through its program compiled ahead of
+        time by ``warmup`` or now, the first time a step needs it (the same path either way);
+        keeps the donated cache; returns (tokens, logprobs, top)."""
+        args, _ = self._forward_args(batch)
         r = len(batch.logit_rows)
-        compiled = self._aot.get(("forward", len(batch.context_lens), batch.num_tokens, r))
-        if compiled is None:
-            logits, self.cache = forward_program(*args, **kw)
-        elif isinstance(compiled, step_cache.FlatStep):  # the weights' leaves as flattened once
+        compiled = self._program(("forward", len(batch.context_lens), batch.num_tokens, r))
+        if isinstance(compiled, step_cache.FlatStep):  # the weights' leaves as flattened once
             rest, rest_tree = jax.tree_util.tree_flatten(args[1:])
             tree = jax.tree_util.treedef_tuple([self._param_tree, *rest_tree.children()])
             logits, self.cache = compiled(*args, flat=(self._param_leaves + rest, tree))
         else:
             logits, self.cache = compiled(*args)
         filters = uses_filters(sampling)
-        args, kw = self._sample_args(logits, sampling, num_logprobs, filters)
-        compiled = self._aot.get(("sample", r, num_logprobs, filters))
-        return compiled(*args) if compiled is not None else sample_program(*args, **kw)
+        args, _ = self._sample_args(logits, sampling, num_logprobs, filters)
+        return self._program(("sample", r, num_logprobs, filters))(*args)
+
+    def _program(self, key):
+        """The compiled program of ``_lowered``'s ``key``, compiled now if ``warmup`` did not."""
+        compiled = self._aot.get(key)
+        if compiled is None:
+            name = self._shared_name(key)
+            compiled = _shared.get(name)
+            if compiled is None:
+                compiled = _shared[name] = self._lowered(key).compile()
+                _compiles[0] += 1
+            self._aot[key] = compiled
+            if key[0] == "forward":
+                self.compiled_buckets.add(key[1:3])
+        return compiled
 
     def score_step(self, chunks: list[Chunk], targets, temperature: float):
         """Logprobs of ``targets`` (one per computed token; -1: not wanted) for one step."""
@@ -348,13 +366,13 @@ class ModelRunner:
         forwards, samples, ready = [], [], []
         for b in pairs:
             s, t, r = b if len(b) == 3 else (*b, b[0])
-            if ("forward", s, t, r) in self._aot or (s, t, r) in forwards:
+            if self._reuse(("forward", s, t, r)) or (s, t, r) in forwards:
                 ready.append((s, t))
             else:
                 forwards.append((s, t, r))
             for filters in (False, True):
                 key = ("sample", r, num_logprobs, filters)
-                if key not in self._aot and key not in samples:
+                if not self._reuse(key) and key not in samples:
                     samples.append(key)
         if progress is not None:
             for s, t in ready:
@@ -374,30 +392,54 @@ class ModelRunner:
                 futures[pool.submit(lowered.compile)] = key
             for future in concurrent.futures.as_completed(futures):
                 key = futures[future]
-                self._aot[key] = future.result()
+                self._aot[key] = _shared[self._shared_name(key)] = future.result()
                 self.programs_made += 1
+                _compiles[0] += 1
                 if key[0] == "forward":
                     self.compiled_buckets.add(key[1:3])
                     if progress is not None:
                         progress(*key[1:3])
         return tracing
 
+    def _reuse(self, key) -> bool:
+        """Whether ``key``'s program is ready: this runner's, or another runner's of the same
+        model and shapes (then this runner takes it)."""
+        if key in self._aot:
+            return True
+        compiled = _shared.get(self._shared_name(key))
+        if compiled is None:
+            return False
+        self._aot[key] = compiled
+        if key[0] == "forward":
+            self.compiled_buckets.add(key[1:3])
+        return True
+
+    def _spec(self, key):
+        """(jitted function, args, static kw, donated argument, label) of ``_lowered``'s key."""
+        if key[0] == "forward":
+            _, s, t, r = key
+            args, kw = self._forward_args(self.padding_batch(s, t, r))
+            return forward_program, args, kw, 1, "forward_program"
+        _, r, num_logprobs, filters = key
+        args, kw = self._sample_args(self._logits_spec(r), SamplingRows.greedy(r), num_logprobs, filters)
+        return sample_program, args, kw, None, "sample_program"
+
+    def _shared_name(self, key):
+        """What a program is shared under between runners: its inputs' shapes, dtypes and
+        shardings, its static arguments (the model's structure among them), and how it was
+        lowered (exported or not)."""
+        _, args, kw, _, label = self._spec(key)
+        return step_cache.step_key(label, args, kw), step_cache.directory()
+
     def _lowered(self, key):
         """One program lowered for inputs shaped as this runner's - ("forward", seqs, tokens,
         rows) or ("sample", rows, num_logprobs, filters) - through ``step_cache`` (an exported
         program read back, or exported now) where it keeps programs, else from tracing. Its
         ``compile()`` gives what ``_run`` calls."""
-        if key[0] == "forward":
-            _, s, t, r = key
-            args, kw = self._forward_args(self.padding_batch(s, t, r))
-            fn, donate = forward_program, 1
-        else:
-            _, r, num_logprobs, filters = key
-            args, kw = self._sample_args(self._logits_spec(r), SamplingRows.greedy(r), num_logprobs, filters)
-            fn, donate = sample_program, None
+        fn, args, kw, donate, label = self._spec(key)
         if step_cache.directory() is None:
             return fn.lower(*args, **kw)
-        return step_cache.lower(fn, args, kw, donate=donate, label=key[0] + "_program")
+        return step_cache.lower(fn, args, kw, donate=donate, label=label)
 
     def check_params(self) -> None:
         for leaf in self._param_leaves:

@@ -290,9 +290,10 @@ def test_chat_equals_generate_on_the_template_and_checks_input():
 @pytest.mark.parametrize("tp,exported", [(1, True), (2, True), (1, False)])
 def test_warmup_compiles_every_bucket_so_generate_compiles_nothing(tp, exported, monkeypatch):
     """Warm-up compiles the buckets ahead of time, in parallel threads; generate then runs those
-    executables (the jitted step compiles nothing) and gives the bits of an engine that compiled
-    as it went - also with the step inside shard_map over 2 devices, and both when the steps
-    come through ``step_cache`` (exported) and when they are lowered from tracing (as on GPU)."""
+    executables (compiles nothing) and gives the bits of an engine that compiled each program
+    when a step first needed it, from tracing - also with the step inside shard_map over 2
+    devices, and both when the warmed-up steps come through ``step_cache`` (exported) and when
+    they are lowered from tracing."""
     from bijax import step_cache
 
     if not exported:
@@ -309,7 +310,14 @@ def test_warmup_compiles_every_bucket_so_generate_compiles_nothing(tp, exported,
     out = llm.generate(prompts, sp, use_tqdm=False)
     assert num_compiled_steps() == before
     assert kv.is_deleted()  # the KV cache is donated to the warmed-up step, not copied
-    lazy = make().generate(prompts, sp, use_tqdm=False)  # jitted as it goes (after: no shared cache)
+    # An engine that compiles each program when a step first needs it, lowered from tracing
+    # (not exported), sharing nothing with the first.
+    from bijax import model_runner
+
+    monkeypatch.setattr(model_runner, "_shared", {})
+    monkeypatch.setattr(step_cache, "directory", lambda: None)
+    lazy = make().generate(prompts, sp, use_tqdm=False)
+    assert num_compiled_steps() > before
     for a, b in zip(out, lazy, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert np.array_equal(bits(a.outputs[0].logprobs), bits(b.outputs[0].logprobs))
