@@ -1,14 +1,16 @@
-"""Flat ragged steps padded to (num_seqs, num_tokens) buckets, one jitted step per bucket.
+"""Flat ragged steps padded to (num_seqs, num_tokens) buckets; a step is two compiled
+programs: the forward of its bucket, then sampling of its rows.
 
 The weights are an argument of the step (not baked into it), so they can be swapped without
 recompiling; the KV cache is donated. Padding tokens have position -1 and slot -1 (they write
 the null block and read nothing); padding sequence rows have context length 0 and their
 sampled tokens are dropped. The kernels are batch invariant, so padding cannot change a bit
-of a real row.
+of a real row. Sampling runs with or without the top-k / top-p masks, as the host decides from
+the rows' parameters (``sample_program``); a row that uses neither gets the same bits either way.
 
-With ``tensor_parallel_size`` P > 1 the whole step (forward and sampling) runs inside one
-``jax.shard_map`` over a P-device mesh: weights and KV cache sharded (``models.sharding``),
-inputs replicated, every rank sampling the same tokens from the same gathered logits.
+With ``tensor_parallel_size`` P > 1 both programs run inside ``jax.shard_map`` over a P-device
+mesh: weights and KV cache sharded (``models.sharding``), inputs replicated, every rank sampling
+the same tokens from the same gathered logits.
 """
 
 from __future__ import annotations
