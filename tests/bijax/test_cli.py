@@ -372,7 +372,7 @@ def test_second_start_loads_compiled_steps_from_the_persistent_cache(tmp_path):
     (n1, loaded1, compiled1), (n2, loaded2, compiled2) = (
         tuple(int(x) for x in r.stdout.split("REPORT")[1].split()[:3]) for r in runs
     )
-    # (a program that compiles in under the cache's threshold, 0.5 s, is compiled at every start)
+    # (a program that compiles in under the cache's threshold, 0.1 s, is compiled at every start)
     assert n1 == n2 > 0 and loaded1 == 0 and compiled1 == n1 and loaded2 > 0 and loaded2 + compiled2 == n2
     off = dict(env, BIJAX_COMPILATION_CACHE="0")
     r = subprocess.run(
