@@ -277,13 +277,15 @@ def report(r, top: int):
     print()
 
 
-def engine_profile(name: str, num_seqs: int, trace_dir: str, tokens: int, top: int) -> None:
+def engine_profile(name: str, num_seqs: int, trace_dir: str, tokens: int, top: int, invariant: bool) -> None:
     """``LLM.generate`` of ``num_seqs`` x (64 in + ``tokens`` out) under a profiler trace, after
     an identical warm-up run: wall ms per step, device busy and idle per step, and the host's
     time by Python function (what the engine does between the device's steps)."""
     import bijax
 
-    llm = bijax.LLM(name, max_num_seqs=num_seqs, max_num_batched_tokens=max(512, 64 * num_seqs))
+    llm = bijax.LLM(
+        name, max_num_seqs=num_seqs, max_num_batched_tokens=max(512, 64 * num_seqs), invariant=invariant
+    )
     prompts = [{"prompt_token_ids": [10 + (i + j) % 50 for j in range(64)]} for i in range(num_seqs)]
     sp = bijax.SamplingParams(temperature=0.8, seed=1, max_tokens=tokens, ignore_eos=True)
     llm.warmup(progress=False, max_step_tokens=64 * num_seqs)
@@ -293,7 +295,7 @@ def engine_profile(name: str, num_seqs: int, trace_dir: str, tokens: int, top: i
     llm.generate(prompts, sp, use_tqdm=False)
     wall = time.perf_counter() - t0
     llm.reset_prefix_cache()
-    d = os.path.join(trace_dir, f"engine_{num_seqs}")
+    d = os.path.join(trace_dir, f"engine_{num_seqs}_{invariant}")
     jax.profiler.start_trace(d, create_perfetto_trace=True)
     try:
         llm.generate(prompts, sp, use_tqdm=False)
@@ -301,7 +303,8 @@ def engine_profile(name: str, num_seqs: int, trace_dir: str, tokens: int, top: i
         jax.profiler.stop_trace()
     g = trace_gaps(d, tokens)
     print(
-        f"## engine {name}, {num_seqs} seqs x (64 + {tokens}): {wall / tokens * 1e3:.2f} ms per step untraced;"
+        f"## engine {name} ({'invariant' if invariant else 'XLA'}), {num_seqs} seqs x (64 + {tokens}):"
+        f" {wall / tokens * 1e3:.2f} ms per step untraced;"
         f" traced: device busy {g['span_ms'] - g['idle_ms']:.2f} ms, idle {g['idle_ms']:.2f} ms per step\n"
     )
     print("| host event (per step) | count | ms per step |")
@@ -324,14 +327,18 @@ def main():
     p.add_argument(
         "--engine",
         default=None,
-        help="comma-separated sequence counts: trace whole LLM.generate runs instead (needs --trace)",
+        help="comma-separated sequence counts: trace whole LLM.generate runs instead, for each of --paths",
     )
     p.add_argument("--tokens", type=int, default=64, help="--engine: output tokens per sequence")
     args = p.parse_args()
     name = "tiny" if args.smoke else args.model
     if args.engine:
         for n in args.engine.split(","):
-            engine_profile(name, int(n), args.trace or "/tmp/bijax-trace", args.tokens, args.top)
+            for path in args.paths.split(","):
+                invariant = {"invariant": True, "xla": False}[path]
+                engine_profile(
+                    name, int(n), args.trace or "/tmp/bijax-trace", args.tokens, args.top, invariant
+                )
         return
     # CUPTI's own kernel times, unless a profiler trace is taken: after one, CUPTI drops its
     # records (the trace's device events give the kernel table then).
