@@ -167,6 +167,7 @@ class ModelRunner:
         self.compiled_buckets: set = set()  # (seqs, tokens) buckets whose step is compiled
         # Programs compiled ahead of time by ``warmup`` (in parallel), by ``_lowered``'s keys.
         self._aot: dict = {}
+        self._names: dict = {}  # ``step_cache.step_key`` by program key (``_shared_name``)
         self.programs_made = 0  # by ``warmup``, all calls together
         if config.invariant and jax.default_backend() == "cpu":
             pk.require_consistent_cpu_math()  # CPU bits must not depend on the CPU model
@@ -184,6 +185,7 @@ class ModelRunner:
         graphdef, params = nnx.split(model)
         if getattr(self, "graphdef", graphdef) != graphdef:
             self._aot.clear()  # steps compiled for another structure or config
+            self._names.clear()
         self.graphdef = graphdef
         if self.mesh is not None:
             params = sharding.shard_state(params, self.mesh)
@@ -302,14 +304,9 @@ class ModelRunner:
         """The compiled program of ``_lowered``'s ``key``, compiled now if ``warmup`` did not."""
         compiled = self._aot.get(key)
         if compiled is None:
-            name = self._shared_name(key)
-            compiled = _shared.get(name)
-            if compiled is None:
-                compiled = _shared[name] = self._lowered(key).compile()
-                _compiles[0] += 1
-            self._aot[key] = compiled
-            if key[0] == "forward":
-                self.compiled_buckets.add(key[1:3])
+            if not self._reuse(key):
+                self._keep(key, self._lowered(key).compile())
+            compiled = self._aot[key]
         return compiled
 
     def score_step(self, chunks: list[Chunk], targets, temperature: float):
@@ -394,13 +391,10 @@ class ModelRunner:
                 futures[pool.submit(lowered.compile)] = key
             for future in concurrent.futures.as_completed(futures):
                 key = futures[future]
-                self._aot[key] = _shared[self._shared_name(key)] = future.result()
+                self._keep(key, future.result())
                 self.programs_made += 1
-                _compiles[0] += 1
-                if key[0] == "forward":
-                    self.compiled_buckets.add(key[1:3])
-                    if progress is not None:
-                        progress(*key[1:3])
+                if key[0] == "forward" and progress is not None:
+                    progress(*key[1:3])
         return tracing
 
     def _reuse(self, key) -> bool:
@@ -416,6 +410,13 @@ class ModelRunner:
             self.compiled_buckets.add(key[1:3])
         return True
 
+    def _keep(self, key, compiled) -> None:
+        """A program this runner compiled: kept, shared with other runners, counted."""
+        self._aot[key] = _shared[self._shared_name(key)] = compiled
+        _compiles[0] += 1
+        if key[0] == "forward":
+            self.compiled_buckets.add(key[1:3])
+
     def _spec(self, key):
         """(jitted function, args, static kw, donated argument, label) of ``_lowered``'s key."""
         if key[0] == "forward":
@@ -430,18 +431,21 @@ class ModelRunner:
         """What a program is shared under between runners: its inputs' shapes, dtypes and
         shardings, its static arguments (the model's structure among them), and how it was
         lowered (exported or not)."""
-        _, args, kw, _, label = self._spec(key)
-        return step_cache.step_key(label, args, kw), step_cache.directory()
+        name = self._names.get(key)
+        if name is None:  # hashing the inputs' avals and the static arguments: once per key
+            _, args, kw, _, label = self._spec(key)
+            name = self._names[key] = step_cache.step_key(label, args, kw)
+        return name, step_cache.directory()
 
     def _lowered(self, key):
         """One program lowered for inputs shaped as this runner's - ("forward", seqs, tokens,
         rows) or ("sample", rows, num_logprobs, filters) - through ``step_cache`` (an exported
         program read back, or exported now) where it keeps programs, else from tracing. Its
         ``compile()`` gives what ``_run`` calls."""
-        fn, args, kw, donate, label = self._spec(key)
+        fn, args, kw, donate, _ = self._spec(key)
         if step_cache.directory() is None:
             return fn.lower(*args, **kw)
-        return step_cache.lower(fn, args, kw, donate=donate, label=label)
+        return step_cache.lower(fn, args, kw, donate=donate, name=self._shared_name(key)[0])
 
     def check_params(self) -> None:
         for leaf in self._param_leaves:

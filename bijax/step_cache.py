@@ -204,13 +204,12 @@ def export_fn(fn, *args) -> export.Exported:
     return export.export(fn, disabled_checks=_CHECKS)(*args)
 
 
-def lower(fn, args: tuple, kw: dict, *, donate: int | None, label: str) -> FlatStep:
+def lower(fn, args: tuple, kw: dict, *, donate: int | None, name: str) -> FlatStep:
     """``fn(*args, **kw)`` lowered through its exported program - ``fn`` a jitted function of
     pytree ``args`` and static ``kw`` that returns (out, new value of ``args[donate]``), which is
     donated, or just out when ``donate`` is None - read back when a previous start saved it
-    (under ``label`` and what ``step_key`` names), else exported and saved now. Call only when
-    ``directory()`` is not None."""
-    name = step_key(label, args, kw)
+    under ``name`` (``step_key`` of a label and these arguments), else exported and saved now.
+    Call only when ``directory()`` is not None."""
     leaves, tree = jax.tree_util.tree_flatten(args)
     if donate is None:
         donated_tree, donate_argnums = None, ()
