@@ -49,7 +49,7 @@ from jax import lax
 import pallas_kernels as pk
 from models.configs import LlamaConfig
 from models.ops import TensorParallel, col_mm, moe, norm, rope, row_mm
-from models.paged import KVCache, PagedBatch, init_kv_cache
+from models.paged import KVCache, PackedLayout, PagedBatch, init_kv_cache
 from pallas_kernels import K_SHARDS
 
 __all__ = ["Llama", "TensorParallel", "check_tokens", "init_kv_cache", "param_state", "rope_table"]
@@ -327,34 +327,21 @@ class Llama(nnx.Module):
         Inputs are trusted here (``bijax.rl.logprobs`` validates them).
 
         With ``invariant=True`` every (row, segment) is one sequence of the paged attention
-        kernel. Its block table (block size 1, which gives the kernel's bits for any block
-        size <= 64) points straight into this call's own flat K/V, so K/V are not copied per
-        segment: a token's logits are bit-identical to the engine's for the same sequence.
+        kernel (``models.paged.PackedLayout``): each layer's K/V rows are placed in pages of 64
+        tokens, one page per KV tile of the kernel, so a token's logits are bit-identical to the
+        engine's for the same sequence (the kernel's bits are the same for any block size <= 64).
         ``invariant=False``: plain XLA, dense attention under a same-segment causal mask.
         """
         c = self.config
         b, length = tokens.shape
-        s = max_segments
         flat = tokens.reshape(-1)
-        seg = segment_ids.reshape(-1).astype(jnp.int32)
-        idx = jnp.tile(jnp.arange(length, dtype=jnp.int32), b)
-        valid = seg >= 0
-        # One sequence per (row, segment); padding tokens go to a dump entry dropped by the scatters.
-        sid = jnp.where(valid, jnp.repeat(jnp.arange(b, dtype=jnp.int32), length) * s + seg, b * s)
-        start = jnp.full((b * s,), length, jnp.int32).at[sid].min(idx, mode="drop")
-        count = jnp.zeros((b * s,), jnp.int32).at[sid].add(1, mode="drop")
-        pos = jnp.where(valid, idx - start[jnp.minimum(sid, b * s - 1)], -1)
-        seq = jnp.where(valid, sid, 0)
-        j = jnp.arange(length, dtype=jnp.int32)
-        row_base = 1 + (jnp.arange(b * s, dtype=jnp.int32) // s) * length + start  # slot of position 0
-        tables = jnp.where(j[None, :] < count[:, None], row_base[:, None] + j[None, :], 0)
-
-        def flat_cache(k):  # [T, Hkv, D] -> [1 + T, 1, Hkv, D]; slot 0 is the null block
-            return jnp.concatenate([jnp.zeros_like(k[:1]), k])[:, None]
+        layout = PackedLayout.create(segment_ids, max_segments)
+        pos = layout.token_pos
 
         def attend(i, q, k, v):
             if invariant:
-                return pk.attention(q, flat_cache(k), flat_cache(v), tables, count, seq, pos)
+                index = (layout.block_tables, layout.context_lens, layout.token_seq, pos)
+                return pk.attention(q, layout.pages(k), layout.pages(v), *index)
             return pk.segment_attention_reference(q, k, v, segment_ids.reshape(b, length).astype(jnp.int32))
 
         x = self.embed[...][flat]

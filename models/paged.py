@@ -77,3 +77,62 @@ def init_kv_cache(config: LlamaConfig, num_blocks: int, block_size: int, dtype, 
         return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(config.num_layers)]
     zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
     return [(zeros(), zeros()) for _ in range(config.num_layers)]
+
+
+# A packed row's sequences are laid out in pages of this many tokens: one page per KV tile of
+# the GPU attention kernel (``attention_math.kv_tile`` of any block size <= 64 is 64), so each
+# tile is one contiguous load. A token's bits are the same for any block size <= 64.
+PACKED_BLOCK = 64
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedLayout:
+    """Packed rows (``Llama.forward_packed``) as paged sequences: one sequence per (row, segment).
+
+    token_seq, token_pos: int [T] (T = B * L, row-major) the token's sequence and its position
+      counted from its segment's first token (padding: sequence 0, position -1);
+    slots: int [T] where the token's K/V goes in the pages (padding: past the end, dropped);
+    block_tables, context_lens: int [B * max_segments, ceil(L / PACKED_BLOCK)] and [B * max_segments].
+    Pages are allocated segment after segment from page 1 (page 0 is the zeroed null page that
+    unused table entries point to).
+    """
+
+    token_seq: jax.Array
+    token_pos: jax.Array
+    slots: jax.Array
+    block_tables: jax.Array
+    context_lens: jax.Array
+
+    @classmethod
+    def create(cls, segment_ids: jax.Array, max_segments: int) -> PackedLayout:
+        """From ``segment_ids`` int [B, L] (each segment one contiguous run of its row; -1: padding)."""
+        b, length = segment_ids.shape
+        s, pb = max_segments, PACKED_BLOCK
+        seg = segment_ids.reshape(-1).astype(jnp.int32)
+        idx = jnp.tile(jnp.arange(length, dtype=jnp.int32), b)
+        valid = seg >= 0
+        n = b * s  # sequences; padding tokens go to entry n, which the scatters drop
+        sid = jnp.where(valid, jnp.repeat(jnp.arange(b, dtype=jnp.int32), length) * s + seg, n)
+        start = jnp.full((n,), length, jnp.int32).at[sid].min(idx, mode="drop")
+        count = jnp.zeros((n,), jnp.int32).at[sid].add(1, mode="drop")
+        pos = jnp.where(valid, idx - start[jnp.minimum(sid, n - 1)], -1)
+        pages = (count + pb - 1) // pb
+        first = 1 + jnp.cumsum(pages) - pages  # each sequence's first page
+        slots = jnp.where(valid, first[jnp.minimum(sid, n - 1)] * pb + pos, cls.num_pages(b * length, n) * pb)
+        j = jnp.arange(-(-length // pb), dtype=jnp.int32)
+        tables = jnp.where(j[None, :] < pages[:, None], first[:, None] + j[None, :], 0)
+        return cls(jnp.where(valid, sid, 0), pos, slots, tables, count)
+
+    @staticmethod
+    def num_pages(num_tokens: int, num_seqs: int) -> int:
+        """Pages for any packing of ``num_tokens`` into ``num_seqs`` sequences (with the null page):
+        the sum over sequences of ceil(count / 64) is at most ceil(num_tokens / 64) + num_seqs."""
+        return 1 + -(-num_tokens // PACKED_BLOCK) + num_seqs
+
+    def pages(self, x: jax.Array) -> jax.Array:
+        """The tokens' rows x [T, Hkv, D] -> pages [num_pages, PACKED_BLOCK, Hkv, D] (zeros where
+        no token is)."""
+        n = self.num_pages(x.shape[0], self.block_tables.shape[0])
+        flat = jnp.zeros((n * PACKED_BLOCK,) + x.shape[1:], x.dtype).at[self.slots].set(x, mode="drop")
+        return flat.reshape((n, PACKED_BLOCK) + x.shape[1:])

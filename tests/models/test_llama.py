@@ -111,6 +111,21 @@ def test_token_logits_identical_on_every_route(tiny):
         np.testing.assert_array_equal(bits(out), ref, err_msg=name)
 
 
+def test_packed_rows_spanning_pages_match_the_paged_forward(tiny):
+    """Segments longer than one 64-token page of the packed layout, starting mid-row and in
+    any segment order, give each token the bits of the engine's paged forward (block size 16)."""
+    rng = np.random.default_rng(3)
+    a, b = rng.integers(0, tiny.config.vocab_size, 150), rng.integers(0, tiny.config.vocab_size, 70)
+    tok = np.concatenate([b, a, np.zeros(6, np.int64)])[None].astype(np.int32)
+    seg = np.array([[1] * 70 + [0] * 150 + [-1] * 6], np.int32)
+    packed = nnx.jit(Llama.forward_packed, static_argnames=("max_segments", "invariant"))(
+        tiny, jnp.asarray(tok), jnp.asarray(seg), max_segments=2
+    )
+    paged = Paged(tiny, max_blocks=16).run([b, a], interleaved([70, 150], [40, 64]), bucket=104)
+    np.testing.assert_array_equal(bits(np.asarray(packed)[0, :70]), bits(paged[0]))
+    np.testing.assert_array_equal(bits(np.asarray(packed)[0, 70:220]), bits(paged[1]))
+
+
 def test_negative_control_xla_path_differs():
     """The same routes through plain XLA ops do not all agree: the check can fail.
 
