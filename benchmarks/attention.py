@@ -22,8 +22,9 @@ from pallas_kernels.attention import AttentionSpec, attention, attention_referen
 
 FAILURES: list[str] = []
 BS = 16
-# Tile-kernel launch variants compared bit for bit (and timed): (rows per tile, warps).
-VARIANTS = [(64, 4), (128, 4), (128, 8)]
+# Tile-kernel launch variants compared bit for bit (and timed): (rows per tile, warps, stages,
+# bulk: full KV tiles walked without building their mask; False is the kernel before 2026-12-01).
+VARIANTS = [(64, 4, 2, True), (64, 4, 2, False), (64, 4, 3, True), (128, 8, 2, True), (128, 8, 3, True)]
 
 
 def check(name, ok, detail=""):
@@ -47,13 +48,13 @@ def kernel_us(fn, *args):
 class Case:
     """num_seqs sequences of ctx cached tokens in shuffled blocks; random q for every position."""
 
-    def __init__(self, num_seqs, ctx, hq, hkv, d, dtype=jnp.bfloat16, seed=0):
+    def __init__(self, num_seqs, ctx, hq, hkv, d, dtype=jnp.bfloat16, seed=0, bs=BS):
         rng = np.random.default_rng(seed)
         self.hq, self.hkv, self.d, self.ctx, self.n = hq, hkv, d, ctx, num_seqs
-        per = -(-ctx // BS)
+        per = -(-ctx // bs)
         self.bt = jnp.asarray((1 + rng.permutation(num_seqs * per)).reshape(num_seqs, per).astype(np.int32))
         key = jax.random.key(seed)
-        shape = (num_seqs * per + 1, BS, hkv, d)
+        shape = (num_seqs * per + 1, bs, hkv, d)
         self.kc = jax.random.normal(key, shape, jnp.float32).astype(dtype)
         self.vc = jax.random.normal(jax.random.fold_in(key, 1), shape, jnp.float32).astype(dtype)
         self.cl = jnp.full((num_seqs,), ctx, jnp.int32)
@@ -70,7 +71,7 @@ class Case:
         bt = self.bt if bt is None else bt
         return attention(q, kc, self.vc if kw.get("vc") is None else kw.pop("vc"), bt, self.cl, s, p, **kw)
 
-    def variant(self, seq, pos, rows, warps, **kw):
+    def variant(self, seq, pos, rows, warps, stages=2, bulk=True, **kw):
         """The tiles kernel at a given launch shape (not reachable from ``attention``)."""
         q, s, p = self.tokens(seq, pos)
         spec = AttentionSpec.create(self.d, **kw)
@@ -79,6 +80,7 @@ class Case:
             lambda q, s, p: attention_triton.attend(
                 q.reshape(len(p), self.hkv, g, self.d), self.kc, self.vc, (self.bt, self.cl, s, p),
                 spec=spec, interpret=False, kernel="tiles", tile_rows=rows, num_warps=warps,
+                num_stages=stages, bulk=bulk,
             ).reshape(len(p), self.hq, self.d)
         )  # fmt: skip
         return fn(q, s, p)
@@ -151,24 +153,25 @@ def check_invariance(n, ctx):
     zs = np.zeros(700, np.int32)
     want = bits(c.run(zs, ps, gpu_kernel="tokens"))
     same = {}
-    for r, w in VARIANTS:
-        got = bits(c.variant(zs, ps, r, w))
-        same[f"{r}x{w}"] = np.array_equal(got, want)
-        if not same[f"{r}x{w}"]:
+    for r, w, st, bulk in VARIANTS:
+        name = f"{r}x{w}x{st}{'' if bulk else '-masked'}"
+        got = bits(c.variant(zs, ps, r, w, st, bulk))
+        same[name] = np.array_equal(got, want)
+        if not same[name]:
             rows = np.nonzero((got != want).reshape(len(ps), -1).any(axis=1))[0]
-            print(f"INFO {r}x{w}: {len(rows)} of {len(ps)} tokens differ, positions {ps[rows][:12].tolist()}")
+            print(f"INFO {name}: {len(rows)} of {len(ps)} tokens differ, positions {ps[rows][:12].tolist()}")
     check("tiles launch variants == tokens kernel (700-token chunk)", all(same.values()), str(same))
     qg = c.tokens(zs, ps)[0].reshape(len(ps), c.hkv, -1, c.d)
     idx = (c.bt, c.cl, jnp.asarray(zs), jnp.asarray(ps, jnp.int32))
-    for w, st in ((4, 2), (4, 3), (8, 2), (2, 3)):
+    for w, st, bulk in ((4, 2, True), (4, 3, True), (8, 2, True), (2, 3, True), (2, 2, False)):
         got = jax.jit(
-            lambda q, w=w, st=st: attention_triton.attend(
+            lambda q, w=w, st=st, bulk=bulk: attention_triton.attend(
                 q, c.kc, c.vc, idx, spec=AttentionSpec.create(c.d), interpret=False, kernel="tokens",
-                num_warps=w, num_stages=st,
+                num_warps=w, num_stages=st, bulk=bulk,
             )
         )(qg)  # fmt: skip
         check(
-            f"tokens kernel {w} warps {st} stages == default launch",
+            f"tokens kernel {w} warps {st} stages{'' if bulk else ' masked'} == default launch",
             np.array_equal(bits(got.reshape(want.shape[0], c.hq, c.d)), want),
         )
     for kw in (
@@ -178,7 +181,10 @@ def check_invariance(n, ctx):
     ):
         a = bits(c.run(zs, ps, gpu_kernel="tokens", **kw))
         b = bits(c.run(zs, ps, gpu_kernel="tiles", **kw))
-        check(f"tiles == tokens with {kw}", np.array_equal(a, b))
+        masked = bits(c.variant(zs, ps, 64, 4, 2, False, **kw))
+        check(
+            f"tiles == tokens == masked tiles with {kw}", np.array_equal(a, b) and np.array_equal(b, masked)
+        )
     # KV moved to other physical blocks: swap the blocks of sequences 0 and 1
     btn = np.asarray(c.bt)
     b0, b1 = btn[0], btn[1]
@@ -258,12 +264,22 @@ def time_decode(n, ctx, hq, hkv, d, variants=False):
         spec = AttentionSpec.create(d)
         qg = q.reshape(n, hkv, hq // hkv, d)
         idx = (c.bt, c.cl, s, p)
-        for w, st in ((4, 2), (4, 3), (8, 2)):
-            fn = lambda q, k, v, w=w, st=st: attention_triton.attend(
-                q, k, v, idx, spec=spec, interpret=False, kernel="tokens", num_warps=w, num_stages=st
+        for w, st, bulk in ((2, 2, False), (2, 3, True), (4, 2, True), (4, 3, True), (8, 2, True)):
+            fn = lambda q, k, v, w=w, st=st, bulk=bulk: attention_triton.attend(
+                q,
+                k,
+                v,
+                idx,
+                spec=spec,
+                interpret=False,
+                kernel="tokens",
+                num_warps=w,
+                num_stages=st,
+                bulk=bulk,
             )
             us = kernel_us(fn, qg, c.kc, c.vc)
-            rows.append((name, f"tokens {w} warps {st} stages + combine", us, cud, rate(us)))
+            label = f"tokens {w} warps {st} stages{'' if bulk else ' masked'} + combine"
+            rows.append((name, label, us, cud, rate(us)))
         states = lambda q, k, v: attention_triton.token_states(q, k, v, idx, spec=spec, interpret=False)
         rows.append((name, "tokens kernel alone (states)", kernel_us(states, qg, c.kc, c.vc), cud, ""))
         m, l, acc = jax.jit(states)(qg, c.kc, c.vc)
@@ -285,15 +301,18 @@ def time_prefill(n, length, hq, hkv, d):
     flops = 4 * n * length * length / 2 * hq * d
     name = f"prefill {n} x {length} causal, {hq}/{hkv} heads, D {d}"
     rows = []
-    best = None
-    for r, w in VARIANTS:
-        fn = lambda q, k, v, r=r, w=w: attention_triton.attend(
+    for r, w, st, bulk in VARIANTS:
+        fn = lambda q, k, v, r=r, w=w, st=st, bulk=bulk: attention_triton.attend(
             q.reshape(len(p), hkv, hq // hkv, d), k, v, (c.bt, c.cl, s, p),
             spec=AttentionSpec.create(d), interpret=False, kernel="tiles", tile_rows=r, num_warps=w,
+            num_stages=st, bulk=bulk,
         )  # fmt: skip
         us = kernel_us(fn, q, c.kc, c.vc)
-        rows.append((name, f"tiles {r} rows, {w} warps", us))
-        best = us if best is None else min(best, us)
+        rows.append((name, f"tiles {r} rows, {w} warps, {st} stages{'' if bulk else ', masked'}", us))
+    # the same keys in 64-token pages (one page per KV tile: a contiguous load, no page gather)
+    c64 = Case(n, length, hq, hkv, d, seed=2, bs=64)
+    us = kernel_us(lambda q, k, v: attention(q, k, v, c64.bt, c64.cl, s, p), q, c64.kc, c64.vc)
+    rows.append((name, "attention() default, block size 64", us))
     auto = kernel_us(lambda q, k, v: attention(q, k, v, c.bt, c.cl, s, p), q, c.kc, c.vc)
     kd = c.kc[c.bt].reshape(n, length, hkv, d)
     vd = c.vc[c.bt].reshape(n, length, hkv, d)
@@ -303,8 +322,119 @@ def time_prefill(n, length, hq, hkv, d):
     return out
 
 
+def check_layouts():
+    """Row-by-row KV loads, 3 pipeline stages and 64-token pages give the default launch's bits."""
+    c = Case(8, 4096, 32, 8, 128)
+    ps = np.arange(c.ctx - 700, c.ctx)
+    zs = np.zeros(700, np.int32)
+    want = bits(c.run(zs, ps, gpu_kernel="tokens"))
+    idx = (c.bt, c.cl, jnp.asarray(zs), jnp.asarray(ps, jnp.int32))
+    qg = c.tokens(zs, ps)[0].reshape(len(ps), c.hkv, -1, c.d)
+    spec = AttentionSpec.create(c.d)
+    for kernel, st, rl, bulk in (
+        ("tiles", 2, True, True),
+        ("tiles", 3, True, True),
+        ("tiles", 3, False, True),
+        ("tiles", 3, True, False),
+        ("tokens", 2, True, True),
+        ("tokens", 2, True, False),
+        ("tokens", 3, True, False),
+        ("tokens", 2, False, False),
+    ):
+        got = jax.jit(
+            lambda q, kernel=kernel, st=st, rl=rl, bulk=bulk: attention_triton.attend(
+                q, c.kc, c.vc, idx, spec=spec, interpret=False, kernel=kernel, num_stages=st, row_loads=rl,
+                bulk=bulk,
+            )
+        )(qg)  # fmt: skip
+        ok = np.array_equal(bits(got.reshape(len(ps), c.hq, c.d)), want)
+        check(f"{kernel} {st} stages row_loads={rl} bulk={bulk} == default (700-token chunk)", ok)
+    # the same keys in 64-token pages
+    dense_k = c.kc[c.bt].reshape(c.n, -1, c.hkv, c.d)
+    dense_v = c.vc[c.bt].reshape(c.n, -1, c.hkv, c.d)
+    per = c.ctx // 64
+    kc64 = jnp.concatenate([jnp.zeros((1, 64, c.hkv, c.d), c.kc.dtype), dense_k.reshape(-1, 64, c.hkv, c.d)])
+    vc64 = jnp.concatenate([jnp.zeros((1, 64, c.hkv, c.d), c.vc.dtype), dense_v.reshape(-1, 64, c.hkv, c.d)])
+    bt64 = jnp.asarray(1 + np.arange(c.n * per, dtype=np.int32).reshape(c.n, per))
+    got = bits(c.run(zs, ps, kc=kc64, vc=vc64, bt=bt64))
+    check("64-token pages == 16-token pages (700-token chunk, tiles)", np.array_equal(got, want))
+    seq, pos = np.arange(c.n), np.full(c.n, c.ctx - 1)
+    a = bits(c.run(seq, pos))
+    b = bits(c.run(seq, pos, kc=kc64, vc=vc64, bt=bt64))
+    check("64-token pages == 16-token pages (decode)", np.array_equal(a, b))
+
+
+def time_quick(prefill=True):
+    """The launch choices of 2026-12-01 side by side: stages, row loads, 64-token pages."""
+    rows = []
+    for args in ((1, 4096, 32, 8, 128), (8, 1024, 28, 4, 128), (1, 4096, 9, 3, 64)) if prefill else ():
+        rows += _quick_prefill(*args)
+    for args in ((64, 4096, 32, 8, 128), (32, 3000, 28, 4, 128), (1, 32768, 32, 8, 128)):
+        rows += _quick_decode(*args)
+    return rows
+
+
+def _quick_prefill(n, length, hq, hkv, d):
+    c = Case(n, length, hq, hkv, d, seed=2)
+    seq, pos = np.repeat(np.arange(n), length), np.tile(np.arange(length), n)
+    q, s, p = c.tokens(seq, pos)
+    flops = 4 * n * length * length / 2 * hq * d
+    name = f"prefill {n} x {length} causal, {hq}/{hkv} heads, D {d}"
+    kd, vd = c.kc[c.bt].reshape(n, length, hkv, d), c.vc[c.bt].reshape(n, length, hkv, d)
+    cud = cudnn_us(q.reshape(n, length, hq, d), kd, vd, True)
+    rows = []
+    for st, rl in ((2, False), (3, False), (2, True), (3, True)):
+        fn = lambda q, k, v, st=st, rl=rl: attention_triton.attend(
+            q.reshape(len(p), hkv, hq // hkv, d), k, v, (c.bt, c.cl, s, p), spec=AttentionSpec.create(d),
+            interpret=False, kernel="tiles", num_stages=st, row_loads=rl,
+        )  # fmt: skip
+        us = kernel_us(fn, q, c.kc, c.vc)
+        rows.append((name, f"tiles {st} stages, row_loads={rl}", us, cud, f"{flops / us / 1e6:.1f} TFLOP/s"))
+        print(rows[-1], flush=True)
+    c64 = Case(n, length, hq, hkv, d, seed=2, bs=64)
+    us = kernel_us(lambda q, k, v: attention(q, k, v, c64.bt, c64.cl, s, p), q, c64.kc, c64.vc)
+    rows.append((name, "default, block size 64", us, cud, f"{flops / us / 1e6:.1f} TFLOP/s"))
+    print(rows[-1], flush=True)
+    return rows
+
+
+def _quick_decode(n, ctx, hq, hkv, d):
+    c = Case(n, ctx, hq, hkv, d, seed=1)
+    q, s, p = c.tokens(np.arange(n), np.full(n, ctx - 1))
+    q = jax.random.normal(jax.random.key(5), q.shape, jnp.float32).astype(q.dtype)
+    kd, vd = c.kc[c.bt].reshape(n, -1, hkv, d)[:, :ctx], c.vc[c.bt].reshape(n, -1, hkv, d)[:, :ctx]
+    cud = cudnn_us(q[:, None], kd, vd, False)
+    kv_bytes = 2 * n * ctx * hkv * d * 2
+    name = f"decode {n} x {ctx}, {hq}/{hkv} heads, D {d}"
+    qg = q.reshape(n, hkv, hq // hkv, d)
+    rows = []
+    variants = [  # (stages, row loads, bulk, warps)
+        (2, False, False, 2),
+        (2, False, True, 2),
+        (2, True, False, 2),
+        (2, True, True, 2),
+        (3, True, False, 2),
+        (3, True, True, 2),
+        (2, True, False, 4),
+    ]
+    for st, rl, bulk, w in variants:
+        fn = lambda q, k, v, st=st, rl=rl, bulk=bulk, w=w: attention_triton.attend(
+            q, k, v, (c.bt, c.cl, s, p), spec=AttentionSpec.create(d), interpret=False,
+            kernel="tokens", num_stages=st, row_loads=rl, bulk=bulk, num_warps=w,
+        )  # fmt: skip
+        us = kernel_us(fn, qg, c.kc, c.vc)
+        label = f"tokens {w} warps {st} stages, row_loads={rl}{'' if bulk else ', masked'}"
+        rows.append((name, label, us, cud, f"{kv_bytes / us / 1e6:.2f} TB/s"))
+        print(rows[-1], flush=True)
+    return rows
+
+
 def main():
     print(f"# {datetime.date.today()} {jax.devices()[0].device_kind} jax {jax.__version__}", flush=True)
+    if "--quick" in sys.argv:  # the layout checks and the launch-choice table only
+        check_layouts()
+        table(time_quick(prefill="--decode" not in sys.argv))
+        sys.exit(1 if FAILURES else 0)
     probe_exp0()
     check_accuracy()
     check_invariance(64, 4096)
@@ -321,8 +451,9 @@ def main():
         (1, 4096, 9, 3, 64),
         (1, 32768, 32, 8, 128),
     ):
-        rows += time_prefill(*args)
-        print(*rows[-4:], sep="\n", flush=True)
+        new = time_prefill(*args)
+        rows += new
+        print(*new, sep="\n", flush=True)
     for args in (
         (64, 4096, 32, 8, 128),
         (32, 3000, 28, 4, 128),
@@ -331,12 +462,17 @@ def main():
     ):
         rows += time_decode(*args, variants=args[0] == 64 and args[2] == 32)
         print(rows[-1], flush=True)
+    check_layouts()
+    table(rows)
+    sys.exit(1 if FAILURES else 0)
+
+
+def table(rows):
     print("\n| case | kernel | bijax us | cuDNN us | bijax / cuDNN | bijax achieved |")
     print("|---|---|---|---|---|---|")
     for name, kernel, ours, cud, rate in rows:
         print(f"| {name} | {kernel} | {ours:.1f} | {cud:.1f} | {ours / cud:.2f} | {rate} |")
     print(f"\nchecks failed: {len(FAILURES)} {FAILURES}")
-    sys.exit(1 if FAILURES else 0)
 
 
 if __name__ == "__main__":

@@ -97,6 +97,27 @@ def split_used(split: int, pos, spec: AttentionSpec):
     return used
 
 
+def full_tiles(start, first, num_tiles, lo, hi, tile: int, window: int | None):
+    """Of the KV tiles ``[first, num_tiles)`` of a split that starts at key ``start``, the range
+    ``[a, b)`` whose every key is visible to every position in ``[lo, hi]`` (first <= a <= b <=
+    num_tiles): keys <= lo and, with a window, > hi - window. The GPU kernels walk these without
+    building a key mask (``walk_tiles``); the tiles before and after them keep the mask."""
+    b = jnp.clip((lo + 1 - start) // tile, first, num_tiles)
+    if window is None:
+        return first, b
+    return jnp.clip((hi - window - start) // tile + 1, first, b), b
+
+
+def walk_tiles(first, full, num_tiles, masked, unmasked, state):
+    """The online softmax over tiles ``first .. num_tiles - 1`` in tile order: ``masked(i, state)``
+    outside ``full`` = (a, b) (``full_tiles``), ``unmasked(i, state)`` inside. The order of the
+    tiles, and so the arithmetic, is the same as one masked loop."""
+    a, b = full
+    state = lax.fori_loop(first, a, masked, state)
+    state = lax.fori_loop(a, b, unmasked, state)
+    return lax.fori_loop(b, num_tiles, masked, state)
+
+
 def kv_tile_step(state, q, k, v, ok, spec: AttentionSpec):
     """One online-softmax step of query rows q [R, D] over a KV tile k, v [N, D]: the GPU
     kernels' inner loop (both call exactly this).
@@ -111,6 +132,11 @@ def kv_tile_step(state, q, k, v, ok, spec: AttentionSpec):
     its p are exactly 0 and its rescale factor is exp(0) = 1 exactly (probed on the H200), so
     a row's bits do not depend on the other rows it shares a program with.
     ``v`` must already be zero at keys no row sees (stale cache rows cannot leak NaN).
+
+    A tile whose keys all rows see (``full_tiles``) passes ``ok`` as a per-tile scalar broadcast
+    that is true (not a constant, not the mask): the selects stay where they are, so the compiler
+    sees the same operations as in a masked tile (no select removed, no new multiply-add to fuse)
+    and only the mask's construction is saved.
     """
     m, l, acc = state
     hi = lax.Precision.HIGHEST

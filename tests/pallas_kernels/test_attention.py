@@ -358,3 +358,39 @@ def test_cuda_lowering_has_the_kernel_and_cpu_does_not():
     assert 'name = "bijax_attention"' in text
     cpu = jax.jit(attention).lower(*shapes).as_text()
     assert TRITON_CUSTOM_CALL not in cpu and "bijax_attention" not in cpu
+
+
+@pytest.mark.parametrize("gpu_kernel", ["tokens", "tiles"])
+@pytest.mark.parametrize("kw", [{}, {"sliding_window": 100}])
+def test_unmasked_full_tiles_and_row_loads_keep_the_bits(gpu_kernel, kw):
+    """Walking the KV tiles every row sees without building their mask (``bulk``), and loading
+    a tile's keys row by row (``row_loads``), give the bits of masking every tile and loading
+    whole pages (interpret mode; the H200 check is benchmarks/attention.py).
+    Control: a different split size changes them, so the comparison can fail. (Not with a
+    softcap here: in interpret mode the kernel body is XLA CPU code, whose simplifier folds
+    ``s * scale / cap`` into ``s * (scale / cap)`` in some programs and not in others, so the
+    softcap's bits follow XLA's fusion; the Triton lowering emits the ops as written, and the
+    H200 check covers the softcap.)"""
+    from pallas_kernels import attention_triton
+    from pallas_kernels.attention_math import AttentionSpec
+
+    paged = Paged([300, 70, 9], hq=4, hkv=2)
+    tokens = [(0, p) for p in range(180, 230)] + [(1, 69), (2, 8), (0, 299)]
+    seq = jnp.asarray([s for s, _ in tokens], jnp.int32)
+    pos = jnp.asarray([p for _, p in tokens], jnp.int32)
+    q = jnp.stack([paged.q[s][p] for s, p in tokens]).reshape(len(tokens), 2, 2, paged.d)
+    index = (jnp.asarray(paged.bt), jnp.asarray(paged.lens, jnp.int32), seq, pos)
+
+    def run(bulk, split_size=128, row_loads=False):
+        spec = AttentionSpec.create(paged.d, split_size=split_size, **kw)
+        return bits(
+            attention_triton.attend(
+                q, paged.kc, paged.vc, index, spec=spec, interpret=True, kernel=gpu_kernel, bulk=bulk,
+                row_loads=row_loads,
+            )
+        )  # fmt: skip
+
+    masked = run(False)
+    np.testing.assert_array_equal(run(True), masked)
+    np.testing.assert_array_equal(run(True, row_loads=True), masked)
+    assert not np.array_equal(run(True, split_size=64), masked)
