@@ -265,7 +265,14 @@ def _dimensions(
             note += " - none happened"
         return [("speculative vs plain", _compare(solo, got), note)]
 
-    order = [needle, prefill_vs_decode, batch, chunks, preemption]
+    def scheduling():
+        suite.tick("async vs sync scheduling")
+        other = not cfg.async_scheduling
+        got = _run(suite.engine(**base, async_scheduling=other), reqs)
+        how = "async (next step enqueued before this one is read back)" if other else "synchronous"
+        return [("async vs sync scheduling", _compare(solo, got), f"{how} vs the engine's default")]
+
+    order = [needle, prefill_vs_decode, batch, chunks, preemption, scheduling]
     if suite.speculative is not None:
         order.append(speculative)
     if not invariant:  # batch 1 vs N first: it reuses the solo runs' compiled steps

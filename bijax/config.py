@@ -22,7 +22,8 @@ class EngineConfig:
     batch-invariant kernels (False: plain XLA, the baseline / negative control); seed: draws the
     seeds of requests that have none; enable_prefix_caching: reuse the KV blocks of prompts'
     cached prefixes; tensor_parallel_size: devices the model is split over (its k_shards must
-    be a multiple)."""
+    be a multiple); async_scheduling: enqueue the next step while the device runs the current
+    one (the same bits; off with speculative decoding)."""
 
     max_model_len: int
     max_num_seqs: int = 16
@@ -33,6 +34,7 @@ class EngineConfig:
     seed: int = 0
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
+    async_scheduling: bool = True
 
     def __post_init__(self):
         for f in (

@@ -99,6 +99,9 @@ class LLM:
     "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m}`` or
     ``{"method": "draft_model", "model": <anything LLM accepts>, "num_speculative_tokens": k}``
     - the same token ids and logprob bits as without it, in fewer steps (``bijax.speculative``).
+    ``async_scheduling`` (default on): the host schedules and enqueues step N + 1 while the
+    device runs step N, feeding N's sampled tokens to N + 1 on the device - the same bits,
+    without the device waiting on the host between steps (off with speculative decoding).
     """
 
     def __init__(
@@ -119,11 +122,14 @@ class LLM:
         enable_prefix_caching: bool = True,
         tokenizer=None,
         speculative_config: dict | None = None,
+        async_scheduling: bool = True,
     ):
         if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int):
             raise ValueError(f"tensor_parallel_size must be a positive int, got {tensor_parallel_size!r}")
         if not isinstance(invariant, bool):
             raise TypeError(f"invariant must be a bool, got {invariant!r}")
+        if not isinstance(async_scheduling, bool):
+            raise TypeError(f"async_scheduling must be a bool, got {async_scheduling!r}")
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
         spec = SpeculativeConfig.create(speculative_config)  # checked before loading anything
@@ -178,6 +184,7 @@ class LLM:
             seed=seed,
             enable_prefix_caching=enable_prefix_caching,
             tensor_parallel_size=tensor_parallel_size,
+            async_scheduling=async_scheduling,
         )
         self.engine = Engine(self.model, self.tokenizer, self.config, spec, draft)
         self._counter = 0

@@ -10,13 +10,14 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import jax
 import numpy as np
 
 from bijax import prompts, scoring
 from bijax.block_manager import BlockManager
 from bijax.config import EngineConfig, bucket
 from bijax.detokenize import current_text
-from bijax.model_runner import Chunk, ModelRunner, num_compiled_steps
+from bijax.model_runner import Chunk, Launched, ModelRunner, num_compiled_steps
 from bijax.outputs import CompletionOutput, RequestOutput, SpeculativeMetrics
 from bijax.prompts import ValidPrompt
 from bijax.sampling_params import MAX_LOGPROBS, SamplingParams, check_temperature
@@ -41,6 +42,16 @@ class EngineStats:
     num_kv_blocks_in_use: int  # KV blocks held by sequences (block 0, the null block, not counted)
     num_draft_tokens: int = 0  # speculative decoding: drafts proposed and accepted
     num_accepted_tokens: int = 0
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """An enqueued step (async scheduling): its chunks, which of them sample, the device handles."""
+
+    run: list[Chunk]
+    chunks: list[tuple[Sequence, int]]
+    samples: list[bool]
+    launched: Launched
 
 
 class _Request:
@@ -81,6 +92,14 @@ class Engine:
         self._next_seq = 0
         self._arrivals = 0
         self._aborted: list[_Request] = []
+        # Async scheduling: the step on the device while the host schedules and enqueues the
+        # next (its sampled tokens feed the next step on the device; the host reads them after).
+        # Not with speculative decoding (drafts are built from the tokens on the host) nor
+        # across processes (every process would have to agree on the timing of host reads).
+        self.async_scheduling = (
+            config.async_scheduling and self.speculator is None and jax.process_count() == 1
+        )
+        self._in_flight: _InFlight | None = None
 
     # ------------------------------------------------------------------ input checks
 
@@ -131,7 +150,7 @@ class Engine:
         return seed
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._aborted)
+        return self.scheduler.has_unfinished() or bool(self._aborted) or self._in_flight is not None
 
     def check_weights(self) -> None:
         """Raises (before anything is scheduled) when the weights - the draft model's too - were
@@ -250,11 +269,16 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Runs one scheduled step; returns the outputs of the requests it advanced
-        (``finished`` set on those that are done)."""
+        (``finished`` set on those that are done). With async scheduling it enqueues the next
+        step, then waits for the one before and returns what that one advanced: the device
+        never waits for the host between steps. The tokens and logprobs are the same bits
+        either way (a row's bits do not depend on what else is in its step)."""
         outputs = [self._output(r) for r in self._aborted]
         for r in self._aborted:
             self._requests.pop(r.request_id, None)
         self._aborted = []
+        if self.async_scheduling:
+            return outputs + self._step_async()
         if not self.scheduler.has_unfinished():
             return outputs
         self.check_weights()  # before scheduling: a failure leaves every request as it was
@@ -295,6 +319,56 @@ class Engine:
             touched[seq.request_id] = self._requests[seq.request_id]
         if self.speculator is not None:
             self.speculator.timed(len(run), decode_only, bool(drafts), seconds, emitted)
+        for req in touched.values():
+            out = self._output(req)
+            outputs.append(out)
+            if out.finished:
+                del self._requests[req.request_id]
+        return outputs
+
+    def _step_async(self) -> list[RequestOutput]:
+        prev = self._in_flight
+        if self.scheduler.has_unfinished():
+            self.check_weights()  # before scheduling: a failure leaves every request as it was
+            chunks = self.scheduler.schedule()
+            if chunks:
+                run = [Chunk.pending(seq, n) for seq, n in chunks]
+                num_logprobs = MAX_LOGPROBS if any(s.params.logprobs for s, _ in chunks) else 0
+                launched = self.runner.dispatch(run, num_logprobs, None if prev is None else prev.launched)
+                samples = []
+                for seq, n in chunks:  # the host's view moves on now; the tokens come back later
+                    seq.num_computed += n
+                    samples.append(seq.num_computed == len(seq))
+                    if samples[-1]:
+                        seq.in_flight += 1
+                        left = seq.params.max_tokens - len(seq.output_token_ids) - seq.in_flight
+                        seq.finishing = left <= 0 or len(seq) >= self.config.max_model_len
+                self._in_flight = _InFlight(run, chunks, samples, launched)
+            else:
+                self._in_flight = None
+        else:
+            self._in_flight = None
+        return [] if prev is None else self._collect(prev)
+
+    def _collect(self, step: _InFlight) -> list[RequestOutput]:
+        """Reads a dispatched step's sampled tokens back and applies them (async scheduling)."""
+        tok, lp, top = self.runner.collect(step.launched)
+        touched = {}
+        row = 0
+        for c, (seq, _), sampled in zip(step.run, step.chunks, step.samples, strict=True):
+            first, row = row, row + c.num_rows
+            if seq.status == Status.FINISHED:  # ended (stop, abort) after this step was enqueued
+                continue
+            if sampled:
+                seq.in_flight -= 1
+                reason = self._emit(seq, c, tok, lp, top, first)
+                self.blocks.register(seq)
+                if reason is not None:
+                    self.scheduler.finish(seq, reason)
+                touched[seq.request_id] = self._requests[seq.request_id]
+            else:
+                self.blocks.register(seq)  # mid-prompt chunk: nothing sampled yet
+        outputs = []
         for req in touched.values():
             out = self._output(req)
             outputs.append(out)
@@ -356,7 +430,7 @@ class Engine:
                     seq.text = text[: min(hits)]  # may be "" (the stop string came first)
                     seq.stop_cut = True
                     return "stop"
-        if len(seq.output_token_ids) >= p.max_tokens or len(seq) >= self.config.max_model_len:
+        if len(seq.output_token_ids) >= p.max_tokens or seq.num_known >= self.config.max_model_len:
             return "length"
         return None
 

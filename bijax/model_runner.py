@@ -23,6 +23,7 @@ import os
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -32,7 +33,7 @@ import pallas_kernels as pk
 from bijax import step_cache
 from bijax.config import EngineConfig, bucket
 from bijax.sampler import SamplingRows, sample_rows, target_logprobs, uses_filters
-from bijax.sequence import Sequence
+from bijax.sequence import PENDING, Sequence
 from models import sharding
 from models.llama import Llama, TensorParallel
 from models.paged import PagedBatch, init_kv_cache
@@ -56,6 +57,18 @@ class Chunk:
         nc = seq.num_computed
         ids = seq.token_ids
         return cls(seq, nc, tuple(ids[nc : nc + n]) + tuple(drafts), 1 + len(drafts))
+
+
+@dataclasses.dataclass(frozen=True)
+class Launched:
+    """A step on the device: its sampled rows (device arrays, not read back), how many are
+    real (``num_rows``), and each sequence's last sampled row (``rows``, by seq_id)."""
+
+    tok: jax.Array
+    lp: jax.Array
+    top: tuple | None
+    num_rows: int
+    rows: dict
 
 
 def _chunk_arrays(chunks: list[Chunk]):
@@ -247,6 +260,12 @@ class ModelRunner:
 
         Rows of sequences that are still mid-prompt are sampled too; the caller ignores them.
         """
+        return self.collect(self.dispatch(chunks, num_logprobs))
+
+    def dispatch(self, chunks: list[Chunk], num_logprobs: int = 0, prev: Launched | None = None) -> Launched:
+        """Enqueues one step on the device and returns without waiting for it. A chunk token
+        that is ``PENDING`` (async scheduling: sampled by ``prev``, not read back) is taken on
+        the device from ``prev``'s sampled row of its sequence."""
         batch = self._batch(chunks)
         sampling = SamplingRows.greedy(len(batch.logit_rows))
         j = sum(c.num_rows for c in chunks)
@@ -264,10 +283,32 @@ class ModelRunner:
         sampling.seed[:j] = np.fromiter((c.seq.seed for c in chunks), np.uint32)[owner]
         sampling.sample_index[:j] = np.fromiter((c.seq.sample_index for c in chunks), np.int32)[owner]
         sampling.position[:j] = batch.token_pos[flat] + 1  # a row samples the token after its own
+        pending = np.flatnonzero(batch.tokens == PENDING)
+        if len(pending):
+            if prev is None:
+                raise RuntimeError("a step's token is still on the device, but no step is in flight")
+            src = np.full(batch.num_tokens, -1, np.int32)
+            src[pending] = [prev.rows[chunks[r].seq.seq_id] for r in batch.token_seq[pending]]
+            batch = batch.replace(tokens=self._fill_pending(batch.tokens, prev.tok, src))
         tok, tok_lp, top = self._run(batch, sampling, num_logprobs)
-        tok, tok_lp = sharding.host(tok), sharding.host(tok_lp)
+        ends = np.cumsum(_chunk_arrays(chunks)[2])
+        rows = {c.seq.seq_id: int(e) - 1 for c, e in zip(chunks, ends, strict=True)}
+        return Launched(tok, tok_lp, top, j, rows)
+
+    def collect(self, launched: Launched):
+        """Waits for a dispatched step; its sampled rows on the host: (tokens, logprobs, top)."""
+        j, top = launched.num_rows, launched.top
+        tok, tok_lp = sharding.host(launched.tok), sharding.host(launched.lp)
         top = None if top is None else (sharding.host(top[0])[:j], sharding.host(top[1])[:j])
         return tok[:j], tok_lp[:j], top
+
+    @functools.cached_property
+    def _fill_pending(self):
+        """tokens [T] (host) with each ``src >= 0`` entry replaced by ``prev[src]`` (device)."""
+        out = None if self.mesh is None else NamedSharding(self.mesh, P())
+        return jax.jit(
+            lambda t, prev, src: jnp.where(src >= 0, prev[jnp.maximum(src, 0)], t), out_shardings=out
+        )
 
     def _forward_args(self, batch: PagedBatch):
         args = (self.params, self.cache, self._inputs(batch))

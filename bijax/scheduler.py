@@ -14,7 +14,8 @@ class Scheduler:
     waiting ones in arrival order while sequence slots, the token budget and KV blocks last.
     A running sequence that needs a block when none is free preempts the latest-arrived
     running sequence, which later recomputes its tokens (bit-identical: the kernels are
-    batch invariant)."""
+    batch invariant). With async scheduling a sequence's last token may still be on the
+    device (``Sequence.in_flight``); one whose in-flight token ends it is not scheduled."""
 
     def __init__(self, config: EngineConfig, blocks: BlockManager):
         self.config = config
@@ -41,7 +42,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         chunks: list[tuple[Sequence, int]] = []
         for seq in sorted(self.running, key=lambda s: s.arrival):
-            if seq not in self.running or budget == 0:
+            if seq not in self.running or budget == 0 or seq.finishing:
                 continue
             n = min(seq.num_pending, budget)
             while not self.blocks.can_allocate(seq, n):
@@ -56,6 +57,8 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if seq.finishing:  # preempted while its last token is on the device: it ends next step
+                break
             self.blocks.match_prefix(seq)  # reuse cached KV blocks of its prefix
             n = min(seq.num_pending, budget)
             if not self.blocks.can_allocate(seq, n):
@@ -68,13 +71,17 @@ class Scheduler:
             self.running.append(seq)
             chunks.append((seq, n))
             budget -= n
-        if not chunks and self.has_unfinished():
+        in_flight = any(
+            s.in_flight for s in (*self.running, *self.waiting)
+        )  # progress comes back from the device
+        if not chunks and self.has_unfinished() and not in_flight:
             raise RuntimeError("scheduler made no progress: the KV pool cannot hold the next request")
         return chunks
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = Status.FINISHED
         seq.finish_reason = reason
+        seq.in_flight, seq.finishing = 0, False  # an enqueued step's row for it is dropped
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

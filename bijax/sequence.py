@@ -6,6 +6,8 @@ import enum
 
 from bijax.sampling_params import SamplingParams
 
+PENDING = -1  # a token id not yet on the host (async scheduling): the device fills it in
+
 
 class Status(enum.Enum):
     WAITING = "waiting"
@@ -54,13 +56,23 @@ class Sequence:
         self.window_drafted = self.window_accepted = 0
         self.spec_resume_at = 0  # draft again once the sequence is this long
         self.spec_misses = 0
+        # async scheduling: tokens sampled on the device and not yet read back (at most 2: the one
+        # the next step feeds in, and the one it samples); they stand at the end of ``token_ids``
+        # as PENDING, which the runner replaces on the device with the step's sampled token.
+        self.in_flight = 0
+        self.finishing = False  # its in-flight token ends it (length): schedule nothing more
 
     @property
     def token_ids(self) -> list[int]:
-        """Prompt then generated token ids."""
-        return self.prompt_token_ids + self.output_token_ids
+        """Prompt then generated token ids (then PENDING for each token still on the device)."""
+        return self.prompt_token_ids + self.output_token_ids + [PENDING] * self.in_flight
 
     def __len__(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.in_flight
+
+    @property
+    def num_known(self) -> int:
+        """Tokens whose ids the host has (prompt and generated, not those still on the device)."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property

@@ -53,6 +53,11 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument(
+        "--no-async-scheduling",
+        action="store_true",
+        help="read each step's tokens back before enqueueing the next (the same bits, slower)",
+    )
+    g.add_argument(
         "--speculative-config",
         type=_json_dict,
         help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
@@ -114,6 +119,7 @@ def make_llm(
         k_shards=args.k_shards,
         seed=args.model_seed,
         enable_prefix_caching=not args.no_prefix_caching,
+        async_scheduling=not getattr(args, "no_async_scheduling", False),
         speculative_config=getattr(args, "speculative_config", None),
     )
     if model is not None:

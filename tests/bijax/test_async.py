@@ -1,0 +1,93 @@
+"""Async scheduling: the host enqueues step N + 1 (its decode tokens taken on the device from
+step N's samples) before it reads step N back. Same token ids, float32 logprob bits, top
+logprobs and finish reasons as the synchronous engine - with stop tokens ending sequences while
+their next step is already on the device, max_tokens, n > 1, preemption in a small pool,
+prefix-cache hits and an abort mid-flight."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+import bijax
+from bijax import SamplingParams as SP
+from tests.bijax.test_engine import shared_model
+from tests.conftest import bits
+
+
+def _llm(async_scheduling, **kw):
+    """test_robustness's tiny engine settings (the compiled steps are shared)."""
+    args = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=160, seed=1)
+    return bijax.LLM(shared_model("tiny")[0], async_scheduling=async_scheduling, **(args | kw))
+
+
+def _workload():
+    rng = np.random.default_rng(5)
+    system = list(map(int, rng.integers(3, 500, 40)))  # a shared prefix: prefix-cache hits
+    prompts = [system + list(map(int, rng.integers(3, 500, n))) for n in (3, 9, 17, 30)]
+    prompts += [list(map(int, rng.integers(3, 500, n))) for n in (5, 12, 22, 2)]
+    stop = list(range(3, 60))  # common enough that sampled sequences stop early
+    params = [
+        SP(temperature=0.0, max_tokens=8, ignore_eos=True),
+        SP(temperature=0.7, max_tokens=12, seed=3, n=2, logprobs=3, ignore_eos=True),
+        SP(temperature=1.0, max_tokens=20, seed=4, stop_token_ids=stop, ignore_eos=True),
+        SP(temperature=0.9, max_tokens=1, seed=5, ignore_eos=True),
+        SP(temperature=1.3, max_tokens=25, seed=6, stop_token_ids=stop, ignore_eos=True),
+        SP(temperature=0.5, max_tokens=6, seed=7, logprobs=2, ignore_eos=True),
+        SP(temperature=1.2, max_tokens=30, seed=8, stop_token_ids=stop[:20], ignore_eos=True),
+        SP(temperature=0.0, max_tokens=16, n=3, ignore_eos=True),
+    ]
+    return prompts, params
+
+
+def _flat(outs):
+    return [(c.token_ids, bits(c.logprobs), c.finish_reason, c.top_logprobs) for o in outs for c in o.outputs]
+
+
+def _equal(a, b) -> bool:
+    return all(
+        x[0] == y[0] and np.array_equal(x[1], y[1]) and x[2:] == y[2:] for x, y in zip(a, b, strict=True)
+    )
+
+
+def test_async_gives_the_synchronous_bits():
+    prompts, params = _workload()
+    sync = _flat(_llm(False).generate(prompts, params, use_tqdm=False))
+    reasons = [r for _, _, r, _ in sync]
+    assert "stop" in reasons and "length" in reasons  # both ways of ending are exercised
+    roomy = _llm(True)
+    assert roomy.engine.async_scheduling
+    roomy.generate(prompts[:1], params[:1], use_tqdm=False)  # its prefix is cached now
+    hits = roomy.engine.stats().prefix_cache_hit_blocks
+    assert _equal(_flat(roomy.generate(prompts, params, use_tqdm=False)), sync)
+    assert roomy.engine.stats().prefix_cache_hit_blocks - hits >= 4 * 2
+    small = _llm(True, num_kv_blocks=12)  # 11 usable blocks for 8 requests (12 sequences)
+    assert _equal(_flat(small.generate(prompts, params, use_tqdm=False)), sync)
+    stats = small.engine.stats()
+    assert stats.num_preemptions > 0 and stats.num_kv_blocks_in_use == 0
+    # control: the comparison sees a change in one request's sampling
+    other = [dataclasses.replace(p, seed=99) if i == 2 else p for i, p in enumerate(params)]
+    assert not _equal(_flat(_llm(True).generate(prompts, other, use_tqdm=False)), sync)
+
+
+def test_abort_while_a_step_is_in_flight():
+    prompts, params = _workload()
+    prompts, params = prompts[4:7], [dataclasses.replace(p, stop_token_ids=[]) for p in params[4:7]]
+    sync = _flat(_llm(False).generate(prompts, params, use_tqdm=False))
+    llm = _llm(True)
+    engine = llm.engine
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(f"r{i}", p, sp)
+    done = {}
+    for _ in range(3):
+        for out in engine.step():
+            done[out.request_id] = out
+    engine.abort("r1")
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            done[out.request_id] = out
+    assert done["r1"].finished and done["r1"].outputs[0].finish_reason == "abort"
+    got = _flat([done["r0"], done["r2"]])
+    assert _equal(got, [sync[0], sync[2]])
+    assert engine.stats().num_kv_blocks_in_use == 0
