@@ -267,10 +267,15 @@ def _dimensions(
 
     def scheduling():
         suite.tick("async vs sync scheduling")
-        other = not cfg.async_scheduling
-        got = _run(suite.engine(**base, async_scheduling=other), reqs)
-        how = "async (next step enqueued before this one is read back)" if other else "synchronous"
-        return [("async vs sync scheduling", _compare(solo, got), f"{how} vs the engine's default")]
+        e = suite.engine(**base, async_scheduling=not eng.async_scheduling)
+        got = _run(e, reqs)
+        how = (
+            "async (next step enqueued before this one is read back)" if e.async_scheduling else "synchronous"
+        )
+        note = f"{how} vs the engine's default"
+        if e.async_scheduling == eng.async_scheduling:  # e.g. across processes: async is off
+            note = "only synchronous scheduling runs here - none happened"
+        return [("async vs sync scheduling", _compare(solo, got), note)]
 
     order = [needle, prefill_vs_decode, batch, chunks, preemption, scheduling]
     if suite.speculative is not None:

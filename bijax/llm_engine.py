@@ -99,7 +99,7 @@ class Engine:
         self.async_scheduling = (
             config.async_scheduling and self.speculator is None and jax.process_count() == 1
         )
-        self._in_flight: _InFlight | None = None
+        self._in_flight: list[_InFlight] = []  # enqueued, not yet read back (oldest first; at most 2)
 
     # ------------------------------------------------------------------ input checks
 
@@ -150,7 +150,7 @@ class Engine:
         return seed
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._aborted) or self._in_flight is not None
+        return self.scheduler.has_unfinished() or bool(self._aborted) or bool(self._in_flight)
 
     def check_weights(self) -> None:
         """Raises (before anything is scheduled) when the weights - the draft model's too - were
@@ -327,14 +327,19 @@ class Engine:
         return outputs
 
     def _step_async(self) -> list[RequestOutput]:
-        prev = self._in_flight
-        if self.scheduler.has_unfinished():
+        """Enqueues the next step (unless one is already waiting to be read back), then reads
+        back the oldest enqueued step. A step leaves the queue only once its tokens are on the
+        host: an interrupt or device error while waiting leaves it there, and the next call
+        reads it again (nothing of the host's state moved)."""
+        steps = self._in_flight
+        dispatched = False
+        if len(steps) < 2 and self.scheduler.has_unfinished():
             self.check_weights()  # before scheduling: a failure leaves every request as it was
             chunks = self.scheduler.schedule()
             if chunks:
                 run = [Chunk.pending(seq, n) for seq, n in chunks]
                 num_logprobs = MAX_LOGPROBS if any(s.params.logprobs for s, _ in chunks) else 0
-                launched = self.runner.dispatch(run, num_logprobs, None if prev is None else prev.launched)
+                launched = self.runner.dispatch(run, num_logprobs, steps[-1].launched if steps else None)
                 samples = []
                 for seq, n in chunks:  # the host's view moves on now; the tokens come back later
                     seq.num_computed += n
@@ -343,16 +348,15 @@ class Engine:
                         seq.in_flight += 1
                         left = seq.params.max_tokens - len(seq.output_token_ids) - seq.in_flight
                         seq.finishing = left <= 0 or len(seq) >= self.config.max_model_len
-                self._in_flight = _InFlight(run, chunks, samples, launched)
-            else:
-                self._in_flight = None
-        else:
-            self._in_flight = None
-        return [] if prev is None else self._collect(prev)
+                steps.append(_InFlight(run, chunks, samples, launched))
+                dispatched = True
+        if not steps or (dispatched and len(steps) == 1):
+            return []
+        host = self.runner.collect(steps[0].launched)  # waits; may raise: the step stays queued
+        return self._apply(steps.pop(0), *host)
 
-    def _collect(self, step: _InFlight) -> list[RequestOutput]:
-        """Reads a dispatched step's sampled tokens back and applies them (async scheduling)."""
-        tok, lp, top = self.runner.collect(step.launched)
+    def _apply(self, step: _InFlight, tok, lp, top) -> list[RequestOutput]:
+        """Applies a read-back step's sampled tokens (async scheduling)."""
         touched = {}
         row = 0
         for c, (seq, _), sampled in zip(step.run, step.chunks, step.samples, strict=True):

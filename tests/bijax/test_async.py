@@ -91,3 +91,37 @@ def test_abort_while_a_step_is_in_flight():
     got = _flat([done["r0"], done["r2"]])
     assert _equal(got, [sync[0], sync[2]])
     assert engine.stats().num_kv_blocks_in_use == 0
+
+
+def test_an_interrupted_read_back_loses_nothing():
+    """An interrupt (or device error) while the host waits for a step's tokens leaves that step
+    queued: stepping on reads it again and gives the synchronous bits."""
+    prompts, params = _workload()
+    prompts, params = prompts[4:7], [dataclasses.replace(p, stop_token_ids=[]) for p in params[4:7]]
+    sync = _flat(_llm(False).generate(prompts, params, use_tqdm=False))
+    engine = _llm(True).engine
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(f"r{i}", p, sp)
+    real, calls = engine.runner.collect, []
+
+    def flaky(launched):
+        calls.append(1)
+        if len(calls) in (3, 4):  # twice in a row: the second retry finds two steps queued
+            raise KeyboardInterrupt
+        return real(launched)
+
+    engine.runner.collect = flaky
+    done, interrupts = {}, 0
+    for _ in range(500):  # bounded: a lost step would leave the engine spinning
+        if not engine.has_unfinished_requests():
+            break
+        try:
+            outs = engine.step()
+        except KeyboardInterrupt:
+            interrupts += 1
+            continue
+        for out in outs:
+            done[out.request_id] = out
+    assert interrupts == 2 and not engine.has_unfinished_requests()
+    assert _equal(_flat([done[f"r{i}"] for i in range(3)]), sync)
+    assert engine.stats().num_kv_blocks_in_use == 0
