@@ -46,7 +46,8 @@ class Scheduler:
                 continue
             n = min(seq.num_pending, budget)
             while not self.blocks.can_allocate(seq, n):
-                victim = max(self.running, key=lambda s: s.arrival)
+                # (not one that its token on the device ends: its blocks come back at the next read)
+                victim = max((s for s in self.running if not s.finishing), key=lambda s: s.arrival)
                 self._preempt(victim)
                 if victim is seq:
                     break
