@@ -319,12 +319,7 @@ class Engine:
             touched[seq.request_id] = self._requests[seq.request_id]
         if self.speculator is not None:
             self.speculator.timed(len(run), decode_only, bool(drafts), seconds, emitted)
-        for req in touched.values():
-            out = self._output(req)
-            outputs.append(out)
-            if out.finished:
-                del self._requests[req.request_id]
-        return outputs
+        return outputs + self._outputs(touched.values())
 
     def _step_async(self) -> list[RequestOutput]:
         """Enqueues the next step (unless one is already waiting to be read back), then reads
@@ -363,17 +358,21 @@ class Engine:
             first, row = row, row + c.num_rows
             if seq.status == Status.FINISHED:  # ended (stop, abort) after this step was enqueued
                 continue
-            if sampled:
-                seq.in_flight -= 1
-                reason = self._emit(seq, c, tok, lp, top, first)
+            if not sampled:  # mid-prompt chunk: nothing sampled yet
                 self.blocks.register(seq)
-                if reason is not None:
-                    self.scheduler.finish(seq, reason)
-                touched[seq.request_id] = self._requests[seq.request_id]
-            else:
-                self.blocks.register(seq)  # mid-prompt chunk: nothing sampled yet
+                continue
+            seq.in_flight -= 1
+            reason = self._emit(seq, c, tok, lp, top, first)
+            self.blocks.register(seq)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+            touched[seq.request_id] = self._requests[seq.request_id]
+        return self._outputs(touched.values())
+
+    def _outputs(self, requests) -> list[RequestOutput]:
+        """The outputs of the requests a step advanced; finished ones leave the engine."""
         outputs = []
-        for req in touched.values():
+        for req in requests:
             out = self._output(req)
             outputs.append(out)
             if out.finished:
