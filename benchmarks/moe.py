@@ -250,7 +250,7 @@ def time_block(cfg, dtype, tokens, cupti: bool):
 
         # The XLA path with jax's Hopper ragged dot in place of lax.ragged_dot (the block's
         # strongest baseline on this stack): the reference grouped op swapped for this timing.
-        def xla_block_with(op):
+        def xla_block_with(op, x=x):
             saved = pk.grouped_matmul_reference
             pk.grouped_matmul_reference = op
             try:

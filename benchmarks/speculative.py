@@ -5,12 +5,18 @@ Run from the repo root:
 ``--smoke``: the ``tiny`` preset on CPU (a check of the script).
 
 Workloads, each at 1 and 16 streams, n-gram drafts (k = 4) vs plain decoding on the same
-engine limits: "repeat" - a random 32-token phrase repeated 8 times, greedy (a random-weight
-model's greedy output falls into loops, which prompt lookup drafts well); "random" - random
-prompts, temperature 1.0 sampling (drafts rarely accepted: the cost of trying). Every timed
-run follows an identical warm-up run (prefix cache emptied before each), and the script fails
-if anything compiled inside a timed run. Token ids and float32 logprob bits of the two engines
-must be identical.
+engine limits, both with the engine's default (async) scheduling:
+- "cycle": outputs that repeat their prompts. The model's weights with every layer's output
+  projections (attention o, MLP down) zeroed (``looping_weights``): the same kernels on the
+  same shapes, so a step costs what it does with the real weights, but the logits depend on the
+  last token only, so greedy decoding walks a cycle of token -> next token. The prompt is that
+  cycle, repeated (``cycle_prompt``); the output continues it. A random-weight model copies
+  nothing by itself, and no real checkpoint of this size is on the machine.
+- "repeat": a random 32-token phrase repeated 8 times, greedy, the random weights;
+- "random": random prompts, temperature 1.0 sampling (drafts rarely accepted: the cost of trying).
+Every timed run follows an identical warm-up run (prefix cache emptied before each), and the
+script fails if anything compiled inside a timed run. Token ids and float32 logprob bits of the
+two engines must be identical.
 """
 
 from __future__ import annotations
@@ -21,19 +27,48 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from bijax import LLM, SamplingParams
+from models.llama import param_state
 
 K = 4
 
 
-def workload(kind: str, streams: int, vocab: int, out_len: int):
+def looping_weights(model) -> dict:
+    """``model``'s parameters (a pure dict for ``LLM.update_weights``) with every layer's output
+    projections - attention ``wo`` and MLP ``w_down`` - zeroed: the layers add nothing to the
+    residual, so the logits depend on the last token only (the map token -> argmax of
+    lm_head(norm(embed(token)))), and greedy decoding ends in a cycle of that map. Same shapes,
+    same kernels, same cost per step as the real weights."""
+    state = nnx.to_pure_dict(param_state(model))
+    for layer in state["layers"].values():
+        layer["attn"]["wo"] = jnp.zeros_like(layer["attn"]["wo"])
+        layer["mlp"]["w_down"] = jnp.zeros_like(layer["mlp"]["w_down"])
+    return state
+
+
+def cycle_prompt(llm, start: int, length: int, search: int = 2048) -> list[int]:
+    """The cycle that greedy decoding from ``[start]`` falls into on ``llm``'s (looping)
+    weights, repeated to ``length`` tokens: a prompt its greedy output continues exactly."""
+    sp = SamplingParams(temperature=0, max_tokens=search, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": [start]}], sp, use_tqdm=False)[0].outputs[0].token_ids
+    last = len(out) - 1
+    prev = max((i for i in range(last) if out[i] == out[last]), default=None)
+    if prev is None:
+        raise RuntimeError(f"greedy decoding from token {start} found no cycle in {search} tokens")
+    cycle = out[prev + 1 : last + 1]
+    return (cycle * (-(-length // len(cycle))))[:length]
+
+
+def workload(kind: str, streams: int, vocab: int, out_len: int, cycles=None):
     rng = np.random.default_rng(7)
     prompts, params = [], []
     for i in range(streams):
-        if kind == "constant":
-            prompts.append([int(rng.integers(0, vocab))] * 64)
+        if kind == "cycle":
+            prompts.append(cycles[i % len(cycles)])
             params.append(SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True))
         elif kind == "repeat":
             prompts.append([int(t) for t in rng.integers(0, vocab, 32)] * 8)
@@ -78,11 +113,33 @@ def main():
     spec = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     plain = LLM(model, **kw)
     fast = LLM(plain.model, tokenizer=plain.tokenizer, speculative_config=spec, **kw)
+    # Every step program ahead of time: the adaptive rule's choices follow measured step times,
+    # so a timed run may draft in a shape its warm-up run did not.
+    print(
+        f"warm-up: plain {plain.warmup(progress=False):.1f} s, ngram {fast.warmup(progress=False):.1f} s",
+        flush=True,
+    )
     vocab = plain.model.config.vocab_size
+    real = nnx.to_pure_dict(param_state(plain.model))  # arrays, not the model's variables
+    loop = looping_weights(plain.model)
     rows, failures = [], []
-    for kind in ("constant", "repeat", "random"):
+    for kind in ("cycle", "repeat", "random"):
+        cycles = None
+        for llm in (plain, fast):  # (they share one model object: each engine takes the arrays)
+            llm.update_weights(loop if kind == "cycle" else real)
+        if kind == "cycle":
+            t0 = time.perf_counter()
+            cycles = [
+                cycle_prompt(plain, start, 128, 64 if args.smoke else 2048)
+                for start in (11, 97, 1234 % vocab)
+            ]
+            lens = [len(set(c)) for c in cycles]
+            print(
+                f"cycle prompts: distinct tokens per cycle {lens} ({time.perf_counter() - t0:.1f} s)",
+                flush=True,
+            )
         for streams in (1, 16):
-            prompts, params = workload(kind, streams, vocab, out_len)
+            prompts, params = workload(kind, streams, vocab, out_len, cycles)
             a, ta, ca, sa = timed(plain, prompts, params)
             b, tb, cb, sb = timed(fast, prompts, params)
             same = all(

@@ -94,12 +94,18 @@ class Engine:
         self._aborted: list[_Request] = []
         # Async scheduling: the step on the device while the host schedules and enqueues the
         # next (its sampled tokens feed the next step on the device; the host reads them after).
-        # Not with speculative decoding (drafts are built from the tokens on the host) nor
+        # With n-gram drafts too: drafts are built from tokens on the host, so when a sequence
+        # would draft, the enqueued steps are read back first and the drafted step runs
+        # synchronously (``_drafting``). Not with a draft model (it runs every step's batch) nor
         # across processes (every process would have to agree on the timing of host reads).
         self.async_scheduling = (
-            config.async_scheduling and self.speculator is None and jax.process_count() == 1
+            config.async_scheduling
+            and (self.speculator is None or self.speculator.draft is None)
+            and jax.process_count() == 1
         )
         self._in_flight: list[_InFlight] = []  # enqueued, not yet read back (oldest first; at most 2)
+        self._drain = False  # a drafted step is next: read back the enqueued ones, enqueue none
+        self._last_read: tuple | None = None  # (time, compiles) at the last async read-back (step times)
 
     # ------------------------------------------------------------------ input checks
 
@@ -262,9 +268,7 @@ class Engine:
             raise ValueError(f"no request {request_id!r}")
         for s in req.seqs:
             if s.status != Status.FINISHED:
-                self.scheduler.finish(s, "abort")
-                if self.speculator is not None:
-                    self.speculator.forget(s)
+                self._finish(s, "abort")
         self._aborted.append(req)
 
     def step(self) -> list[RequestOutput]:
@@ -277,17 +281,36 @@ class Engine:
         for r in self._aborted:
             self._requests.pop(r.request_id, None)
         self._aborted = []
-        if self.async_scheduling:
+        if self.async_scheduling and not self._drafting():
             return outputs + self._step_async()
+        if self._in_flight:  # a drafted step is next: the enqueued steps' tokens come first
+            return outputs + self._read_back()
+        return outputs + self._step_sync()
+
+    def _drafting(self) -> bool:
+        """Async scheduling with n-gram drafts: whether the next step drafts (decided once, then
+        kept until that step has run): some sequence would draft from its known tokens and
+        drafting pays at this batch size."""
+        if self.speculator is None:
+            return False
+        if not self._drain and self.speculator.has_candidates(self.scheduler.running):
+            self._drain = self.speculator.worth_it(len(self.scheduler.running))
+        return self._drain
+
+    def _step_sync(self) -> list[RequestOutput]:
+        """Schedules, runs and reads back one step (drafts in it with speculative decoding)."""
         if not self.scheduler.has_unfinished():
-            return outputs
+            self._drain = False
+            return []
         self.check_weights()  # before scheduling: a failure leaves every request as it was
         chunks = self.scheduler.schedule()
         t0 = time.perf_counter()  # the step's time, drafting included (the adaptive rule)
+        compiles = num_compiled_steps()  # (a step that compiled a program is not timed)
         drafts = {}
-        if self.speculator is not None:
+        if self.speculator is not None and (self._drain or self.speculator.worth_it(len(chunks))):
             left = self.config.max_num_batched_tokens - sum(n for _, n in chunks)
             drafts = self.speculator.propose(chunks, self.blocks, left)
+        self._drain, self._last_read = False, None
         run = [Chunk.pending(seq, n, drafts.get(seq.seq_id, ())) for seq, n in chunks]
         num_logprobs = MAX_LOGPROBS if any(s.params.logprobs for s, _ in chunks) else 0
         tok, lp, top = self.runner.step(run, num_logprobs)
@@ -311,15 +334,20 @@ class Engine:
             seq.num_computed = len(seq) - 1  # the last token (sampled) is pending, as in plain decoding
             self.blocks.register(seq)
             if reason is not None:
-                self.scheduler.finish(seq, reason)
-                if self.speculator is not None:
-                    self.speculator.forget(seq)
+                self._finish(seq, reason)
             elif c.num_rows > 1:
                 self.blocks.trim(seq)  # blocks of rejected drafts go back
             touched[seq.request_id] = self._requests[seq.request_id]
+        if self.speculator is not None and (drafts or not self.async_scheduling):
+            # (with async scheduling, plain steps are timed as enqueued ones: ``_read_back``)
+            if num_compiled_steps() == compiles:
+                self.speculator.timed(len(run), decode_only, bool(drafts), seconds, emitted)
+        return self._outputs(touched.values())
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
         if self.speculator is not None:
-            self.speculator.timed(len(run), decode_only, bool(drafts), seconds, emitted)
-        return outputs + self._outputs(touched.values())
+            self.speculator.forget(seq)
 
     def _step_async(self) -> list[RequestOutput]:
         """Enqueues the next step (unless one is already waiting to be read back), then reads
@@ -347,8 +375,21 @@ class Engine:
                 dispatched = True
         if not steps or (dispatched and len(steps) == 1):
             return []
-        host = self.runner.collect(steps[0].launched)  # waits; may raise: the step stays queued
-        return self._apply(steps.pop(0), *host)
+        return self._read_back()
+
+    def _read_back(self) -> list[RequestOutput]:
+        """Waits for the oldest enqueued step and applies its tokens."""
+        step = self._in_flight[0]
+        tok, lp, top = self.runner.collect(step.launched)  # waits; may raise: the step stays queued
+        self._in_flight.pop(0)
+        if self.speculator is not None:  # a plain step's time for the adaptive rule: read to read
+            now = (time.perf_counter(), num_compiled_steps())
+            decode_only = all(step.samples) and all(n == 1 for _, n in step.chunks)
+            if self._last_read is not None and decode_only and self._last_read[1] == now[1]:
+                seconds = now[0] - self._last_read[0]
+                self.speculator.timed(len(step.chunks), True, False, seconds, len(step.chunks))
+            self._last_read = None if self._drain else now
+        return self._apply(step, tok, lp, top)
 
     def _apply(self, step: _InFlight, tok, lp, top) -> list[RequestOutput]:
         """Applies a read-back step's sampled tokens (async scheduling)."""
@@ -365,7 +406,7 @@ class Engine:
             reason = self._emit(seq, c, tok, lp, top, first)
             self.blocks.register(seq)
             if reason is not None:
-                self.scheduler.finish(seq, reason)
+                self._finish(seq, reason)
             touched[seq.request_id] = self._requests[seq.request_id]
         return self._outputs(touched.values())
 

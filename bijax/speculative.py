@@ -126,6 +126,17 @@ class NgramIndex:
         self.sizes = range(max_n, min_n - 1, -1)
         self.latest = {n: {} for n in self.sizes}
         self.upto = 0  # n-grams ending before this index are in the maps
+        self.ids: list[int] = []  # the sequence's tokens the host has (``known``)
+
+    def known(self, seq) -> list[int]:
+        """``seq``'s prompt and generated tokens (not those still on the device), kept as they
+        arrive: no copy of the whole sequence per step."""
+        have, p = len(self.ids), len(seq.prompt_token_ids)
+        if have < p:
+            self.ids.extend(seq.prompt_token_ids[have:])
+            have = p
+        self.ids.extend(seq.output_token_ids[have - p :])
+        return self.ids
 
     def propose(self, ids, k: int) -> list[int]:
         size = len(ids)
@@ -182,12 +193,13 @@ class Speculator:
             ),
         )
 
-    def _worth_it(self, chunks) -> bool:
-        """Whether drafting pays at this batch size, from the measured step times (see top)."""
+    def worth_it(self, num_seqs: int) -> bool:
+        """Whether drafting pays for a step of ``num_seqs`` sequences, from the measured step
+        times (see top). Each call is one decision (it counts towards the probes)."""
         if not self.spec.adaptive:
             return True
         self.num_steps += 1
-        t = self.times.get(_size(len(chunks)))
+        t = self.times.get(_size(num_seqs))
         if t is None or t[0] is None or t[1] is None:
             return t is None or t[1] is None or self.num_steps % PROBE_EVERY == 0
         worth = self.gain / t[1] >= 1.0 / t[0]
@@ -205,23 +217,42 @@ class Speculator:
             per_seq = emitted / num_seqs
             self.gain = (1 - EMA) * self.gain + EMA * per_seq
 
+    def _ngram(self, seq) -> NgramIndex:
+        index = self._ngrams.get(seq.seq_id)
+        if index is None:
+            index = self._ngrams[seq.seq_id] = NgramIndex(
+                self.spec.prompt_lookup_max, self.spec.prompt_lookup_min
+            )
+        return index
+
+    def has_candidates(self, seqs) -> bool:
+        """Async scheduling (n-gram drafts only): whether any running sequence in decode would
+        draft from the tokens the host has now (its tokens on the device aside). The engine then
+        lets the enqueued steps finish and runs a drafted step; otherwise it keeps enqueueing
+        plain ones. Only a guess of the next step's drafts: outputs do not depend on it."""
+        for seq in seqs:
+            if seq.finishing or not seq.output_token_ids or seq.num_computed < seq.num_known - 1:
+                continue  # ends with its token on the device, or still in its prompt
+            left = seq.params.max_tokens - len(seq.output_token_ids) - seq.in_flight - 1
+            if left <= 0 or len(seq) < seq.spec_resume_at or len(seq) >= self.config.max_model_len:
+                continue
+            index = self._ngram(seq)
+            if index.propose(index.known(seq), 1):
+                return True
+        return False
+
     def propose(self, chunks, blocks, budget: int) -> dict[int, list[int]]:
         """Drafts by sequence id for the (sequence, n) chunks of a step whose token budget has
-        ``budget`` left; allocates their KV blocks (only free ones: drafts never preempt)."""
+        ``budget`` left; allocates their KV blocks (only free ones: drafts never preempt). The
+        caller has decided that the step drafts (``worth_it``)."""
         drafts: dict[int, list[int]] = {}
-        if not self._worth_it(chunks):
-            return drafts
         want = []
         for seq, n in chunks:
             k = self._budget(seq, budget) if n == 1 else 0
             d = None
             if k and self.spec.method == "ngram":
-                index = self._ngrams.get(seq.seq_id)
-                if index is None:
-                    index = self._ngrams[seq.seq_id] = NgramIndex(
-                        self.spec.prompt_lookup_max, self.spec.prompt_lookup_min
-                    )
-                d = index.propose(seq.token_ids, k)
+                index = self._ngram(seq)
+                d = index.propose(index.known(seq), k)
                 k = len(d)
             if not k or not blocks.can_allocate(seq, 1 + k):
                 continue

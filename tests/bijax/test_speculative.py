@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import bijax
+from benchmarks.speculative import cycle_prompt, looping_weights
 from bijax import SamplingParams as SP
 from bijax.speculative import (
     ADAPT_BACKOFF,
@@ -123,20 +124,56 @@ def test_speculative_equals_plain(kind):
     assert llm(kind).engine.stats().prefix_cache_hit_blocks > hits
 
 
-def test_repeating_output_accepts_drafts_in_fewer_steps():
-    eng = llm("ngram").engine
-    prompts, params = workload()
-    eng.add_request("loop", prompts[0], params[0])
+@functools.cache
+def looping_llm(spec: bool, async_scheduling: bool = True):
+    """tiny with looping weights (benchmarks/speculative.py): every layer's output projections
+    zeroed, so greedy decoding walks a cycle of token -> next token, and a prompt made of that
+    cycle is continued exactly - outputs that repeat their prompts. Its own model object
+    (``update_weights`` writes into it); the step programs are shared with ``llm``'s."""
+    model = Llama(preset("tiny"), dtype=jnp.float32, seed=0)
+    own = bijax.LLM(
+        model, speculative_config=NGRAM if spec else None, async_scheduling=async_scheduling, **KW
+    )
+    own.update_weights(looping_weights(model))
+    return own
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_output_that_repeats_its_prompt_accepts_drafts_in_fewer_steps(async_scheduling):
+    plain = looping_llm(False)
+    prompt = cycle_prompt(plain, 11, 40, search=64)
+    sp = SP(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
+    eng = looping_llm(True, async_scheduling).engine
+    assert eng.async_scheduling == async_scheduling  # n-gram drafts run with async scheduling
+    eng.add_request("loop", prompt, sp)
     steps = 0
     while eng.has_unfinished_requests():
         out = eng.step()
         steps += 1
     (out,) = out
-    assert out.metrics.acceptance_rate > 0.5
-    assert steps < params[0].max_tokens - out.metrics.num_accepted_tokens // 2
-    assert (
-        steps <= params[0].max_tokens - out.metrics.num_accepted_tokens + 1
-    )  # each accepted draft saves a step
+    assert same([out], plain.generate([prompt], sp, use_tqdm=False))
+    period = next(p for p in range(1, len(prompt)) if prompt[p:] == prompt[:-p])
+    assert out.outputs[0].token_ids == [prompt[(len(prompt) + i) % period] for i in range(40)]  # its cycle
+    assert out.metrics.acceptance_rate > 0.9
+    # 40 tokens at up to 5 a step (1 + 4 drafts), plus the prompt's step (and, async, the steps
+    # enqueued before the first drafted one): far fewer than plain decoding's 40
+    assert steps <= 40 // 5 + (4 if async_scheduling else 2)
+
+
+def test_nothing_to_draft_keeps_steps_enqueued_ahead():
+    """With n-gram drafts and async scheduling, a sequence that has nothing to draft decodes
+    with the next step enqueued before the current one is read back."""
+    own = bijax.LLM(shared_model("tiny")[0], speculative_config={**NGRAM, "prompt_lookup_min": 3}, **KW)
+    eng = own.engine
+    prompts, params = workload()
+    sp = SP(temperature=1.1, max_tokens=24, seed=9, ignore_eos=True)
+    eng.add_request("r", prompts[2], sp)
+    ahead, outs = 0, []  # steps after which the next one is already on the device
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+        ahead += len(eng._in_flight) > 0
+    assert outs[-1].metrics.num_draft_tokens == 0 and ahead >= 20
+    assert same(outs[-1:], llm("plain").generate(prompts[2:3], sp, use_tqdm=False))
 
 
 def test_preemption_with_a_small_pool():
@@ -245,13 +282,13 @@ def test_adaptive_rules():
     every PROBE_EVERY steps), and per sequence after a window of low acceptance."""
     sp = Speculator(SpeculativeConfig.create({**NGRAM, "adaptive": True}), llm("plain").config)
     chunks = [object()] * 4
-    assert sp._worth_it(chunks)  # nothing measured yet
+    assert sp.worth_it(len(chunks))  # nothing measured yet
     sp.times[4] = [0.010, 0.030]  # a drafted step 3x as slow as a plain one
     sp.gain = 2.0  # ... emitting only 2 tokens per sequence: not worth it
-    decisions = [sp._worth_it(chunks) for _ in range(2 * PROBE_EVERY)]
+    decisions = [sp.worth_it(len(chunks)) for _ in range(2 * PROBE_EVERY)]
     assert sum(decisions) == 2  # only the probes
     sp.gain = 4.0  # 4 tokens per drafted step: worth it
-    assert sum(sp._worth_it(chunks) for _ in range(2 * PROBE_EVERY)) == 2 * PROBE_EVERY - 2
+    assert sum(sp.worth_it(len(chunks)) for _ in range(2 * PROBE_EVERY)) == 2 * PROBE_EVERY - 2
 
     class Seq:  # the counters of bijax.sequence.Sequence
         num_draft_tokens = num_accepted_tokens = num_verify_steps = 0
