@@ -14,7 +14,7 @@ engine limits, both with the engine's default (async) scheduling:
   nothing by itself, and no real checkpoint of this size is on the machine.
 - "repeat": a random 32-token phrase repeated 8 times, greedy, the random weights;
 - "random": random prompts, temperature 1.0 sampling (drafts rarely accepted: the cost of trying).
-Every timed run follows an identical warm-up run (prefix cache emptied before each), and the
+Every timed run (3 per engine, alternating; the median) follows an identical warm-up run (prefix cache emptied before each), and the
 script fails if anything compiled inside a timed run. Token ids and float32 logprob bits of the
 two engines must be identical.
 """
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import statistics
 import sys
 import time
 
@@ -35,6 +36,7 @@ from bijax import LLM, SamplingParams
 from models.llama import param_state
 
 K = 4
+REPEATS = 3  # timed runs per engine and workload, alternating plain / ngram (median)
 
 
 def looping_weights(model) -> dict:
@@ -52,7 +54,8 @@ def looping_weights(model) -> dict:
 
 def cycle_prompt(llm, start: int, length: int, search: int = 2048) -> list[int]:
     """The cycle that greedy decoding from ``[start]`` falls into on ``llm``'s (looping)
-    weights, repeated to ``length`` tokens: a prompt its greedy output continues exactly."""
+    weights, repeated to at least ``length`` tokens and at least once whole: a prompt that its
+    greedy output continues exactly, every continued token already in it."""
     sp = SamplingParams(temperature=0, max_tokens=search, ignore_eos=True)
     out = llm.generate([{"prompt_token_ids": [start]}], sp, use_tqdm=False)[0].outputs[0].token_ids
     last = len(out) - 1
@@ -60,7 +63,7 @@ def cycle_prompt(llm, start: int, length: int, search: int = 2048) -> list[int]:
     if prev is None:
         raise RuntimeError(f"greedy decoding from token {start} found no cycle in {search} tokens")
     cycle = out[prev + 1 : last + 1]
-    return (cycle * (-(-length // len(cycle))))[:length]
+    return cycle * max(1, -(-length // len(cycle)))
 
 
 def workload(kind: str, streams: int, vocab: int, out_len: int, cycles=None):
@@ -105,6 +108,7 @@ def main():
     ap.add_argument("--model", default="llama3-8b")
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--workloads", default="cycle,repeat,random", help="comma-separated subset")
     args = ap.parse_args()
     model = "tiny" if args.smoke else args.model
     out_len = 24 if args.smoke else args.output_len
@@ -123,7 +127,7 @@ def main():
     real = nnx.to_pure_dict(param_state(plain.model))  # arrays, not the model's variables
     loop = looping_weights(plain.model)
     rows, failures = [], []
-    for kind in ("cycle", "repeat", "random"):
+    for kind in args.workloads.split(","):
         cycles = None
         for llm in (plain, fast):  # (they share one model object: each engine takes the arrays)
             llm.update_weights(loop if kind == "cycle" else real)
@@ -135,13 +139,17 @@ def main():
             ]
             lens = [len(set(c)) for c in cycles]
             print(
-                f"cycle prompts: distinct tokens per cycle {lens} ({time.perf_counter() - t0:.1f} s)",
+                f"cycle prompts: cycle lengths {lens}, prompt lengths {[len(c) for c in cycles]} "
+                f"({time.perf_counter() - t0:.1f} s)",
                 flush=True,
             )
         for streams in (1, 16):
             prompts, params = workload(kind, streams, vocab, out_len, cycles)
-            a, ta, ca, sa = timed(plain, prompts, params)
-            b, tb, cb, sb = timed(fast, prompts, params)
+            runs = [(timed(plain, prompts, params), timed(fast, prompts, params)) for _ in range(REPEATS)]
+            (a, _, ca, sa), (b, _, cb, sb) = runs[0]  # outputs and steps: the same every run
+            ta = statistics.median(r[0][1] for r in runs)  # alternating runs, the median of each
+            tb = statistics.median(r[1][1] for r in runs)
+            ca, cb = sum(r[0][2] for r in runs), sum(r[1][2] for r in runs)
             same = all(
                 x.token_ids == y.token_ids and np.array_equal(bits(x.logprobs), bits(y.logprobs))
                 for x, y in zip(a, b, strict=True)

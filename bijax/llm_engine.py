@@ -105,6 +105,9 @@ class Engine:
         )
         self._in_flight: list[_InFlight] = []  # enqueued, not yet read back (oldest first; at most 2)
         self._drain = False  # a drafted step is next: read back the enqueued ones, enqueue none
+        # The drafted step's cost for the adaptive rule runs from the decision to drain: (start
+        # time, tokens the drained steps emitted, compiles at the start, all decode-only).
+        self._episode: list | None = None
         self._last_read: tuple | None = None  # (time, compiles) at the last async read-back (step times)
 
     # ------------------------------------------------------------------ input checks
@@ -295,17 +298,26 @@ class Engine:
             return False
         if not self._drain and self.speculator.has_candidates(self.scheduler.running):
             self._drain = self.speculator.worth_it(len(self.scheduler.running))
+            if self._drain:
+                self._episode = [time.perf_counter(), 0, num_compiled_steps(), True]
         return self._drain
 
     def _step_sync(self) -> list[RequestOutput]:
         """Schedules, runs and reads back one step (drafts in it with speculative decoding)."""
         if not self.scheduler.has_unfinished():
-            self._drain = False
+            self._drain, self._episode = False, None
             return []
         self.check_weights()  # before scheduling: a failure leaves every request as it was
         chunks = self.scheduler.schedule()
-        t0 = time.perf_counter()  # the step's time, drafting included (the adaptive rule)
-        compiles = num_compiled_steps()  # (a step that compiled a program is not timed)
+        # The step's time, drafting included (the adaptive rule); with async scheduling from the
+        # decision to drain, so that the emptied pipeline is part of a drafted step's cost.
+        t0, drained, compiles, comparable = self._episode or (
+            time.perf_counter(),
+            0,
+            num_compiled_steps(),
+            True,
+        )
+        self._episode = None
         drafts = {}
         if self.speculator is not None and (self._drain or self.speculator.worth_it(len(chunks))):
             left = self.config.max_num_batched_tokens - sum(n for _, n in chunks)
@@ -341,7 +353,8 @@ class Engine:
         if self.speculator is not None and (drafts or not self.async_scheduling):
             # (with async scheduling, plain steps are timed as enqueued ones: ``_read_back``)
             if num_compiled_steps() == compiles:
-                self.speculator.timed(len(run), decode_only, bool(drafts), seconds, emitted)
+                steps = decode_only and comparable
+                self.speculator.timed(len(run), steps, bool(drafts), seconds, emitted + drained)
         return self._outputs(touched.values())
 
     def _finish(self, seq: Sequence, reason: str) -> None:
@@ -389,6 +402,9 @@ class Engine:
                 seconds = now[0] - self._last_read[0]
                 self.speculator.timed(len(step.chunks), True, False, seconds, len(step.chunks))
             self._last_read = None if self._drain else now
+            if self._episode is not None:  # drained for a drafted step: its tokens count there
+                self._episode[1] += sum(step.samples)
+                self._episode[3] = self._episode[3] and decode_only
         return self._apply(step, tok, lp, top)
 
     def _apply(self, step: _InFlight, tok, lp, top) -> list[RequestOutput]:
