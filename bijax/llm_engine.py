@@ -278,17 +278,23 @@ class Engine:
         """Runs one scheduled step; returns the outputs of the requests it advanced
         (``finished`` set on those that are done). With async scheduling it enqueues the next
         step, then waits for the one before and returns what that one advanced: the device
-        never waits for the host between steps. The tokens and logprobs are the same bits
+        never waits for the host between steps (the first call after a synchronous step may
+        return nothing). With n-gram drafts a step that drafts runs synchronously: the calls
+        before it only read back the enqueued steps. The tokens and logprobs are the same bits
         either way (a row's bits do not depend on what else is in its step)."""
         outputs = [self._output(r) for r in self._aborted]
         for r in self._aborted:
             self._requests.pop(r.request_id, None)
         self._aborted = []
         if self.async_scheduling and not self._drafting():
-            return outputs + self._step_async()
-        if self._in_flight:  # a drafted step is next: the enqueued steps' tokens come first
-            return outputs + self._read_back()
-        return outputs + self._step_sync()
+            outputs += self._step_async()
+        elif self._in_flight:  # a drafted step is next: the enqueued steps' tokens come first
+            outputs += self._read_back()
+        else:
+            outputs += self._step_sync()
+        if not self.has_unfinished_requests():  # idle: no decision or timing carries over
+            self._drain, self._episode, self._last_read = False, None, None
+        return outputs
 
     def _drafting(self) -> bool:
         """Async scheduling with n-gram drafts: whether the next step drafts (decided once, then
@@ -296,22 +302,27 @@ class Engine:
         drafting pays at this batch size."""
         if self.speculator is None:
             return False
-        if not self._drain and self.speculator.has_candidates(self.scheduler.running):
-            self._drain = self.speculator.worth_it(len(self.scheduler.running))
-            if self._drain:
-                self._episode = [time.perf_counter(), 0, num_compiled_steps(), True]
+        running = self.scheduler.running
+        # (the rule first: it is one decision per step, as in synchronous mode, and the scan
+        # of the sequences runs only where drafting would pay)
+        if (
+            not self._drain
+            and self.speculator.worth_it(len(running))
+            and self.speculator.has_candidates(running)
+        ):
+            self._drain = True
+            self._episode = [time.perf_counter(), 0, num_compiled_steps(), True]
         return self._drain
 
     def _step_sync(self) -> list[RequestOutput]:
         """Schedules, runs and reads back one step (drafts in it with speculative decoding)."""
         if not self.scheduler.has_unfinished():
-            self._drain, self._episode = False, None
             return []
         self.check_weights()  # before scheduling: a failure leaves every request as it was
         chunks = self.scheduler.schedule()
         # The step's time, drafting included (the adaptive rule); with async scheduling from the
         # decision to drain, so that the emptied pipeline is part of a drafted step's cost.
-        t0, drained, compiles, comparable = self._episode or (
+        t0, tokens_drained, compiles, comparable = self._episode or (
             time.perf_counter(),
             0,
             num_compiled_steps(),
@@ -322,7 +333,7 @@ class Engine:
         if self.speculator is not None and (self._drain or self.speculator.worth_it(len(chunks))):
             left = self.config.max_num_batched_tokens - sum(n for _, n in chunks)
             drafts = self.speculator.propose(chunks, self.blocks, left)
-        self._drain, self._last_read = False, None
+        drained, self._drain, self._last_read = self._drain, False, None
         run = [Chunk.pending(seq, n, drafts.get(seq.seq_id, ())) for seq, n in chunks]
         num_logprobs = MAX_LOGPROBS if any(s.params.logprobs for s, _ in chunks) else 0
         tok, lp, top = self.runner.step(run, num_logprobs)
@@ -350,11 +361,15 @@ class Engine:
             elif c.num_rows > 1:
                 self.blocks.trim(seq)  # blocks of rejected drafts go back
             touched[seq.request_id] = self._requests[seq.request_id]
-        if self.speculator is not None and (drafts or not self.async_scheduling):
-            # (with async scheduling, plain steps are timed as enqueued ones: ``_read_back``)
+        if self.speculator is not None and (drafts or drained or not self.async_scheduling):
+            # With async scheduling plain steps are timed as enqueued ones (``_read_back``); a
+            # step the queue was emptied for counts as drafted even if in the end nothing was
+            # drafted (the guess from the known tokens missed): emptying the queue was its cost.
             if num_compiled_steps() == compiles:
                 steps = decode_only and comparable
-                self.speculator.timed(len(run), steps, bool(drafts), seconds, emitted + drained)
+                self.speculator.timed(
+                    len(run), steps, bool(drafts or drained), seconds, emitted + tokens_drained
+                )
         return self._outputs(touched.values())
 
     def _finish(self, seq: Sequence, reason: str) -> None:

@@ -17,6 +17,7 @@ import pytest
 import bijax
 from benchmarks.speculative import cycle_prompt, looping_weights
 from bijax import SamplingParams as SP
+from bijax.sequence import PENDING
 from bijax.speculative import (
     ADAPT_BACKOFF,
     PROBE_EVERY,
@@ -52,6 +53,7 @@ def spec_config(kind):
     return {
         "plain": None,
         "ngram": NGRAM,
+        "ngram-adaptive": {**NGRAM, "adaptive": True},
         "draft-same": {
             "method": "draft_model",
             "model": model,
@@ -106,11 +108,25 @@ def totals(outs):
     return sum(o.metrics.num_draft_tokens for o in outs), sum(o.metrics.num_accepted_tokens for o in outs)
 
 
-@pytest.mark.parametrize("kind", ["ngram", "draft-same", "draft-other"])
-def test_speculative_equals_plain(kind):
+@pytest.mark.parametrize("kind", ["ngram", "ngram-adaptive", "draft-same", "draft-other"])
+def test_speculative_equals_plain(kind, monkeypatch):
+    eng = llm(kind).engine
+    propose = eng.speculator.propose
+
+    def on_host_tokens_only(chunks, blocks, budget):  # drafts never see a token still on the device
+        assert all(seq.in_flight == 0 and PENDING not in seq.token_ids for seq, _ in chunks)
+        return propose(chunks, blocks, budget)
+
+    monkeypatch.setattr(eng.speculator, "propose", on_host_tokens_only)
+    free = eng.stats().num_free_blocks
     prompts, params = workload()
     outs = llm(kind).generate(prompts, params, use_tqdm=False)
     assert same(outs, plain_outputs())
+    # idle again: nothing in flight, no drafting decision or timing carried over, blocks back
+    assert not eng._in_flight and not eng._drain and eng._episode is None and eng._last_read is None
+    assert eng.stats().num_free_blocks == free
+    if kind == "ngram-adaptive":
+        return  # (which steps draft follows measured times here)
     drafted, accepted = totals(outs)
     assert drafted > 0
     if kind == "draft-same":  # the target drafting for itself with the same keys: all accepted
@@ -176,9 +192,10 @@ def test_nothing_to_draft_keeps_steps_enqueued_ahead():
     assert same(outs[-1:], llm("plain").generate(prompts[2:3], sp, use_tqdm=False))
 
 
-def test_preemption_with_a_small_pool():
+@pytest.mark.parametrize("kind", ["draft-same", "ngram"])  # synchronous / async scheduling
+def test_preemption_with_a_small_pool(kind):
     # its own LLM (limit_kv_pool turns prefix caching off); the step programs are shared
-    own = bijax.LLM(shared_model("tiny")[0], speculative_config=spec_config("draft-same"), **KW)
+    own = bijax.LLM(shared_model("tiny")[0], speculative_config=spec_config(kind), **KW)
     own.engine.limit_kv_pool(12)  # 11 usable blocks: the batch cannot fit at once
     prompts, params = workload()
     outs = own.generate(prompts, params, use_tqdm=False)
