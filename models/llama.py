@@ -38,6 +38,7 @@ how many other tokens chose its experts. They run on one device only (no tensor 
 
 from __future__ import annotations
 
+import functools
 import zlib
 
 import jax
@@ -79,12 +80,18 @@ def _seed_key(seed: int, name: str) -> jax.Array:
     return jax.random.fold_in(jax.random.PRNGKey(seed), zlib.crc32(name.encode()) & 0x7FFFFFFF)
 
 
+@functools.partial(jax.jit, static_argnames=("shape", "std", "dtype"))
+def _normal_values(key, *, shape, std: float, dtype) -> jax.Array:
+    # One program per (shape, std, dtype): a preset builds with a handful of compiles, not
+    # four eager ones per shape. The barrier keeps the scaling a separate multiply (here and
+    # inside one jitted build, ``models.sharding.build_sharded``): XLA would otherwise fold
+    # ``std`` into the normal's own constant factor and round differently.
+    x = lax.optimization_barrier(jax.random.normal(key, shape, jnp.float32))
+    return (x * np.float32(std)).astype(dtype)
+
+
 def _normal(seed: int, name: str, shape, std: float, dtype) -> nnx.Param:
-    # The barrier keeps the scaling a separate multiply when this runs inside one jitted build
-    # (``models.sharding.build_sharded``): XLA would otherwise fold ``std`` into the normal's
-    # own constant factor and round differently from the op-by-op build.
-    x = lax.optimization_barrier(jax.random.normal(_seed_key(seed, name), shape, jnp.float32))
-    return nnx.Param((x * np.float32(std)).astype(dtype))
+    return nnx.Param(_normal_values(_seed_key(seed, name), shape=tuple(shape), std=float(std), dtype=jnp.dtype(dtype)))
 
 
 def _ones(shape, dtype) -> nnx.Param:
