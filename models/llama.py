@@ -91,7 +91,9 @@ def _normal_values(key, *, shape, std: float, dtype) -> jax.Array:
 
 
 def _normal(seed: int, name: str, shape, std: float, dtype) -> nnx.Param:
-    return nnx.Param(_normal_values(_seed_key(seed, name), shape=tuple(shape), std=float(std), dtype=jnp.dtype(dtype)))
+    return nnx.Param(
+        _normal_values(_seed_key(seed, name), shape=tuple(shape), std=float(std), dtype=jnp.dtype(dtype))
+    )
 
 
 def _ones(shape, dtype) -> nnx.Param:
