@@ -229,7 +229,9 @@ class Speculator:
         """Async scheduling (n-gram drafts only): whether any running sequence in decode would
         draft from the tokens the host has now (its tokens on the device aside). The engine then
         lets the enqueued steps finish and runs a drafted step; otherwise it keeps enqueueing
-        plain ones. Only a guess of the next step's drafts: outputs do not depend on it."""
+        plain ones. Only a guess of the next step's drafts: outputs do not depend on it. The
+        guess: the latest earlier match of the known tokens' tail is followed by more tokens
+        than are on the device, so if those repeat it too, drafts follow them."""
         for seq in seqs:
             if seq.finishing or not seq.output_token_ids or seq.num_computed < seq.num_known - 1:
                 continue  # ends with its token on the device, or still in its prompt
@@ -237,7 +239,7 @@ class Speculator:
             if left <= 0 or len(seq) < seq.spec_resume_at or len(seq) >= self.config.max_model_len:
                 continue
             index = self._ngram(seq)
-            if index.propose(index.known(seq), 1):
+            if len(index.propose(index.known(seq), seq.in_flight + 1)) > seq.in_flight:
                 return True
         return False
 

@@ -176,6 +176,33 @@ def test_output_that_repeats_its_prompt_accepts_drafts_in_fewer_steps(async_sche
     assert steps <= 40 // 5 + (4 if async_scheduling else 2)
 
 
+def test_has_candidates_guesses_from_host_tokens_of_decoding_sequences():
+    from bijax.sequence import Sequence
+
+    sp = Speculator(SpeculativeConfig.create(NGRAM), llm("plain").config)
+
+    ids = iter(range(100))
+
+    def seq(prompt, out, *, in_flight=1, max_tokens=40, computed=None, finishing=False):
+        s = Sequence(next(ids), "r", prompt, SP(max_tokens=max_tokens), 0, 0, 0)
+        s.output_token_ids, s.in_flight, s.finishing = list(out), in_flight, finishing
+        s.num_computed = len(s) - 1 if computed is None else computed  # in decode
+        return s
+
+    loop = [5, 6, 7, 8] * 4
+    assert sp.has_candidates([seq(loop, [5, 6])])  # "5 6" was followed by "7 8": 2 > 1 in flight
+    assert sp.has_candidates([seq(loop, [5, 6], in_flight=2)])  # ... more than 2 follow too
+    assert not sp.has_candidates([seq([1, 2, 3, 4], [9])])  # no earlier match
+    assert not sp.has_candidates([seq(loop, [5, 6], finishing=True)])  # ends on the device
+    assert not sp.has_candidates([seq(loop, [], in_flight=1)])  # nothing generated on the host yet
+    assert not sp.has_candidates([seq(loop, [5, 6], computed=3)])  # recomputing its prompt
+    assert not sp.has_candidates([seq(loop, [5, 6], max_tokens=4)])  # 2 + 1 in flight + 1 = 4: no room
+    assert not sp.has_candidates([seq([1, 2, 1, 2], [3])])  # the tail "3" never came before
+    # "5" came before, followed by one token only: not more than the one in flight
+    assert not sp.has_candidates([seq([4, 5], [5])]) and sp.has_candidates([seq([4, 5], [5], in_flight=0)])
+    assert sp.has_candidates([seq([1, 2], [9]), seq(loop, [5, 6])])  # any sequence
+
+
 def test_nothing_to_draft_keeps_steps_enqueued_ahead():
     """With n-gram drafts and async scheduling, a sequence that has nothing to draft decodes
     with the next step enqueued before the current one is read back."""
