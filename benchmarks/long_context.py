@@ -30,16 +30,13 @@ import jax.numpy as jnp
 import numpy as np
 
 import bijax
+from benchmarks.kernels import bits
 from bijax import SamplingParams
 from bijax.model_runner import num_compiled_steps
 from models.configs import preset
 from models.llama import Llama
 
 FAILURES: list[str] = []
-
-
-def bits(a):
-    return np.asarray(a, np.float32).view(np.uint32)
 
 
 def same(a, b) -> bool:

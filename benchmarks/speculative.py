@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from benchmarks.kernels import bits
 from bijax import LLM, SamplingParams
 from models.llama import param_state
 
@@ -183,10 +184,6 @@ def main():
         )
     print(f"\nfailures: {failures}")
     sys.exit(1 if failures else 0)
-
-
-def bits(a):
-    return np.asarray(a, np.float32).view(np.uint32)
 
 
 if __name__ == "__main__":

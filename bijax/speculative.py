@@ -179,8 +179,9 @@ class Speculator:
         return out
 
     def _budget(self, seq, budget: int) -> int:
-        """How many drafts ``seq`` may carry this step (0: decode plainly)."""
-        if seq.num_pending != 1 or not seq.output_token_ids or len(seq) < seq.spec_resume_at:
+        """How many drafts ``seq`` may carry in its next decode step (0: decode plainly); with
+        async scheduling its tokens still on the device come first."""
+        if seq.num_pending != 1 or seq.finishing or not seq.output_token_ids or len(seq) < seq.spec_resume_at:
             return 0
         p = seq.params
         return max(
@@ -188,7 +189,7 @@ class Speculator:
             min(
                 self.spec.num_speculative_tokens,
                 budget,
-                p.max_tokens - len(seq.output_token_ids) - 1,  # the step emits up to k + 1
+                p.max_tokens - len(seq.output_token_ids) - seq.in_flight - 1,  # the step emits up to k + 1
                 self.config.max_model_len - len(seq),  # drafts' positions stay < max_model_len
             ),
         )
@@ -233,11 +234,8 @@ class Speculator:
         guess: the latest earlier match of the known tokens' tail is followed by more tokens
         than are on the device, so if those repeat it too, drafts follow them."""
         for seq in seqs:
-            if seq.finishing or not seq.output_token_ids or seq.num_computed < seq.num_known - 1:
-                continue  # ends with its token on the device, or still in its prompt
-            left = seq.params.max_tokens - len(seq.output_token_ids) - seq.in_flight - 1
-            if left <= 0 or len(seq) < seq.spec_resume_at or len(seq) >= self.config.max_model_len:
-                continue
+            if not self._budget(seq, self.spec.num_speculative_tokens):
+                continue  # in its prompt, ending, backed off, or no room for a draft
             index = self._ngram(seq)
             if len(index.propose(index.known(seq), seq.in_flight + 1)) > seq.in_flight:
                 return True
