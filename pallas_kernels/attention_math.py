@@ -118,6 +118,31 @@ def walk_tiles(first, full, num_tiles, masked, unmasked, state):
     return lax.fori_loop(b, num_tiles, masked, state)
 
 
+def expand(x, like):
+    """``x`` [...] broadcast along the last axis of ``like`` [..., n]: an explicit broadcast (not
+    ``x[..., None]``), which the Mosaic GPU kernel can lower too - the same arithmetic."""
+    return lax.broadcast_in_dim(x, like.shape, tuple(range(x.ndim)))
+
+
+def softmax_step(state, s, ok, spec: AttentionSpec, *, p_dtype, update, row_sum):
+    """The online-softmax step over one KV tile, from the raw q.k dots ``s`` [R, N]: the one
+    definition of a tile's arithmetic outside the dots (``kv_tile_step`` is it with ``jnp.dot``;
+    the Mosaic GPU kernel passes wgmma dots).
+
+    ``update(acc, alpha, p)`` -> the new acc from the rescale factor broadcast to acc's shape and
+    the bf16 probabilities (``acc * alpha + p @ v``); ``row_sum(p)`` -> ``p @ ones[N, 16]``.
+    """
+    m, l, acc = state
+    s = jnp.where(ok, scores(s, spec), -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp(m - m_safe)
+    p = jnp.where(ok, jnp.exp(s - expand(m_safe, s)), 0.0).astype(p_dtype)
+    acc = update(acc, expand(alpha, acc), p)
+    # Every column of p @ ones is the row sum; max picks it exactly (16: the dot's least N).
+    return m_new, l * alpha + jnp.max(row_sum(p), axis=1), acc
+
+
 def kv_tile_step(state, q, k, v, ok, spec: AttentionSpec):
     """One online-softmax step of query rows q [R, D] over a KV tile k, v [N, D]: the GPU
     kernels' inner loop (both call exactly this).
@@ -138,21 +163,20 @@ def kv_tile_step(state, q, k, v, ok, spec: AttentionSpec):
     sees the same operations as in a masked tile (no select removed, no new multiply-add to fuse)
     and only the mask's construction is saved.
     """
-    m, l, acc = state
     hi = lax.Precision.HIGHEST
-    s = jnp.dot(q, k.T, precision=hi, preferred_element_type=jnp.float32)
-    s = jnp.where(ok, scores(s, spec), -jnp.inf)
-    m_new = jnp.maximum(m, jnp.max(s, axis=1))
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    alpha = jnp.exp(m - m_safe)
-    p = jnp.where(ok, jnp.exp(s - m_safe[:, None]), 0.0).astype(v.dtype)
-    pv = jnp.dot(p, v, precision=hi, preferred_element_type=jnp.float32)
-    # Every column of p @ ones is the row sum; max picks it exactly (16: the dot's least N).
-    row_sum = jnp.max(
-        jnp.dot(p, jnp.ones((p.shape[1], 16), v.dtype), precision=hi, preferred_element_type=jnp.float32),
-        axis=1,
+
+    def dot(a, b):
+        return jnp.dot(a, b, precision=hi, preferred_element_type=jnp.float32)
+
+    return softmax_step(
+        state,
+        dot(q, k.T),
+        ok,
+        spec,
+        p_dtype=v.dtype,
+        update=lambda acc, alpha, p: acc * alpha + dot(p, v),
+        row_sum=lambda p: dot(p, jnp.ones((p.shape[1], 16), v.dtype)),
     )
-    return m_new, l * alpha + row_sum, acc * alpha[:, None] + pv
 
 
 def fold_step(carry, state, use):
@@ -169,15 +193,15 @@ def fold_step(carry, state, use):
     a, b = jnp.exp(fm - mx_safe), jnp.exp(sm - mx_safe)
     sm = jnp.where(started, mx, sm)
     sl = jnp.where(started, fl * a + sl * b, sl)
-    sacc = jnp.where(started[..., None], facc * a[..., None] + sacc * b[..., None], sacc)
-    fm, fl, facc = jnp.where(use, sm, fm), jnp.where(use, sl, fl), jnp.where(use[..., None], sacc, facc)
+    sacc = jnp.where(expand(started, sacc), facc * expand(a, facc) + sacc * expand(b, sacc), sacc)
+    fm, fl, facc = jnp.where(use, sm, fm), jnp.where(use, sl, fl), jnp.where(expand(use, sacc), sacc, facc)
     return fm, fl, facc, started | use
 
 
 def fold_finish(carry):
     """The folded output: acc / l for rows that used any split, zeros otherwise (padding)."""
     _, fl, facc, started = carry
-    return jnp.where(started[..., None], facc / jnp.where(started, fl, 1.0)[..., None], 0.0)
+    return jnp.where(expand(started, facc), facc / expand(jnp.where(started, fl, 1.0), facc), 0.0)
 
 
 def fold_splits(m, l, acc, pos, spec: AttentionSpec):
@@ -194,3 +218,29 @@ def fold_splits(m, l, acc, pos, spec: AttentionSpec):
         use = jnp.broadcast_to(split_used(s, pos, spec)[:, None, None], shape)
         carry = fold_step(carry, (m[:, :, s], l[:, :, s], acc[:, :, s]), use)
     return fold_finish(carry)
+
+
+def row_tiles(qg, token_seq, token_pos, tile_rows: int):
+    """The ``tiles`` kernels' rows: q [T, Hkv, G, D] -> q [tiles, Hkv, rows, D] with row r of a
+    tile = token r // gp, query head r % gp (the group padded to a power of two gp), and each
+    row's position and sequence [tiles, rows] (position -1: padding token or padded head).
+    Returns (q, rpos, rseq, unpack); ``unpack(out)`` maps [tiles, Hkv, rows, D] back to
+    [T, Hkv, G, D]."""
+    t, hkv, group, d = qg.shape
+    gp = 1 << (group - 1).bit_length()
+    tq = max(1, tile_rows // gp)  # tokens per tile
+    rows = tq * gp
+    nt = -(-t // tq)
+    pad_t = nt * tq - t
+    q = jnp.pad(qg, ((0, pad_t), (0, 0), (0, gp - group), (0, 0)))
+    q = q.reshape(nt, tq, hkv, gp, d).transpose(0, 2, 1, 3, 4).reshape(nt, hkv, rows, d)
+    head_real = (jnp.arange(gp) < group)[None, None, :]
+    rpos = jnp.pad(token_pos, (0, pad_t), constant_values=-1).reshape(nt, tq, 1)
+    rpos = jnp.where(head_real, rpos, -1).reshape(nt, rows)  # padded heads: padding rows
+    rseq = jnp.broadcast_to(jnp.pad(token_seq, (0, pad_t)).reshape(nt, tq, 1), (nt, tq, gp)).reshape(nt, rows)
+
+    def unpack(out):
+        out = out.reshape(nt, hkv, tq, gp, d).transpose(0, 2, 1, 3, 4).reshape(nt * tq, hkv, gp, d)
+        return out[:t, :, :group]
+
+    return q, rpos, rseq, unpack

@@ -29,8 +29,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels import attention_mgpu
 from pallas_kernels.attention_math import (
     AttentionSpec,
     fold_finish,
@@ -39,13 +41,14 @@ from pallas_kernels.attention_math import (
     key_mask,
     kv_tile,
     kv_tile_step,
+    row_tiles,
     split_used,
     walk_tiles,
 )
 
 MIN_ROWS = 16  # the GPU dot needs at least 16 rows; the head group is padded to this
 TILE_ROWS = 64  # rows (tokens x padded query heads) of a ``tiles`` program
-GPU_KERNELS = ("auto", "tokens", "tiles")
+GPU_KERNELS = ("auto", "tokens", "tiles", "tiles_mgpu")
 _BIG = 2**30
 
 
@@ -307,19 +310,9 @@ def _tiles(
     num_stages: int, bulk: bool, row_loads: bool,
 ):  # fmt: skip
     block_tables, context_lens, token_seq, token_pos = index
-    t, hkv, group, d = qg.shape
-    gp = pl.next_power_of_2(group)
-    tq = max(1, tile_rows // gp)  # tokens per tile
-    rows = tq * gp
-    nt = -(-t // tq)
-    pad_t = nt * tq - t
-    # [T, Hkv, G, D] -> [tiles, Hkv, tq * gp, D]; row r of a tile is token r // gp, head r % gp.
-    q = jnp.pad(qg, ((0, pad_t), (0, 0), (0, gp - group), (0, 0)))
-    q = q.reshape(nt, tq, hkv, gp, d).transpose(0, 2, 1, 3, 4).reshape(nt, hkv, rows, d)
-    head_real = (jnp.arange(gp) < group)[None, None, :]
-    rpos = jnp.pad(token_pos, (0, pad_t), constant_values=-1).reshape(nt, tq, 1)
-    rpos = jnp.where(head_real, rpos, -1).reshape(nt, rows)  # padded heads: padding rows
-    rseq = jnp.broadcast_to(jnp.pad(token_seq, (0, pad_t)).reshape(nt, tq, 1), (nt, tq, gp)).reshape(nt, rows)
+    hkv, d = qg.shape[1], qg.shape[3]
+    q, rpos, rseq, unpack = row_tiles(qg, token_seq, token_pos, tile_rows)
+    nt, rows = rpos.shape
     block_size = k_cache.shape[1]
     whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
     per_tile = pl.BlockSpec((pl.squeezed, rows), lambda i, h: (i, 0))
@@ -337,8 +330,7 @@ def _tiles(
         interpret=interpret,
         name="bijax_attention_tiles",
     )(rseq, rpos, context_lens, block_tables, q, k_view, v_view)
-    out = out.reshape(nt, hkv, tq, gp, d).transpose(0, 2, 1, 3, 4).reshape(nt * tq, hkv, gp, d)
-    return out[:t, :, :group]
+    return unpack(out)
 
 
 def attend(
@@ -372,6 +364,9 @@ def attend(
     prefill 5%).
     """
     block_tables = index[0]
+    if kernel == "tiles_mgpu":  # opt-in until its bits are proven equal on the H200
+        mode = plgpu.InterpretGPUParams() if interpret else None
+        return attention_mgpu.tiles_mgpu(qg, k_cache, v_cache, index, spec=spec, interpret=mode)
     if kernel == "auto":
         kernel = "tiles" if qg.shape[0] > block_tables.shape[0] and not interpret else "tokens"
     if kernel == "tokens":

@@ -1,0 +1,262 @@
+"""H200 evidence for the Mosaic GPU attention ``tiles`` kernel (``pallas_kernels/attention_mgpu``):
+does it give the Triton kernel's bits, and how fast is it next to Triton and cuDNN.
+
+Run on the H200 from the repo root:  PYTHONPATH=. python benchmarks/attention_mgpu.py [--no-timing]
+
+1. Elementwise probes: the operations a tile's arithmetic uses outside the dots (exp, a * b + c,
+   a * b + c * d, x / y), each in a Triton and a Mosaic GPU kernel, on the same inputs - where
+   the bits differ, the kernels cannot agree.
+2. Bits, both ``pv`` variants, against the Triton ``tiles`` kernel (== the ``tokens`` kernel,
+   benchmarks/attention.py): from one KV tile (no fold, no rescale) to many splits, then the
+   checks attention.py runs on the Triton kernel (a chunk among decode tokens, a window, other
+   head shapes, 64-token pages, a whole 4096-token prompt).
+3. Kernel time (CUPTI) of the prefill cases: Mosaic GPU (2 and 3 stages), Triton, cuDNN.
+Exit code 1 if a check failed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import sys
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from benchmarks.attention import Case, bits, check, cudnn_us, kernel_us
+from pallas_kernels import attention_mgpu, attention_triton
+from pallas_kernels.attention import AttentionSpec
+
+FAILURES: list[str] = []
+
+
+def _check(name, ok, detail=""):
+    check(name, ok, detail)
+    if not ok:
+        FAILURES.append(name)
+
+
+def _mosaic_elementwise(fn, args, block=16):
+    """fn over [N, 128] f32 arrays in a Mosaic GPU kernel: TMA in, registers, TMA out."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    rows = args[0].shape[0]
+    f32 = jnp.float32
+
+    def body(*refs):
+        ins, out = refs[: len(args)], refs[len(args)]
+        i = lax.axis_index("x")
+        part = pl.ds(i * block, block)
+
+        def scoped(*scratch):
+            smem, o_smem, bar = scratch[: len(args)], scratch[len(args)], scratch[-1]
+            for src, dst in zip(ins, smem, strict=True):
+                plgpu.copy_gmem_to_smem(src.at[part], dst, bar)
+            plgpu.barrier_wait(bar)
+            o_smem[...] = fn(*(r[...] for r in smem))
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, out.at[part])
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(
+            scoped, *[plgpu.SMEM((block, 128), f32)] * (len(args) + 1), plgpu.Barrier(num_arrivals=len(args))
+        )
+
+    return plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct(args[0].shape, f32), grid=(rows // block,), grid_names=("x",)
+    )(*args)
+
+
+def _triton_elementwise(fn, args, block=16):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as pltriton
+
+    spec = pl.BlockSpec((block, 128), lambda i: (i, 0))
+
+    def kernel(*refs):
+        refs[-1][...] = fn(*(r[...] for r in refs[:-1]))
+
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(args[0].shape, jnp.float32),
+        grid=(args[0].shape[0] // block,),
+        in_specs=[spec] * len(args),
+        out_specs=spec,
+        compiler_params=pltriton.CompilerParams(num_warps=4),
+    )(*args)
+
+
+def probe_math():
+    """Bits of elementwise f32 operations in Triton vs Mosaic GPU kernels (same inputs)."""
+    n = 1 << 20
+    key = jax.random.key(7)
+    a, b, c, e = (
+        jax.random.normal(jax.random.fold_in(key, i), (n // 128, 128), jnp.float32) for i in range(4)
+    )
+    x = -jnp.abs(a) * 30.0  # exp's range in the kernel: s - max <= 0
+    ops = {
+        "exp(x), x <= 0": (lambda x: jnp.exp(x), (x,)),
+        "a * b + c": (lambda a, b, c: a * b + c, (a, b, c)),
+        "a * b + c * d": (lambda a, b, c, e: a * b + c * e, (a, b, c, e)),
+        "a / b": (lambda a, b: a / b, (a, b)),
+        "bf16(exp(x))": (lambda x: jnp.exp(x).astype(jnp.bfloat16).astype(jnp.float32), (x,)),
+    }
+    for name, (fn, args) in ops.items():
+        try:
+            tri, mg, xla = _triton_elementwise(fn, args), _mosaic_elementwise(fn, args), jax.jit(fn)(*args)
+            print(
+                f"INFO probe {name}: Triton vs Mosaic GPU differ in {int((bits(tri) != bits(mg)).sum())}"
+                f" of {n}; Triton vs XLA {int((bits(tri) != bits(xla)).sum())}",
+                flush=True,
+            )
+        except Exception as err:  # noqa: BLE001 - report and go on
+            print(f"INFO probe {name}: failed: {type(err).__name__}: {str(err)[:300]}", flush=True)
+
+
+def _mgpu(c, zs, ps, pv, stages=3, overlap=False, **kw):
+    q, s, p = c.tokens(zs, ps)
+    spec = AttentionSpec.create(c.d, **kw)
+    g = c.hq // c.hkv
+    fn = jax.jit(
+        lambda q, s, p: attention_mgpu.tiles_mgpu(
+            q.reshape(len(p), c.hkv, g, c.d),
+            c.kc,
+            c.vc,
+            (c.bt, c.cl, s, p),
+            spec=spec,
+            pv=pv,
+            stages=stages,
+            overlap=overlap,
+        ).reshape(len(p), c.hq, c.d)
+    )
+    return fn(q, s, p)
+
+
+def _compare(name, got, want, ps):
+    same = np.array_equal(got, want)
+    detail = ""
+    if not same:
+        rows = np.nonzero((got != want).reshape(len(ps), -1).any(axis=1))[0]
+        frac = float((got != want).mean())
+        detail = f"{len(rows)} of {len(ps)} tokens differ ({frac:.2%} of values), positions {ps[rows][:8].tolist()}"
+    _check(name, same, detail)
+    return same
+
+
+def check_bits(pv):
+    """Mosaic GPU tiles == Triton tiles, from the smallest walk up."""
+    print(f"\n## bits, pv={pv!r}", flush=True)
+    try:
+        # one KV tile (positions 0..63: no rescale across tiles, one split), two tiles, splits
+        for ctx in (64, 128, 1024):
+            c = Case(1, ctx, 32, 8, 128, seed=3)
+            ps, zs = np.arange(ctx), np.zeros(ctx, np.int32)
+            want = bits(c.run(zs, ps, gpu_kernel="tiles"))
+            _compare(f"[{pv}] one sequence 0..{ctx - 1}", bits(_mgpu(c, zs, ps, pv)), want, ps)
+        c = Case(8, 4096, 32, 8, 128)
+        last = c.ctx - 1
+        ps, zs = np.arange(c.ctx - 700, c.ctx), np.zeros(700, np.int32)
+        want = bits(c.run(zs, ps, gpu_kernel="tiles"))
+        _compare(f"[{pv}] 700-token chunk at 3396..4095", bits(_mgpu(c, zs, ps, pv)), want, ps)
+        _compare(f"[{pv}] same, 2 stages", bits(_mgpu(c, zs, ps, pv, stages=2)), want, ps)
+        for st in (2, 3):
+            got = bits(_mgpu(c, zs, ps, pv, stages=st, overlap=True))
+            _compare(f"[{pv}] same, overlapped scores, {st} stages", got, want, ps)
+        mix_s = np.concatenate([np.arange(1, 6), np.zeros(41, np.int32), np.arange(6, 8)])
+        mix_p = np.concatenate([np.full(5, last), np.arange(last - 40, last + 1), np.full(2, last)])
+        want = bits(c.run(mix_s, mix_p, gpu_kernel="tokens"))
+        _compare(
+            f"[{pv}] chunk among decode tokens == tokens kernel",
+            bits(_mgpu(c, mix_s, mix_p, pv)),
+            want,
+            mix_p,
+        )
+        kw = {"sliding_window": 300}
+        want = bits(c.run(zs, ps, gpu_kernel="tiles", **kw))
+        _compare(f"[{pv}] sliding window 300", bits(_mgpu(c, zs, ps, pv, **kw)), want, ps)
+        for hq, hkv, d in ((28, 4, 128), (9, 3, 64)):
+            o = Case(4, 1500, hq, hkv, d, seed=4)
+            ps2, zs2 = np.arange(o.ctx - 300, o.ctx), np.zeros(300, np.int32)
+            want = bits(o.run(zs2, ps2, gpu_kernel="tiles"))
+            _compare(f"[{pv}] {hq}/{hkv} heads, D {d}", bits(_mgpu(o, zs2, ps2, pv)), want, ps2)
+        c64 = Case(2, 2048, 32, 8, 128, bs=64)
+        ps2, zs2 = np.arange(2048 - 500, 2048), np.zeros(500, np.int32)
+        want = bits(c64.run(zs2, ps2, gpu_kernel="tiles"))
+        _compare(f"[{pv}] 64-token pages", bits(_mgpu(c64, zs2, ps2, pv)), want, ps2)
+        whole = Case(1, 4096, 32, 8, 128, seed=2)
+        ps2, zs2 = np.arange(4096), np.zeros(4096, np.int32)
+        want = bits(whole.run(zs2, ps2, gpu_kernel="tiles"))
+        return _compare(f"[{pv}] a whole 4096-token prompt", bits(_mgpu(whole, zs2, ps2, pv)), want, ps2)
+    except Exception as err:  # noqa: BLE001 - a compile failure is a finding: report it
+        traceback.print_exc(limit=-6)
+        _check(f"[{pv}] Mosaic GPU kernel runs", False, f"{type(err).__name__}: {str(err)[:300]}")
+        return False
+
+
+def time_prefill(n, length, hq, hkv, d, pv):
+    c = Case(n, length, hq, hkv, d, seed=2)
+    seq, pos = np.repeat(np.arange(n), length), np.tile(np.arange(length), n)
+    q, s, p = c.tokens(seq, pos)
+    flops = 4 * n * length * length / 2 * hq * d
+    name = f"prefill {n} x {length} causal, {hq}/{hkv} heads, D {d}"
+    spec = AttentionSpec.create(d)
+    qg = lambda q: q.reshape(len(p), hkv, hq // hkv, d)  # noqa: E731
+    idx = (c.bt, c.cl, s, p)
+    kd, vd = c.kc[c.bt].reshape(n, length, hkv, d), c.vc[c.bt].reshape(n, length, hkv, d)
+    cud = cudnn_us(q.reshape(n, length, hq, d), kd, vd, True)
+    rows = []
+    tri = kernel_us(
+        lambda q, k, v: attention_triton.attend(qg(q), k, v, idx, spec=spec, interpret=False, kernel="tiles"),
+        q,
+        c.kc,
+        c.vc,
+    )
+    rows.append((name, "Triton tiles (default)", tri, cud, f"{flops / tri / 1e6:.1f} TFLOP/s"))
+    for stages in (2, 3):
+        try:
+            us = kernel_us(
+                lambda q, k, v, st=stages: attention_mgpu.tiles_mgpu(
+                    qg(q), k, v, idx, spec=spec, pv=pv, stages=st
+                ),
+                q,
+                c.kc,
+                c.vc,
+            )
+        except Exception as err:  # noqa: BLE001
+            print(f"INFO timing {name} mgpu {stages} stages failed: {type(err).__name__}: {str(err)[:200]}")
+            continue
+        rows.append(
+            (name, f"Mosaic GPU tiles, {stages} stages, pv={pv}", us, cud, f"{flops / us / 1e6:.1f} TFLOP/s")
+        )
+    for r in rows:
+        print(r, flush=True)
+    return rows
+
+
+def main():
+    print(f"# {datetime.date.today()} {jax.devices()[0].device_kind} jax {jax.__version__}", flush=True)
+    probe_math()
+    good = [pv for pv in attention_mgpu.PV_VARIANTS if check_bits(pv)]
+    print(f"\nINFO pv variants with the Triton kernel's bits: {good}", flush=True)
+    if "--no-timing" not in sys.argv:
+        rows = []
+        for args in (
+            (1, 4096, 32, 8, 128),
+            (1, 4096, 28, 4, 128),
+            (8, 1024, 28, 4, 128),
+            (1, 4096, 9, 3, 64),
+        ):
+            rows += time_prefill(*args, pv=(good or ["add"])[0])
+        print("\n| case | kernel | us | cuDNN us | / cuDNN | achieved |")
+        print("|---|---|---|---|---|---|")
+        for name, kernel, us, cud, rate in rows:
+            print(f"| {name} | {kernel} | {us:.1f} | {cud:.1f} | {us / cud:.2f} | {rate} |")
+    print(f"\nchecks failed: {len(FAILURES)} {FAILURES}")
+    sys.exit(1 if FAILURES else 0)
+
+
+if __name__ == "__main__":
+    main()

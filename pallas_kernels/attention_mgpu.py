@@ -1,0 +1,475 @@
+"""Mosaic GPU (Hopper: wgmma, TMA) version of the attention ``tiles`` kernel - meant to give the
+same bits as the Triton one (``attention_triton``), faster.
+
+The rows and the walk are the Triton ``tiles`` kernel's: a program takes a tile of 64 rows
+(consecutive flat tokens x their padded query-head group, ``attention_math.row_tiles``) and one
+KV head; for each sequence in the tile (its "segments", ascending), every split its rows use, and
+in each split the KV tiles of ``kv_tile(block_size)`` keys in ascending order, with the tiles
+whose every key every row of the sequence sees (``full_tiles``) taken without building the key
+mask. The arithmetic per KV tile is ``attention_math.softmax_step`` - the Triton kernel's own
+function - with wgmma dots: ``q @ k.T``, ``p @ v`` and the row sum ``p @ ones`` as chains of k16
+wgmma steps in ascending K, like Triton's Hopper dot; splits fold with ``fold_step``.
+
+What differs is the machinery:
+
+* K/V tiles arrive by TMA, one copy per cache page (a 64-key tile of 16-token blocks is four
+  copies straight from the paged cache), into a ring of ``stages`` SMEM slots. The walk is
+  dynamic (segments, splits, window), so the prefetch runs a second cursor over the same walk,
+  ``stages - 1`` tiles ahead of the compute (``_Walk.advance``); a slot is refilled only after
+  the step that read it has finished its wgmmas.
+* q stays in registers (wgmma's A operand), so a program needs only the ring, the ones matrix
+  and no q buffer: at 3 stages two programs fit an SM, and the warp schedulers overlap one
+  program's softmax with the other's wgmmas.
+* V rows no row of the tile sees are zeroed in SMEM (a masked tile only), as the Triton kernel
+  zeroes them in registers: stale cache rows cannot leak NaN through ``0 * v``.
+* ``overlap``: each step issues the next tile's ``q @ k.T`` wgmma before its own softmax, so the
+  tensor cores work while the CUDA cores do the exps (FlashAttention-3's intra-warpgroup
+  overlap); the same operations either way.
+
+Status: runs in Mosaic GPU interpret mode on CPU (the tests: accuracy, NaN-filled stale cache,
+padding, a token's bits alone / in chunks / among other sequences, ``overlap`` and stages as
+launch choices) and lowers for CUDA (interpret mode has no wgmma with A in registers, so there q
+and p go through SMEM). Whether its bits equal the Triton kernel's on the H200 is what
+``benchmarks/attention_mgpu.py`` checks first. ``pv`` selects how the rescaled
+accumulator meets ``p @ v`` (a separate dot then ``acc * alpha + pv`` - the formula as
+written - or the dot accumulating into ``acc * alpha``, which is what Triton makes of
+``acc + dot`` in the matmul); the check tries both. Until a variant matches on the H200 the
+engine does not use this kernel ("auto" never picks it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.attention_math import (
+    AttentionSpec,
+    fold_finish,
+    fold_step,
+    full_tiles,
+    key_mask,
+    kv_tile,
+    row_tiles,
+    softmax_step,
+    split_used,
+)
+
+ROWS = 64  # rows of a program: one warpgroup's wgmma M
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+PV_VARIANTS = ("add", "into")
+_SUM_N = 16  # columns of the row-sum dot (wgmma's least N), as in softmax_step's p @ ones
+_SMEM_BYTES = 227 * 1024 // 2 - 1024  # two programs per SM
+
+
+def supported(dtype, head_dim: int, spec: AttentionSpec) -> str | None:
+    """Why this kernel cannot run a call, or None if it can."""
+    if jnp.dtype(dtype) not in DTYPES:
+        return f"dtype {jnp.dtype(dtype)} (wgmma takes bf16 / f16)"
+    if head_dim not in (64, 128):
+        return f"head_dim {head_dim}"
+    if spec.softcap is not None:
+        return "logit_softcap (tanh's bits on Mosaic GPU are not known to equal Triton's)"
+    return None
+
+
+def _stages(tile: int, d: int, itemsize: int, stages: int) -> int:
+    per_stage = 2 * tile * d * itemsize
+    fixed = tile * _SUM_N * itemsize
+    return max(2, min(stages, (_SMEM_BYTES - fixed) // per_stage))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Walk:
+    """The order of KV tiles a program visits: segments (its sequences, ascending), the splits
+    each segment's rows use, the tiles of each split. Both cursors (prefetch and compute) use
+    these same functions, so they visit the same tiles in the same order."""
+
+    segs: object  # SMEM [4, max_segs] int32: seq, lo, hi, ctx of each of the tile's segments
+    nseg: object  # how many
+    spec: AttentionSpec
+    tile: int
+    max_segs: int
+
+    def segment(self, s):
+        s = jnp.clip(s, 0, self.max_segs - 1)
+        return self.segs[0, s], self.segs[1, s], self.segs[2, s], self.segs[3, s]
+
+    def splits(self, lo, hi):
+        """[first, end) of the splits the rows of positions lo..hi use."""
+        ss, window = self.spec.split_size, self.spec.window
+        first = 0 if window is None else jnp.maximum(lo - window + 1, 0) // ss
+        return jnp.int32(first), hi // ss + 1
+
+    def split_tiles(self, split, lo, hi):
+        """(start key, first tile, number of tiles) of a split, as the Triton kernel's."""
+        ss, window, tile = self.spec.split_size, self.spec.window, self.tile
+        start = split * ss
+        num_tiles = (jnp.clip(hi + 1 - start, 0, ss) + tile - 1) // tile
+        first = jnp.int32(0)
+        if window is not None:
+            first = jnp.clip((lo - window + 1 - start) // tile, 0, num_tiles)
+        return start, first, num_tiles
+
+    def begin(self):
+        """Cursor (segment, split, tile index) of the first tile."""
+        _, lo, hi, _ = self.segment(0)
+        split, _ = self.splits(lo, hi)
+        _, first, _ = self.split_tiles(split, lo, hi)
+        return jnp.int32(0), split, first
+
+    def advance(self, cur):
+        """The cursor after ``cur`` (segment index past the end when the walk is over)."""
+        seg, split, t = cur
+        _, lo, hi, _ = self.segment(seg)
+        _, _, num_tiles = self.split_tiles(split, lo, hi)
+        _, end_split = self.splits(lo, hi)
+        more_tiles = t + 1 < num_tiles
+        more_splits = split + 1 < end_split
+        _, first2, _ = self.split_tiles(split + 1, lo, hi)
+        _, lo3, hi3, _ = self.segment(seg + 1)
+        split3, _ = self.splits(lo3, hi3)
+        _, first3, _ = self.split_tiles(split3, lo3, hi3)
+        same_seg = more_tiles | more_splits
+        return (
+            jnp.where(same_seg, seg, seg + 1),
+            jnp.where(more_tiles, split, jnp.where(more_splits, split + 1, split3)),
+            jnp.where(more_tiles, t + 1, jnp.where(more_splits, first2, first3)),
+        )
+
+
+def _kernel(
+    segs_ref, nseg_ref, rpos_ref, rseq_ref, bt_ref, q_ref, k_ref, v_ref, ones_ref, o_ref,
+    *, spec: AttentionSpec, block_size: int, max_blocks: int, stages: int, max_segs: int, pv: str,
+    a_in_smem: bool, overlap: bool,
+):  # fmt: skip
+    i, h = lax.axis_index("tile"), lax.axis_index("head")
+    d = q_ref.shape[-1]
+    tile = kv_tile(block_size)
+    pages = tile // block_size
+    dtype = q_ref.dtype
+    wgmma_layout = plgpu.Layout.WGMMA
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    swizzle = min(128, d * dtype.itemsize)
+    transforms = (plgpu.TilingTransform((8, swizzle // dtype.itemsize)), plgpu.SwizzleTransform(swizzle))
+    p_swizzle = min(128, tile * dtype.itemsize)
+    p_transforms = (
+        plgpu.TilingTransform((8, p_swizzle // dtype.itemsize)),
+        plgpu.SwizzleTransform(p_swizzle),
+    )
+    sum_transforms = (
+        plgpu.TilingTransform((8, _SUM_N * dtype.itemsize // dtype.itemsize)),
+        plgpu.SwizzleTransform(_SUM_N * dtype.itemsize),
+    )
+
+    def body(k_smem, v_smem, ones_smem, rows_smem, segs_smem, a_smem, k_bar, v_bar, ones_bar):
+        nseg = nseg_ref[i]
+        walk = _Walk(segs_smem, nseg, spec, tile, max_segs)
+
+        def issue(cur, c):
+            """TMA the KV tile at ``cur`` into slot c % stages (one copy per page)."""
+            seg, split, t = cur
+            seq, _, _, _ = walk.segment(seg)
+            tile_start = split * spec.split_size + t * tile
+            slot = lax.rem(c, stages)
+            for p in range(pages):
+                page = jnp.minimum(tile_start // block_size + p, max_blocks - 1)
+                row0 = bt_ref[seq, page] * block_size
+                src = pl.ds(row0, block_size)
+                dst = pl.ds(p * block_size, block_size)
+                plgpu.copy_gmem_to_smem(k_ref.at[src, h], k_smem.at[slot, dst], k_bar.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[src, h], v_smem.at[slot, dst], v_bar.at[slot])
+
+        def prefetch(pf, c):
+            """Issue the load of the prefetch cursor (if the walk is not over); advance it."""
+            pl.when(pf[0] < nseg)(lambda: issue(pf, c))
+            return walk.advance(pf)
+
+        # q goes through the last slot (free until the first prefetch of step 0) into registers
+        q_smem = k_smem.at[stages - 1, pl.ds(0, ROWS)]
+        plgpu.copy_gmem_to_smem(ones_ref, ones_smem, ones_bar)
+        plgpu.copy_gmem_to_smem(q_ref.at[i, h], q_smem, ones_bar)
+        plgpu.copy_gmem_to_smem(rpos_ref.at[i], rows_smem.at[0], ones_bar)
+        plgpu.copy_gmem_to_smem(rseq_ref.at[i], rows_smem.at[1], ones_bar)
+        plgpu.copy_gmem_to_smem(segs_ref.at[i], segs_smem, ones_bar)
+        plgpu.barrier_wait(ones_bar)
+        if a_in_smem:  # wgmma's A operands from SMEM (interpret mode has no register A)
+            q_copy, p_smem = a_smem
+            q_copy[...] = plgpu.load(q_smem, layout=wgmma_layout)
+            plgpu.commit_smem()
+            q = q_copy
+        else:
+            q = plgpu.load(q_smem, layout=wgmma_layout)
+        rpos = plgpu.load(rows_smem.at[0], layout=row_layout)
+        rseq = plgpu.load(rows_smem.at[1], layout=row_layout)
+        plgpu.commit_smem()  # the reads are done before any TMA refills the slot
+        pf = walk.begin()
+        for c in range(stages - 1):
+            pf = prefetch(pf, jnp.int32(c))
+
+        def rows2(x, n):  # a row vector broadcast over n columns
+            return lax.broadcast_in_dim(x, (ROWS, n), (0,))
+
+        def qk(slot):
+            def dot(acc_ref):
+                plgpu.wgmma(acc_ref, q, k_smem.at[slot].transpose((1, 0)))
+                return acc_ref[...]
+
+            return pl.run_scoped(dot, plgpu.ACC((ROWS, tile), jnp.float32))
+
+        def step(c, has_next, s, state, ok, zero_v):
+            """Tile c: (new state, the scores of tile c + 1 if ``overlap``). With ``overlap`` the
+            wgmma of the next tile's q @ k.T runs while this tile's softmax does (its scores
+            ``s`` were made by the step before); without, this step makes its own."""
+            slot = lax.rem(c, stages)
+            if not overlap:
+                plgpu.barrier_wait(k_bar.at[slot])
+                return tile_math(slot, qk(slot), state, ok, zero_v), s
+            nslot = lax.rem(c + 1, stages)
+
+            def scope(next_ref):
+                @pl.when(has_next)
+                def _():
+                    plgpu.barrier_wait(k_bar.at[nslot])
+                    plgpu.wgmma(next_ref, q, k_smem.at[nslot].transpose((1, 0)))
+
+                new = tile_math(slot, s, state, ok, zero_v)
+                return new, next_ref[...]
+
+            return pl.run_scoped(scope, plgpu.ACC((ROWS, tile), jnp.float32))
+
+        def tile_math(slot, s, state, ok, zero_v):
+            plgpu.barrier_wait(v_bar.at[slot])
+            if zero_v is not None:
+                zero_v(slot)
+
+            def operand(p):
+                if not a_in_smem:
+                    return p
+                p_smem[...] = p
+                plgpu.commit_smem()
+                return p_smem
+
+            def update(acc, alpha, p):
+                p = operand(p)
+                if pv == "into":
+
+                    def into(acc_ref):
+                        plgpu.wgmma(acc_ref, p, v_smem.at[slot])
+
+                    return pl.run_state(into)(plgpu.ACC.init(acc * alpha))
+
+                def pv_dot(acc_ref):
+                    plgpu.wgmma(acc_ref, p, v_smem.at[slot])
+                    return acc_ref[...]
+
+                return acc * alpha + pl.run_scoped(pv_dot, plgpu.ACC((ROWS, d), jnp.float32))
+
+            def row_sum(p):
+                p = operand(p)
+
+                def dot(acc_ref):
+                    plgpu.wgmma(acc_ref, p, ones_smem)
+                    return acc_ref[...]
+
+                return pl.run_scoped(dot, plgpu.ACC((ROWS, _SUM_N), jnp.float32))
+
+            return softmax_step(state, s, ok, spec, p_dtype=dtype, update=update, row_sum=row_sum)
+
+        def empty_state():
+            return (
+                plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout),
+                plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), row_layout),
+                plgpu.layout_cast(jnp.full((ROWS, d), 0.0, jnp.float32), wgmma_layout),
+            )
+
+        def one_segment(sidx, carry):
+            seq, lo, hi, ctx = walk.segment(sidx)
+            mine = (rseq == seq) & (rpos >= 0)
+            first_split, end_split = walk.splits(lo, hi)
+            pos2 = rows2(rpos, tile)
+            mine2 = rows2(mine, tile)
+
+            def one_split(split, carry):
+                fold, pf, c, s = carry[:4], carry[4:7], carry[7], carry[8]
+                start, first, num_tiles = walk.split_tiles(split, lo, hi)
+                more = (split + 1 < end_split) | (sidx + 1 < nseg)  # tiles after this split
+
+                def tile_step(masked, t, x):
+                    state, pf, c, s = x[:3], x[3:6], x[6], x[7]
+                    pf = prefetch(pf, c + stages - 1)
+                    tile_start = start + t * tile
+                    if masked:
+                        j = tile_start + plgpu.broadcasted_iota(
+                            jnp.int32, (ROWS, tile), 1, layout=wgmma_layout
+                        )
+                        ok = key_mask(j, pos2, ctx, spec.window) & mine2
+                        # keys some row of this sequence sees; the rest of V is zeroed
+                        seen_hi = jnp.minimum(hi, ctx - 1)
+                        seen_lo = 0 if spec.window is None else lo - spec.window + 1
+                        partial = (tile_start + tile - 1 > seen_hi) | (tile_start < seen_lo)
+
+                        def zero_v(slot):
+                            @pl.when(partial)
+                            def _():
+                                key = tile_start + plgpu.broadcasted_iota(
+                                    jnp.int32, (tile, d), 0, layout=wgmma_layout
+                                )
+                                seen = key_mask(key, hi, ctx, None)
+                                if spec.window is not None:
+                                    seen &= key > lo - spec.window
+                                v = plgpu.load(v_smem.at[slot], layout=wgmma_layout)
+                                v_smem.at[slot][...] = jnp.where(seen, v, jnp.zeros_like(v))
+                                plgpu.commit_smem()
+
+                    else:  # every key visible to every row of the sequence (full_tiles)
+                        visible = start + (t + 1) * tile <= lo + 1
+                        ok = plgpu.layout_cast(jnp.full((ROWS, tile), visible), wgmma_layout)
+                        zero_v = None
+                    state, s = step(c, (t + 1 < num_tiles) | more, s, state, ok, zero_v)
+                    return (*state, *pf, c + 1, s)
+
+                a, b = full_tiles(start, first, num_tiles, lo, hi, tile, spec.window)
+                x = (*empty_state(), *pf, c, s)
+                x = lax.fori_loop(first, a, functools.partial(tile_step, True), x)
+                x = lax.fori_loop(a, b, functools.partial(tile_step, False), x)
+                x = lax.fori_loop(b, num_tiles, functools.partial(tile_step, True), x)
+                fold = fold_step(fold, x[:3], split_used(split, rpos, spec) & mine)
+                return (*fold, *x[3:8])
+
+            return lax.fori_loop(first_split, end_split, one_split, carry)
+
+        started = rpos < -1  # all False, in the row layout
+        if overlap:  # the first tile's scores, made before the walk (each step makes the next's)
+
+            def first_scores(acc_ref):
+                @pl.when(nseg > 0)
+                def _():
+                    plgpu.barrier_wait(k_bar.at[0])
+                    plgpu.wgmma(acc_ref, q, k_smem.at[0].transpose((1, 0)))
+
+                return acc_ref[...]
+
+            s0 = pl.run_scoped(first_scores, plgpu.ACC((ROWS, tile), jnp.float32))
+        else:
+            s0 = jnp.int32(0)  # unused
+        init = (*empty_state(), started, *pf, jnp.int32(0), s0)
+        carry = lax.fori_loop(0, nseg, one_segment, init)
+        out = fold_finish(carry[:4]).astype(dtype)
+        o_smem = k_smem.at[0, pl.ds(0, ROWS)]  # every load has been consumed: slot 0 is free
+        o_smem[...] = out
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[i, h])
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(
+        body,
+        plgpu.SMEM((stages, tile, d), dtype, transforms=transforms),
+        plgpu.SMEM((stages, tile, d), dtype, transforms=transforms),
+        plgpu.SMEM((tile, _SUM_N), dtype, transforms=sum_transforms),
+        plgpu.SMEM((2, ROWS), jnp.int32),
+        plgpu.SMEM((4, max_segs), jnp.int32),
+        (
+            (
+                plgpu.SMEM((ROWS, d), dtype, transforms=transforms),
+                plgpu.SMEM((ROWS, tile), dtype, transforms=p_transforms),
+            )
+            if a_in_smem
+            else None
+        ),
+        plgpu.Barrier(num_arrivals=pages, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=pages, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=5),
+    )
+
+
+def segments(rseq, rpos):
+    """Per tile, its sequences ascending [tiles, rows] (2**30 past the last) and their number
+    [tiles]. Padding rows (position < 0) belong to no segment."""
+    nt, rows = rseq.shape
+    valid = rpos >= 0
+    big = jnp.int32(2**30)
+    key = jnp.where(valid, rseq, big)
+    # a row heads its segment if no earlier valid row has its sequence
+    earlier = jnp.tril(jnp.ones((rows, rows), bool), -1)
+    dup = jnp.any(earlier[None] & (key[:, None, :] == key[:, :, None]) & valid[:, None, :], axis=2)
+    head = valid & ~dup
+    seqs = jnp.sort(jnp.where(head, rseq, big), axis=1)
+    nseg = jnp.sum(head, axis=1).astype(jnp.int32)
+    return seqs, nseg
+
+
+def tiles_mgpu(
+    qg,
+    k_cache,
+    v_cache,
+    index,
+    *,
+    spec: AttentionSpec,
+    stages: int = 3,
+    pv: str = "add",
+    overlap: bool = False,
+    interpret=None,
+):
+    """q [T, Hkv, G, D] -> normalised output [T, Hkv, G, D], the ``tiles`` walk on Mosaic GPU."""
+    why = supported(qg.dtype, qg.shape[-1], spec)
+    if why is not None:
+        raise ValueError(f"attention (Mosaic GPU tiles): unsupported {why}")
+    if pv not in PV_VARIANTS:
+        raise ValueError(f"attention (Mosaic GPU tiles): pv must be one of {PV_VARIANTS}, got {pv!r}")
+    block_tables, context_lens, token_seq, token_pos = index
+    hkv, d = qg.shape[1], qg.shape[3]
+    num_blocks, block_size = k_cache.shape[:2]
+    tile = kv_tile(block_size)
+    if tile % block_size or block_size % 8:
+        raise ValueError(f"attention (Mosaic GPU tiles): block_size {block_size} must be a multiple of 8")
+    q, rpos, rseq, unpack = row_tiles(qg, token_seq, token_pos, ROWS)
+    nt, rows = rpos.shape
+    if rows != ROWS:
+        raise ValueError(f"attention (Mosaic GPU tiles): query group too large for {ROWS} rows")
+    seqs, nseg = segments(rseq, rpos)
+    max_segs = seqs.shape[1]
+    mine = (rseq[:, None, :] == seqs[:, :, None]) & (rpos >= 0)[:, None, :]
+    lo = jnp.min(jnp.where(mine, rpos[:, None, :], 2**30), axis=2)
+    hi = jnp.max(jnp.where(mine, rpos[:, None, :], -1), axis=2)
+    safe = jnp.clip(seqs, 0, block_tables.shape[0] - 1)
+    ctx = context_lens[safe]
+    segs = jnp.stack([safe, lo, hi, ctx], axis=1).astype(jnp.int32)
+    ones = jnp.ones((tile, _SUM_N), qg.dtype)
+    rows_view = (num_blocks * block_size, hkv, d)
+    stages = _stages(tile, d, qg.dtype.itemsize, stages)
+    kwargs = {} if interpret is None else {"interpret": interpret}
+    out = plgpu.kernel(
+        functools.partial(
+            _kernel,
+            spec=spec,
+            block_size=block_size,
+            max_blocks=block_tables.shape[1],
+            stages=stages,
+            max_segs=max_segs,
+            pv=pv,
+            a_in_smem=interpret is not None,
+            overlap=overlap,
+        ),
+        out_type=jax.ShapeDtypeStruct((nt, hkv, ROWS, d), qg.dtype),
+        grid=(nt, hkv),
+        grid_names=("tile", "head"),
+        kernel_name="bijax_attention_tiles_mgpu",
+        **kwargs,
+    )(
+        segs,
+        nseg,
+        rpos,
+        rseq,
+        block_tables,
+        q,
+        k_cache.reshape(rows_view),
+        v_cache.reshape(rows_view),
+        ones,
+    )
+    return unpack(out)

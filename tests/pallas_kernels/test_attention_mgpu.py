@@ -1,0 +1,140 @@
+"""The Mosaic GPU attention ``tiles`` kernel on CPU: Mosaic GPU interpret mode (TMA, barriers,
+wgmma simulated) for its walk, masks, page loads and split fold; its CUDA lowering; clear errors.
+Whether its bits equal the Triton kernel's is an H200 question (benchmarks/attention_mgpu.py)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.attention import attention
+from pallas_kernels.attention_math import AttentionSpec
+from pallas_kernels.attention_mgpu import segments, supported, tiles_mgpu
+from pallas_kernels.runtime import MOSAIC_GPU_CUSTOM_CALL, cuda_export
+from tests.conftest import bits
+from tests.pallas_kernels.test_attention import Paged, all_tokens
+
+BF16 = jnp.bfloat16
+
+
+def _run(paged, tokens, **kw):
+    kw = {"split_size": 64, **kw}
+    return paged.run(tokens, backend="triton", interpret=True, gpu_kernel="tiles_mgpu", **kw)
+
+
+@pytest.mark.parametrize(
+    "lens,kw,shape",
+    [
+        ([1, 15, 16, 17, 150], {}, {"d": 64}),  # pages, partial tiles, three splits
+        ([3, 70, 130], {"sliding_window": 40}, {"d": 128}),  # window: splits and tiles skipped
+        ([20, 100], {}, {"d": 128, "hq": 28, "hkv": 4}),  # group 7, padded to 8 (8 tokens a tile)
+        ([5, 129, 300], {"split_size": 256}, {"d": 64, "bs": 128}),  # 128-key tiles, one page each
+    ],
+)
+def test_accuracy_mixed_batch_nan_cache_and_padding(lens, kw, shape):
+    """Every token of every sequence, shuffled (tiles hold several sequences), padding among
+    them, stale cache rows all NaN: f64 accuracy, no NaN leaks, padding rows exactly zero."""
+    paged = Paged(lens, dtype=BF16, **shape)
+    tokens = all_tokens(paged)
+    np.random.default_rng(1).shuffle(tokens)
+    tokens = tokens[:7] + [(0, -1)] * 3 + tokens[7:]
+    out = np.asarray(_run(paged, tokens, **kw), np.float64)
+    real = [i for i, (_, p) in enumerate(tokens) if p >= 0]
+    ref = np.stack([paged.f64(*tokens[i], window=kw.get("sliding_window")) for i in real])
+    assert np.isfinite(out).all()
+    assert np.all(out[7:10] == 0)
+    assert np.abs(out[real] - ref).max() / np.abs(ref).max() <= 2e-2
+
+
+def test_a_token_keeps_its_bits_alone_in_chunks_and_among_other_sequences():
+    """The walk visits a row's own sequence only, in a fixed order: a token's bits do not depend
+    on which tile row it lands in or what else the tile holds. Control: a different split size
+    (part of the numerics) changes them, so the comparison can fail."""
+    paged = Paged([150, 30, 90], hq=8, hkv=2, d=64, dtype=BF16, seed=2)
+    target = (0, 149)
+    alone = bits(_run(paged, [target]))[0]
+    cases = {
+        "chunk of 17": [(0, p) for p in range(133, 150)],
+        "chunk of 40 among others": [(1, 29), (2, 80)] + [(0, p) for p in range(110, 150)] + [(2, 89)],
+        "decode batch": [(2, 89), (1, 29), target, (1, 5)],
+    }
+    for name, tokens in cases.items():
+        out = bits(_run(paged, tokens))
+        np.testing.assert_array_equal(out[tokens.index(target)], alone, err_msg=name)
+    other = bits(_run(paged, [target], split_size=128))[0]
+    assert not np.array_equal(other, alone), "split size changed nothing: the check cannot fail"
+
+
+def test_nan_in_a_visible_key_propagates():
+    paged = Paged([100], hq=4, hkv=2, dtype=BF16)
+    paged.k[0] = paged.k[0].at[80].set(jnp.nan)
+    paged.fill()
+    out = np.asarray(_run(paged, [(0, 99), (0, 50)]), np.float32)
+    assert np.isnan(out[0]).all()  # sees key 80
+    assert np.isfinite(out[1]).all()  # position 50 does not
+
+
+def test_segments_are_each_tiles_sequences_ascending():
+    rseq = jnp.asarray([[3, 3, 1, 1, 3, 0], [2, 2, 2, 2, 2, 2]], jnp.int32)
+    rpos = jnp.asarray([[5, 6, 0, 1, 7, -1], [-1, -1, -1, -1, -1, -1]], jnp.int32)
+    seqs, nseg = segments(rseq, rpos)
+    assert nseg.tolist() == [2, 0]
+    assert seqs[0, :2].tolist() == [1, 3]  # sequence 0 has only a padding row
+
+
+@pytest.mark.parametrize("pv", ["add", "into"])
+def test_cuda_lowering_is_one_mosaic_gpu_kernel(pv):
+    import jax
+
+    s = jax.ShapeDtypeStruct
+    spec = AttentionSpec.create(128)
+    args = (
+        s((200, 8, 4, 128), BF16),
+        s((64, 16, 8, 128), BF16),
+        s((64, 16, 8, 128), BF16),
+        (s((2, 32), jnp.int32), s((2,), jnp.int32), s((200,), jnp.int32), s((200,), jnp.int32)),
+    )
+    text = cuda_export(lambda q, k, v, idx: tiles_mgpu(q, k, v, idx, spec=spec, pv=pv), *args)
+    assert MOSAIC_GPU_CUSTOM_CALL in text and "bijax_attention_tiles_mgpu" in text
+    assert "xla.gpu.triton" not in text
+
+
+def test_unsupported_calls_are_refused_by_name():
+    spec = AttentionSpec.create(64)
+    assert "dtype float32" in supported(jnp.float32, 64, spec)
+    assert "head_dim 96" in supported(BF16, 96, spec)
+    assert "logit_softcap" in supported(BF16, 64, AttentionSpec.create(64, logit_softcap=5.0))
+    assert supported(BF16, 128, spec) is None
+    paged = Paged([20], hq=4, hkv=2)  # float32
+    with pytest.raises(ValueError, match="dtype float32"):
+        attention(
+            jnp.ones((1, 4, 64)), paged.kc, paged.vc, paged.bt, np.array([20], np.int32),
+            np.array([0], np.int32), np.array([19], np.int32), backend="triton", interpret=True,
+            gpu_kernel="tiles_mgpu",
+        )  # fmt: skip
+
+
+def test_overlapped_scores_are_a_launch_choice():
+    """``overlap`` (the next tile's q @ k.T issued before this tile's softmax) and the number
+    of stages change when things run, never what: the same bits on a walk through several
+    sequences, splits and a window."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    paged = Paged([70, 150, 9], hq=8, hkv=2, d=64, dtype=BF16, seed=4)
+    tokens = [(1, p) for p in range(100, 150)] + [(0, 69), (2, 8), (0, 30)]
+    seq = jnp.asarray([s for s, _ in tokens], jnp.int32)
+    pos = jnp.asarray([p for _, p in tokens], jnp.int32)
+    q = jnp.stack([paged.q[s][p] for s, p in tokens]).reshape(len(tokens), 2, 4, 64)
+    index = (jnp.asarray(paged.bt), jnp.asarray(paged.lens, jnp.int32), seq, pos)
+    spec = AttentionSpec.create(64, sliding_window=90, split_size=64)
+    mode = plgpu.InterpretGPUParams()
+    runs = {
+        (ov, st): bits(
+            tiles_mgpu(q, paged.kc, paged.vc, index, spec=spec, overlap=ov, stages=st, interpret=mode)
+        )
+        for ov, st in ((False, 3), (True, 3), (True, 2))
+    }
+    base = runs[(False, 3)]
+    for key, got in runs.items():
+        np.testing.assert_array_equal(got, base, err_msg=str(key))
