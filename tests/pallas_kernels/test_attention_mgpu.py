@@ -118,7 +118,9 @@ def test_unsupported_calls_are_refused_by_name():
 def test_overlapped_scores_are_a_launch_choice():
     """``overlap`` (the next tile's q @ k.T issued before this tile's softmax) and the number
     of stages change when things run, never what: the same bits on a walk through several
-    sequences, splits and a window."""
+    sequences, splits and a window - and interpret mode's race detector (TMA writes, barrier
+    waits and SMEM reads as happens-before events) finds no race in the slot ring."""
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     paged = Paged([70, 150, 9], hq=8, hkv=2, d=64, dtype=BF16, seed=4)
@@ -128,13 +130,12 @@ def test_overlapped_scores_are_a_launch_choice():
     q = jnp.stack([paged.q[s][p] for s, p in tokens]).reshape(len(tokens), 2, 4, 64)
     index = (jnp.asarray(paged.bt), jnp.asarray(paged.lens, jnp.int32), seq, pos)
     spec = AttentionSpec.create(64, sliding_window=90, split_size=64)
-    mode = plgpu.InterpretGPUParams()
-    runs = {
-        (ov, st): bits(
-            tiles_mgpu(q, paged.kc, paged.vc, index, spec=spec, overlap=ov, stages=st, interpret=mode)
-        )
-        for ov, st in ((False, 3), (True, 3), (True, 2))
-    }
+    mode = plgpu.InterpretGPUParams(detect_races=True)
+    runs = {}
+    for ov, st in ((False, 3), (True, 3), (True, 2)):
+        out = tiles_mgpu(q, paged.kc, paged.vc, index, spec=spec, overlap=ov, stages=st, interpret=mode)
+        runs[(ov, st)] = bits(out)
+        assert not get_races().races_found, (ov, st)
     base = runs[(False, 3)]
     for key, got in runs.items():
         np.testing.assert_array_equal(got, base, err_msg=str(key))
