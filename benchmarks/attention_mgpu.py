@@ -2,6 +2,8 @@
 does it give the Triton kernel's bits, and how fast is it next to Triton and cuDNN.
 
 Run on the H200 from the repo root:  PYTHONPATH=. python benchmarks/attention_mgpu.py [--no-timing]
+(each stage runs in a child process with a time limit: probe, smoke, bits, timing; the device
+tool's 600 s per call may need ``--no-timing``, then ``--timing-only add|into`` in a second call).
 
 1. Elementwise probes: the operations a tile's arithmetic uses outside the dots (exp, a * b + c,
    a * b + c * d, x / y), each in a Triton and a Mosaic GPU kernel, on the same inputs - where
@@ -236,12 +238,30 @@ def time_prefill(n, length, hq, hkv, d, pv):
     return rows
 
 
-def main():
+def smoke():
+    """One small call of each variant: a kernel that hangs (a barrier never completes) or
+    faults shows here, in a child process the parent can time out."""
+    c = Case(2, 300, 32, 8, 128, seed=5)
+    ps, zs = np.arange(200, 300), np.zeros(100, np.int32)
+    for pv in attention_mgpu.PV_VARIANTS:
+        for overlap in (False, True):
+            out = np.asarray(_mgpu(c, zs, ps, pv, overlap=overlap), np.float32)
+            print(f"INFO smoke pv={pv} overlap={overlap}: finite {np.isfinite(out).all()}", flush=True)
+
+
+STAGES = {"probe": probe_math, "smoke": smoke}
+
+
+def _child(stage):
     print(f"# {datetime.date.today()} {jax.devices()[0].device_kind} jax {jax.__version__}", flush=True)
-    probe_math()
-    good = [pv for pv in attention_mgpu.PV_VARIANTS if check_bits(pv)]
-    print(f"\nINFO pv variants with the Triton kernel's bits: {good}", flush=True)
-    if "--no-timing" not in sys.argv:
+    if stage in STAGES:
+        STAGES[stage]()
+    elif stage == "bits":
+        good = [pv for pv in attention_mgpu.PV_VARIANTS if check_bits(pv)]
+        print(f"\nINFO pv variants with the Triton kernel's bits: {good}", flush=True)
+        print(f"GOOD {','.join(good)}", flush=True)
+    elif stage.startswith("timing"):
+        pv = stage.split(":", 1)[1] if ":" in stage else "add"
         rows = []
         for args in (
             (1, 4096, 32, 8, 128),
@@ -249,14 +269,56 @@ def main():
             (8, 1024, 28, 4, 128),
             (1, 4096, 9, 3, 64),
         ):
-            rows += time_prefill(*args, pv=(good or ["add"])[0])
+            rows += time_prefill(*args, pv=pv)
         print("\n| case | kernel | us | cuDNN us | / cuDNN | achieved |")
         print("|---|---|---|---|---|---|")
         for name, kernel, us, cud, rate in rows:
             print(f"| {name} | {kernel} | {us:.1f} | {cud:.1f} | {us / cud:.2f} | {rate} |")
-    print(f"\nchecks failed: {len(FAILURES)} {FAILURES}")
+    print(f"\nchecks failed: {len(FAILURES)} {FAILURES}", flush=True)
     sys.exit(1 if FAILURES else 0)
 
 
+def main():
+    """Each stage in its own process with a time limit, so a kernel that hangs costs its limit
+    only; a stage that hangs or fails at smoke stops the rest."""
+    import subprocess
+
+    def run(stage, limit):
+        print(f"\n### stage {stage} (limit {limit} s)", flush=True)
+        try:
+            proc = subprocess.run(
+                [sys.executable, __file__, "--child", stage], capture_output=True, text=True, timeout=limit
+            )
+        except subprocess.TimeoutExpired as err:
+            out = err.stdout.decode() if isinstance(err.stdout, bytes) else (err.stdout or "")
+            print(out + f"\nFAIL stage {stage}: no result in {limit} s (hang?)", flush=True)
+            return None, out
+        print(proc.stdout + proc.stderr[-3000:], flush=True)
+        return proc.returncode, proc.stdout
+
+    failed = []
+    if "--timing-only" in sys.argv:  # a second device call (each call has 600 s)
+        pv = sys.argv[sys.argv.index("--timing-only") + 1]
+        rc, _ = run(f"timing:{pv}", 540)
+        sys.exit(rc != 0)
+    run("probe", 120)
+    rc, _ = run("smoke", 150)
+    if rc != 0:
+        print("\nsmoke failed: bits and timing not run")
+        sys.exit(1)
+    rc, out = run("bits", 300)
+    failed += [] if rc == 0 else ["bits"]
+    good = [line.split(" ", 1)[1] for line in out.splitlines() if line.startswith("GOOD ") and " " in line]
+    if "--no-timing" not in sys.argv:
+        pv = good[0].split(",")[0] if good and good[0] else "add"
+        rc, _ = run(f"timing:{pv}", 300)
+        failed += [] if rc == 0 else ["timing"]
+    print(f"\nstages failed: {failed}")
+    sys.exit(1 if failed else 0)
+
+
 if __name__ == "__main__":
-    main()
+    if "--child" in sys.argv:
+        _child(sys.argv[sys.argv.index("--child") + 1])
+    else:
+        main()
