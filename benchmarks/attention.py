@@ -25,6 +25,8 @@ BS = 16
 # Tile-kernel launch variants compared bit for bit (and timed): (rows per tile, warps, stages,
 # bulk: full KV tiles walked without building their mask; False is the kernel before 2026-12-01).
 VARIANTS = [(64, 4, 2, True), (64, 4, 2, False), (64, 4, 3, True), (128, 8, 2, True), (128, 8, 3, True)]
+# The prefill cases: (sequences, length, query heads, KV heads, head dim).
+PREFILL_CASES = ((1, 4096, 32, 8, 128), (1, 4096, 28, 4, 128), (8, 1024, 28, 4, 128), (1, 4096, 9, 3, 64))
 
 
 def check(name, ok, detail=""):
@@ -444,13 +446,7 @@ def main():
         print(f"\nchecks failed: {len(FAILURES)} {FAILURES}")
         sys.exit(1 if FAILURES else 0)
     rows = []
-    for args in (
-        (1, 4096, 32, 8, 128),
-        (1, 4096, 28, 4, 128),
-        (8, 1024, 28, 4, 128),
-        (1, 4096, 9, 3, 64),
-        (1, 32768, 32, 8, 128),
-    ):
+    for args in (*PREFILL_CASES, (1, 32768, 32, 8, 128)):
         new = time_prefill(*args)
         rows += new
         print(*new, sep="\n", flush=True)

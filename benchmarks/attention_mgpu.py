@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from benchmarks.attention import Case, bits, check, cudnn_us, kernel_us
+from benchmarks.attention import PREFILL_CASES, Case, bits, check, cudnn_us, kernel_us
 from pallas_kernels import attention_mgpu, attention_triton
 from pallas_kernels.attention import AttentionSpec
 
@@ -263,12 +263,7 @@ def _child(stage):
     elif stage.startswith("timing"):
         pv = stage.split(":", 1)[1] if ":" in stage else "add"
         rows = []
-        for args in (
-            (1, 4096, 32, 8, 128),
-            (1, 4096, 28, 4, 128),
-            (8, 1024, 28, 4, 128),
-            (1, 4096, 9, 3, 64),
-        ):
+        for args in PREFILL_CASES:
             rows += time_prefill(*args, pv=pv)
         print("\n| case | kernel | us | cuDNN us | / cuDNN | achieved |")
         print("|---|---|---|---|---|---|")

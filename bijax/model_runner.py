@@ -55,8 +55,7 @@ class Chunk:
         """The next ``n`` pending tokens of ``seq`` and then ``drafts`` (speculative tokens after
         its last token), sampling the last row and every draft row."""
         nc = seq.num_computed
-        ids = seq.token_ids
-        return cls(seq, nc, tuple(ids[nc : nc + n]) + tuple(drafts), 1 + len(drafts))
+        return cls(seq, nc, tuple(seq.token_slice(nc, nc + n)) + tuple(drafts), 1 + len(drafts))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,7 +239,8 @@ class ModelRunner:
         seq = np.repeat(np.arange(len(chunks), dtype=np.int32), lens)
         pos = np.arange(total, dtype=np.int32) + np.repeat(starts - first, lens)
         for r, c in enumerate(chunks):
-            b.block_tables[r, : len(c.seq.block_table)] = c.seq.block_table
+            table = c.seq.block_table.array
+            b.block_tables[r, : len(table)] = table
         blocks = np.fromiter((len(c.seq.block_table) for c in chunks), np.int32, len(chunks))
         if total and (pos // bs >= blocks[seq]).any():  # an engine bug, never a silent null-block write
             raise RuntimeError("a scheduled token's position lies past its sequence's allocated blocks")

@@ -22,9 +22,10 @@ def score_sequences(runner, blocks, config, seqs, prompt_lens, temperature: floa
         targets, where = [], []
         for seq, n in chunks:
             i = -1 - seq.seq_id
-            for p in range(seq.num_computed, seq.num_computed + n):
+            nxt = seq.token_slice(seq.num_computed + 1, seq.num_computed + n + 1)  # each row's target
+            for j, p in enumerate(range(seq.num_computed, seq.num_computed + n)):
                 want = prompt_lens[i] <= p + 1 < len(seq)
-                targets.append(seq.token_ids[p + 1] if want else -1)
+                targets.append(nxt[j] if want else -1)
                 where.append((i, p + 1 - prompt_lens[i]) if want else None)
         lp = runner.score_step(
             [Chunk.pending(s, n) for s, n in chunks], np.asarray(targets, np.int32), float(temperature)

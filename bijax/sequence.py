@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import enum
 
+import numpy as np
+
 from bijax.sampling_params import SamplingParams
 
 PENDING = -1  # a token id not yet on the host (async scheduling): the device fills it in
@@ -13,6 +15,63 @@ class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+class BlockTable:
+    """A sequence's physical KV blocks in order, held in a growing int32 array: a step copies
+    ``array`` into its batch as is (converting a Python list of a 32k-token sequence's 2048
+    blocks cost ~60 us per sequence per step). Appended to, cut from the end, cleared."""
+
+    __slots__ = ("_a", "_n")
+
+    def __init__(self, blocks=()):
+        self._a = np.zeros(max(16, len(blocks)), np.int32)
+        self._n = 0
+        for b in blocks:
+            self.append(b)
+
+    def append(self, block: int) -> None:
+        if self._n == len(self._a):
+            self._a = np.concatenate([self._a, np.zeros_like(self._a)])
+        self._a[self._n] = block
+        self._n += 1
+
+    @property
+    def array(self) -> np.ndarray:
+        """The blocks as an int32 array (a view: copy it to keep it)."""
+        return self._a[: self._n]
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __bool__(self) -> bool:
+        return self._n > 0
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return self.array[i].tolist()
+        if not -self._n <= i < self._n:
+            raise IndexError(f"block {i} of a table of {self._n}")
+        return int(self.array[i])
+
+    def __delitem__(self, i) -> None:
+        if not isinstance(i, slice) or i.step is not None or (i.stop is not None and i.stop < self._n):
+            raise TypeError("a block table is only cut from the end: del table[k:]")
+        start = 0 if i.start is None else i.start
+        start = max(0, start + self._n if start < 0 else start)
+        self._n = min(self._n, start)
+
+    def __iter__(self):
+        return iter(self.array.tolist())
+
+    def __reversed__(self):
+        return iter(self.array[::-1].tolist())
+
+    def __eq__(self, other) -> bool:
+        return list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return f"BlockTable({list(self)})"
 
 
 class Sequence:
@@ -44,7 +103,7 @@ class Sequence:
         self.arrival = arrival
         self.status = Status.WAITING
         self.num_computed = 0
-        self.block_table: list[int] = []
+        self._block_table = BlockTable()
         self.block_keys: list[tuple] = []  # prefix-cache keys of its full blocks
         self.prefix_limit: int | None = None  # at most this many tokens may come from the cache
         self.finish_reason: str | None = None
@@ -61,6 +120,29 @@ class Sequence:
         # as PENDING, which the runner replaces on the device with the step's sampled token.
         self.in_flight = 0
         self.finishing = False  # its in-flight token ends it (length): schedule nothing more
+
+    @property
+    def block_table(self) -> BlockTable:
+        return self._block_table
+
+    @block_table.setter
+    def block_table(self, blocks) -> None:
+        self._block_table = BlockTable(blocks)
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """``token_ids[start:stop]`` (0 <= start <= stop) without building the whole list: a
+        step takes a few tokens of a sequence that may be 32k long."""
+        prompt, out = self.prompt_token_ids, self.output_token_ids
+        p, o = len(prompt), len(out)
+        stop = min(stop, p + o + self.in_flight)
+        if stop <= start:
+            return []
+        ids = prompt[start:stop] if start < p else []
+        if stop > p and start < p + o:
+            ids = ids + out[max(0, start - p) : stop - p]
+        if stop > p + o:
+            ids = ids + [PENDING] * (stop - max(start, p + o))
+        return ids
 
     @property
     def token_ids(self) -> list[int]:

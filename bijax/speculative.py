@@ -272,7 +272,11 @@ class Speculator:
         for j in range(max(k for _, k in want)):
             step = [(seq, k) for seq, k in want if j < k]
             chunks = [
-                Chunk(seq, seq.num_computed + j, (seq.token_ids[-1] if j == 0 else out[seq.seq_id][-1],))
+                Chunk(
+                    seq,
+                    seq.num_computed + j,
+                    (seq.token_slice(len(seq) - 1, len(seq))[0] if j == 0 else out[seq.seq_id][-1],),
+                )
                 for seq, _ in step
             ]
             tok, _, _ = self.draft.step(chunks)
