@@ -255,6 +255,48 @@ def sweep():
         del ws
 
 
+# Decode rows: Triton launches around the default (16-row tiles), deeper pipelines included.
+DECODE_VARIANTS = [T(16, tn, w, st) for tn in (32, 64) for w in (2, 4) for st in (4, 6, 8)]
+
+
+def decode_sweep():
+    """Decode rows (M = 1 and 16) of every Llama-3-8B weight: each launch in DECODE_VARIANTS
+    against the default launch and XLA - its rows' bits equal to the default's (a check), its
+    kernel time - and the best launch per cell (decode issue: matmul rows within 1.10x of XLA)."""
+    best = []
+    for name, (k, n) in LLAMA3_8B.items():
+        ws = [rand(51 + i, (k, n), jnp.bfloat16, 1 / math.sqrt(k)) for i in range(copies_for(k * n * 2))]
+        for m in (1, 16):
+            x = rand(50, (m, k), jnp.bfloat16)
+            t_xla = rotated_us(lambda x, w: x @ w, x, ws)
+            default = mm_mod.gpu_tiles(mm_mod.plan_matmul(k, n, jnp.bfloat16), m)
+            want = bits(pk.matmul(x, ws[0]))
+            t_default = rotated_us(lambda x, w: pk.matmul(x, w), x, ws)
+            timed = [(t_default, default)]
+            for cfg in DECODE_VARIANTS:
+                if cfg == default:
+                    continue
+                try:
+                    same = np.array_equal(bits(pk.matmul(x, ws[0], tiles=cfg)), want)
+                    t = rotated_us(lambda x, w, cfg=cfg: pk.matmul(x, w, tiles=cfg), x, ws)
+                except Exception as e:  # noqa: BLE001 - a launch that does not compile is a finding
+                    print(f"INFO decode sweep {name} M={m} {cfg}: {type(e).__name__}: {str(e)[:160]}")
+                    continue
+                check(f"decode sweep {name} M={m} {cfg} == default launch", same)
+                print(f"DSWEEP {name} M={m} {cfg}: {t:.1f} us ({t / t_xla:.2f}x XLA {t_xla:.1f})", flush=True)
+                timed.append((t, cfg))
+            t_best, cfg_best = min(timed, key=lambda r: r[0])
+            best.append((name, m, t_xla, t_default, default, t_best, cfg_best))
+        del ws
+    print("\n| weight | M | XLA us | default us | / XLA | default launch | best us | / XLA | best launch |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, m, t_xla, t_def, default, t_best, cfg in best:
+        print(
+            f"| {name} | {m} | {t_xla:.1f} | {t_def:.1f} | {t_def / t_xla:.2f} | {default} | {t_best:.1f} "
+            f"| {t_best / t_xla:.2f} | {cfg} |"
+        )
+
+
 def time_rows():
     rows = []
     for t in (1, 64, 1024, 8192):
@@ -277,9 +319,14 @@ def main():
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="also time alternative launch shapes")
     ap.add_argument("--rows-only", action="store_true", help="only rms_norm / softmax checks and times")
+    ap.add_argument("--decode-sweep", action="store_true", help="only the decode-row launch sweep")
     args = ap.parse_args()
     dev = jax.devices()[0]
     print(f"# {datetime.date.today()} {dev.device_kind} jax {jax.__version__}")
+    if args.decode_sweep:
+        decode_sweep()
+        print(f"\nchecks failed: {len(FAILURES)} {FAILURES}")
+        sys.exit(1 if FAILURES else 0)
     if args.rows_only:
         check_row_invariance()
         rrows = time_rows()
