@@ -3,15 +3,18 @@ does it give the Triton kernel's bits, and how fast is it next to Triton and cuD
 
 Run on the H200 from the repo root:  PYTHONPATH=. python benchmarks/attention_mgpu.py [--no-timing]
 (each stage runs in a child process with a time limit: probe, smoke, bits, timing; the device
-tool's 600 s per call may need ``--no-timing``, then ``--timing-only add|into`` in a second call).
+tool's 600 s per call may need ``--no-timing``, then ``--timing-only into|add|into+fma|add+fma``
+in a second call).
 
 1. Elementwise probes: the operations a tile's arithmetic uses outside the dots (exp, a * b + c,
    a * b + c * d, x / y), each in a Triton and a Mosaic GPU kernel, on the same inputs - where
    the bits differ, the kernels cannot agree.
-2. Bits, both ``pv`` variants, against the Triton ``tiles`` kernel (== the ``tokens`` kernel,
-   benchmarks/attention.py): from one KV tile (no fold, no rescale) to many splits, then the
-   checks attention.py runs on the Triton kernel (a chunk among decode tokens, a window, other
-   head shapes, 64-token pages, a whole 4096-token prompt).
+2. Bits of the variants (``pv`` "into" / "add", with and without explicit fused multiply-adds)
+   against the Triton ``tiles`` kernel (== the ``tokens`` kernel, benchmarks/attention.py): each
+   on one KV tile (no rescale across tiles), two tiles, two splits; the variants that match
+   there on every check attention.py runs on the Triton kernel (a chunk among decode tokens,
+   overlapped scores and 2 / 3 stages, a window, other head shapes, 64-token pages, a whole
+   4096-token prompt).
 3. Kernel time (CUPTI) of the prefill cases: Mosaic GPU (2 and 3 stages), Triton, cuDNN.
 Exit code 1 if a check failed.
 """
@@ -118,10 +121,25 @@ def probe_math():
             print(f"INFO probe {name}: failed: {type(err).__name__}: {str(err)[:300]}", flush=True)
 
 
-def _mgpu(c, zs, ps, pv, stages=3, overlap=False, **kw):
+# (pv, fma): where the rescaled accumulator meets p @ v, and whether a * b + c is an explicit
+# fused multiply-add (see pallas_kernels/attention_mgpu.py); tried in this order.
+VARIANTS = [("into", False), ("add", False), ("into", True), ("add", True)]
+
+
+def label(variant):
+    return f"{variant[0]}{'+fma' if variant[1] else ''}"
+
+
+def parse(text):
+    pv, _, fma = text.partition("+")
+    return pv, fma == "fma"
+
+
+def _mgpu(c, zs, ps, variant, stages=3, overlap=False, **kw):
     q, s, p = c.tokens(zs, ps)
     spec = AttentionSpec.create(c.d, **kw)
     g = c.hq // c.hkv
+    pv, fma = variant
     fn = jax.jit(
         lambda q, s, p: attention_mgpu.tiles_mgpu(
             q.reshape(len(p), c.hkv, g, c.d),
@@ -130,6 +148,7 @@ def _mgpu(c, zs, ps, pv, stages=3, overlap=False, **kw):
             (c.bt, c.cl, s, p),
             spec=spec,
             pv=pv,
+            fma=fma,
             stages=stages,
             overlap=overlap,
         ).reshape(len(p), c.hq, c.d)
@@ -137,68 +156,93 @@ def _mgpu(c, zs, ps, pv, stages=3, overlap=False, **kw):
     return fn(q, s, p)
 
 
+def _differ(got, want, ps):
+    """'' if equal, else which tokens differ."""
+    if np.array_equal(got, want):
+        return ""
+    rows = np.nonzero((got != want).reshape(len(ps), -1).any(axis=1))[0]
+    frac = float((got != want).mean())
+    return f"{len(rows)} of {len(ps)} tokens differ ({frac:.2%} of values), positions {ps[rows][:8].tolist()}"
+
+
 def _compare(name, got, want, ps):
-    same = np.array_equal(got, want)
-    detail = ""
-    if not same:
-        rows = np.nonzero((got != want).reshape(len(ps), -1).any(axis=1))[0]
-        frac = float((got != want).mean())
-        detail = f"{len(rows)} of {len(ps)} tokens differ ({frac:.2%} of values), positions {ps[rows][:8].tolist()}"
-    _check(name, same, detail)
-    return same
+    detail = _differ(got, want, ps)
+    _check(name, not detail, detail)
+    return not detail
 
 
-def check_bits(pv):
-    """Mosaic GPU tiles == Triton tiles, from the smallest walk up."""
-    print(f"\n## bits, pv={pv!r}", flush=True)
+def check_bits():
+    """Which variants give the Triton tiles kernel's bits: each on the smallest walks first (one
+    KV tile: no rescale across tiles, one split; two tiles; two splits), then the variants that
+    match there on every check attention.py runs on the Triton kernel. Returns those that pass."""
+    small = []
+    for ctx in (64, 128, 1024):
+        c = Case(1, ctx, 32, 8, 128, seed=3)
+        ps, zs = np.arange(ctx), np.zeros(ctx, np.int32)
+        small.append((f"one sequence 0..{ctx - 1}", c, zs, ps, bits(c.run(zs, ps, gpu_kernel="tiles"))))
+    passing = []
+    for v in VARIANTS:
+        try:
+            results = [
+                (name, _differ(bits(_mgpu(c, zs, ps, v)), want, ps)) for name, c, zs, ps, want in small
+            ]
+        except Exception as err:  # noqa: BLE001 - a compile failure is a finding: report it
+            traceback.print_exc(limit=-6)
+            print(f"INFO [{label(v)}] does not run: {type(err).__name__}: {str(err)[:300]}", flush=True)
+            continue
+        for name, detail in results:
+            print(f"INFO [{label(v)}] {name}: {'same bits' if not detail else detail}", flush=True)
+        if not any(detail for _, detail in results):
+            passing.append(v)
+    good = [v for v in passing if _full_suite(v)]
+    _check(
+        "a variant gives the Triton kernel's bits on every check", bool(good), str([label(v) for v in good])
+    )
+    return good
+
+
+def _full_suite(v):
+    name = label(v)
+    print(f"\n## bits, {name}", flush=True)
     try:
-        # one KV tile (positions 0..63: no rescale across tiles, one split), two tiles, splits
-        for ctx in (64, 128, 1024):
-            c = Case(1, ctx, 32, 8, 128, seed=3)
-            ps, zs = np.arange(ctx), np.zeros(ctx, np.int32)
-            want = bits(c.run(zs, ps, gpu_kernel="tiles"))
-            _compare(f"[{pv}] one sequence 0..{ctx - 1}", bits(_mgpu(c, zs, ps, pv)), want, ps)
         c = Case(8, 4096, 32, 8, 128)
         last = c.ctx - 1
         ps, zs = np.arange(c.ctx - 700, c.ctx), np.zeros(700, np.int32)
         want = bits(c.run(zs, ps, gpu_kernel="tiles"))
-        _compare(f"[{pv}] 700-token chunk at 3396..4095", bits(_mgpu(c, zs, ps, pv)), want, ps)
-        _compare(f"[{pv}] same, 2 stages", bits(_mgpu(c, zs, ps, pv, stages=2)), want, ps)
+        ok = [_compare(f"[{name}] 700-token chunk at 3396..4095", bits(_mgpu(c, zs, ps, v)), want, ps)]
+        ok.append(_compare(f"[{name}] same, 2 stages", bits(_mgpu(c, zs, ps, v, stages=2)), want, ps))
         for st in (2, 3):
-            got = bits(_mgpu(c, zs, ps, pv, stages=st, overlap=True))
-            _compare(f"[{pv}] same, overlapped scores, {st} stages", got, want, ps)
+            got = bits(_mgpu(c, zs, ps, v, stages=st, overlap=True))
+            ok.append(_compare(f"[{name}] same, overlapped scores, {st} stages", got, want, ps))
         mix_s = np.concatenate([np.arange(1, 6), np.zeros(41, np.int32), np.arange(6, 8)])
         mix_p = np.concatenate([np.full(5, last), np.arange(last - 40, last + 1), np.full(2, last)])
         want = bits(c.run(mix_s, mix_p, gpu_kernel="tokens"))
-        _compare(
-            f"[{pv}] chunk among decode tokens == tokens kernel",
-            bits(_mgpu(c, mix_s, mix_p, pv)),
-            want,
-            mix_p,
-        )
+        got = bits(_mgpu(c, mix_s, mix_p, v))
+        ok.append(_compare(f"[{name}] chunk among decode tokens == tokens kernel", got, want, mix_p))
         kw = {"sliding_window": 300}
         want = bits(c.run(zs, ps, gpu_kernel="tiles", **kw))
-        _compare(f"[{pv}] sliding window 300", bits(_mgpu(c, zs, ps, pv, **kw)), want, ps)
+        ok.append(_compare(f"[{name}] sliding window 300", bits(_mgpu(c, zs, ps, v, **kw)), want, ps))
         for hq, hkv, d in ((28, 4, 128), (9, 3, 64)):
             o = Case(4, 1500, hq, hkv, d, seed=4)
             ps2, zs2 = np.arange(o.ctx - 300, o.ctx), np.zeros(300, np.int32)
             want = bits(o.run(zs2, ps2, gpu_kernel="tiles"))
-            _compare(f"[{pv}] {hq}/{hkv} heads, D {d}", bits(_mgpu(o, zs2, ps2, pv)), want, ps2)
+            ok.append(_compare(f"[{name}] {hq}/{hkv} heads, D {d}", bits(_mgpu(o, zs2, ps2, v)), want, ps2))
         c64 = Case(2, 2048, 32, 8, 128, bs=64)
         ps2, zs2 = np.arange(2048 - 500, 2048), np.zeros(500, np.int32)
         want = bits(c64.run(zs2, ps2, gpu_kernel="tiles"))
-        _compare(f"[{pv}] 64-token pages", bits(_mgpu(c64, zs2, ps2, pv)), want, ps2)
+        ok.append(_compare(f"[{name}] 64-token pages", bits(_mgpu(c64, zs2, ps2, v)), want, ps2))
         whole = Case(1, 4096, 32, 8, 128, seed=2)
         ps2, zs2 = np.arange(4096), np.zeros(4096, np.int32)
         want = bits(whole.run(zs2, ps2, gpu_kernel="tiles"))
-        return _compare(f"[{pv}] a whole 4096-token prompt", bits(_mgpu(whole, zs2, ps2, pv)), want, ps2)
-    except Exception as err:  # noqa: BLE001 - a compile failure is a finding: report it
+        ok.append(_compare(f"[{name}] a whole 4096-token prompt", bits(_mgpu(whole, zs2, ps2, v)), want, ps2))
+        return all(ok)
+    except Exception as err:  # noqa: BLE001
         traceback.print_exc(limit=-6)
-        _check(f"[{pv}] Mosaic GPU kernel runs", False, f"{type(err).__name__}: {str(err)[:300]}")
+        _check(f"[{name}] full suite runs", False, f"{type(err).__name__}: {str(err)[:300]}")
         return False
 
 
-def time_prefill(n, length, hq, hkv, d, pv):
+def time_prefill(n, length, hq, hkv, d, variant):
     c = Case(n, length, hq, hkv, d, seed=2)
     seq, pos = np.repeat(np.arange(n), length), np.tile(np.arange(length), n)
     q, s, p = c.tokens(seq, pos)
@@ -217,11 +261,11 @@ def time_prefill(n, length, hq, hkv, d, pv):
         c.vc,
     )
     rows.append((name, "Triton tiles (default)", tri, cud, f"{flops / tri / 1e6:.1f} TFLOP/s"))
-    for stages in (2, 3):
+    for stages, overlap in ((2, False), (3, False), (3, True), (2, True)):
         try:
             us = kernel_us(
-                lambda q, k, v, st=stages: attention_mgpu.tiles_mgpu(
-                    qg(q), k, v, idx, spec=spec, pv=pv, stages=st
+                lambda q, k, v, st=stages, ov=overlap: attention_mgpu.tiles_mgpu(
+                    qg(q), k, v, idx, spec=spec, pv=variant[0], fma=variant[1], stages=st, overlap=ov
                 ),
                 q,
                 c.kc,
@@ -230,9 +274,8 @@ def time_prefill(n, length, hq, hkv, d, pv):
         except Exception as err:  # noqa: BLE001
             print(f"INFO timing {name} mgpu {stages} stages failed: {type(err).__name__}: {str(err)[:200]}")
             continue
-        rows.append(
-            (name, f"Mosaic GPU tiles, {stages} stages, pv={pv}", us, cud, f"{flops / us / 1e6:.1f} TFLOP/s")
-        )
+        what = f"Mosaic GPU tiles, {stages} stages, {label(variant)}{', overlapped' if overlap else ''}"
+        rows.append((name, what, us, cud, f"{flops / us / 1e6:.1f} TFLOP/s"))
     for r in rows:
         print(r, flush=True)
     return rows
@@ -243,10 +286,10 @@ def smoke():
     faults shows here, in a child process the parent can time out."""
     c = Case(2, 300, 32, 8, 128, seed=5)
     ps, zs = np.arange(200, 300), np.zeros(100, np.int32)
-    for pv in attention_mgpu.PV_VARIANTS:
+    for v in VARIANTS:
         for overlap in (False, True):
-            out = np.asarray(_mgpu(c, zs, ps, pv, overlap=overlap), np.float32)
-            print(f"INFO smoke pv={pv} overlap={overlap}: finite {np.isfinite(out).all()}", flush=True)
+            out = np.asarray(_mgpu(c, zs, ps, v, overlap=overlap), np.float32)
+            print(f"INFO smoke {label(v)} overlap={overlap}: finite {np.isfinite(out).all()}", flush=True)
 
 
 STAGES = {"probe": probe_math, "smoke": smoke}
@@ -257,14 +300,14 @@ def _child(stage):
     if stage in STAGES:
         STAGES[stage]()
     elif stage == "bits":
-        good = [pv for pv in attention_mgpu.PV_VARIANTS if check_bits(pv)]
-        print(f"\nINFO pv variants with the Triton kernel's bits: {good}", flush=True)
+        good = [label(v) for v in check_bits()]
+        print(f"\nINFO variants with the Triton kernel's bits: {good}", flush=True)
         print(f"GOOD {','.join(good)}", flush=True)
     elif stage.startswith("timing"):
-        pv = stage.split(":", 1)[1] if ":" in stage else "add"
+        variant = parse(stage.split(":", 1)[1] if ":" in stage else "into")
         rows = []
         for args in PREFILL_CASES:
-            rows += time_prefill(*args, pv=pv)
+            rows += time_prefill(*args, variant=variant)
         print("\n| case | kernel | us | cuDNN us | / cuDNN | achieved |")
         print("|---|---|---|---|---|---|")
         for name, kernel, us, cud, rate in rows:
@@ -293,8 +336,8 @@ def main():
 
     failed = []
     if "--timing-only" in sys.argv:  # a second device call (each call has 600 s)
-        pv = sys.argv[sys.argv.index("--timing-only") + 1]
-        rc, _ = run(f"timing:{pv}", 540)
+        variant = sys.argv[sys.argv.index("--timing-only") + 1]  # e.g. into, add+fma
+        rc, _ = run(f"timing:{variant}", 540)
         sys.exit(rc != 0)
     run("probe", 120)
     rc, _ = run("smoke", 150)
@@ -305,8 +348,8 @@ def main():
     failed += [] if rc == 0 else ["bits"]
     good = [line.split(" ", 1)[1] for line in out.splitlines() if line.startswith("GOOD ") and " " in line]
     if "--no-timing" not in sys.argv:
-        pv = good[0].split(",")[0] if good and good[0] else "add"
-        rc, _ = run(f"timing:{pv}", 300)
+        variant = good[0].split(",")[0] if good and good[0] else "into"
+        rc, _ = run(f"timing:{variant}", 300)
         failed += [] if rc == 0 else ["timing"]
     print(f"\nstages failed: {failed}")
     sys.exit(1 if failed else 0)

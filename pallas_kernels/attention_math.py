@@ -124,13 +124,15 @@ def expand(x, like):
     return lax.broadcast_in_dim(x, like.shape, tuple(range(x.ndim)))
 
 
-def softmax_step(state, s, ok, spec: AttentionSpec, *, p_dtype, update, row_sum):
+def softmax_step(state, s, ok, spec: AttentionSpec, *, p_dtype, update, row_sum, mul_add=None):
     """The online-softmax step over one KV tile, from the raw q.k dots ``s`` [R, N]: the one
     definition of a tile's arithmetic outside the dots (``kv_tile_step`` is it with ``jnp.dot``;
     the Mosaic GPU kernel passes wgmma dots).
 
     ``update(acc, alpha, p)`` -> the new acc from the rescale factor broadcast to acc's shape and
     the bf16 probabilities (``acc * alpha + p @ v``); ``row_sum(p)`` -> ``p @ ones[N, 16]``.
+    ``mul_add(a, b, c)``: how ``a * b + c`` is computed (default: as written, the compiler may
+    fuse it; the Mosaic GPU kernel can pass an explicit fused multiply-add).
     """
     m, l, acc = state
     s = jnp.where(ok, scores(s, spec), -jnp.inf)
@@ -140,7 +142,9 @@ def softmax_step(state, s, ok, spec: AttentionSpec, *, p_dtype, update, row_sum)
     p = jnp.where(ok, jnp.exp(s - expand(m_safe, s)), 0.0).astype(p_dtype)
     acc = update(acc, expand(alpha, acc), p)
     # Every column of p @ ones is the row sum; max picks it exactly (16: the dot's least N).
-    return m_new, l * alpha + jnp.max(row_sum(p), axis=1), acc
+    if mul_add is None:
+        return m_new, l * alpha + jnp.max(row_sum(p), axis=1), acc
+    return m_new, mul_add(l, alpha, jnp.max(row_sum(p), axis=1)), acc
 
 
 def kv_tile_step(state, q, k, v, ok, spec: AttentionSpec):
@@ -179,7 +183,7 @@ def kv_tile_step(state, q, k, v, ok, spec: AttentionSpec):
     )
 
 
-def fold_step(carry, state, use):
+def fold_step(carry, state, use, mul_add=None):
     """The left fold of split states, one split: ``carry`` = (m, l, acc, started) with m, l,
     started [...] and acc [..., D]; ``state`` = the split's (m, l, acc); ``use`` [...] bool:
     whether each row uses this split. A row's first used split starts its fold as it is; a
@@ -191,9 +195,15 @@ def fold_step(carry, state, use):
     mx = jnp.maximum(fm, sm)
     mx_safe = jnp.where(mx == -jnp.inf, 0.0, mx)
     a, b = jnp.exp(fm - mx_safe), jnp.exp(sm - mx_safe)
+    if mul_add is None:
+        merged_l = fl * a + sl * b
+        merged_acc = facc * expand(a, facc) + sacc * expand(b, sacc)
+    else:  # (see softmax_step)
+        merged_l = mul_add(fl, a, sl * b)
+        merged_acc = mul_add(facc, expand(a, facc), sacc * expand(b, sacc))
     sm = jnp.where(started, mx, sm)
-    sl = jnp.where(started, fl * a + sl * b, sl)
-    sacc = jnp.where(expand(started, sacc), facc * expand(a, facc) + sacc * expand(b, sacc), sacc)
+    sl = jnp.where(started, merged_l, sl)
+    sacc = jnp.where(expand(started, sacc), merged_acc, sacc)
     fm, fl, facc = jnp.where(use, sm, fm), jnp.where(use, sl, fl), jnp.where(expand(use, sacc), sacc, facc)
     return fm, fl, facc, started | use
 

@@ -30,7 +30,9 @@ Status: runs in Mosaic GPU interpret mode on CPU (the tests: accuracy, NaN-fille
 padding, a token's bits alone / in chunks / among other sequences, ``overlap`` and stages as
 launch choices) and lowers for CUDA (interpret mode has no wgmma with A in registers, so there q
 and p go through SMEM). Whether its bits equal the Triton kernel's on the H200 is what
-``benchmarks/attention_mgpu.py`` checks first. ``pv`` selects how the rescaled
+``benchmarks/attention_mgpu.py`` checks first. ``fma=True`` computes each ``a * b + c`` of the
+tile step and the fold as an explicit fused multiply-add (Triton's compiler fuses them where it
+may; whether Mosaic GPU's does is what that script's probes show). ``pv`` selects how the rescaled
 accumulator meets ``p @ v`` (a separate dot then ``acc * alpha + pv`` - the formula as
 written - or the dot accumulating into ``acc * alpha``, which is what Triton makes of
 ``acc + dot`` in the matmul); the check tries both. Until a variant matches on the H200 the
@@ -79,9 +81,34 @@ def supported(dtype, head_dim: int, spec: AttentionSpec) -> str | None:
 
 
 def _stages(tile: int, d: int, itemsize: int, stages: int) -> int:
+    """Ring slots: as asked, fewer where two programs per SM would not fit, at least 2."""
     per_stage = 2 * tile * d * itemsize
-    fixed = tile * _SUM_N * itemsize
+    fixed = tile * _SUM_N * itemsize + 4 * 1024  # ones; rows, segments, barriers
+    if fixed + 2 * per_stage > 2 * _SMEM_BYTES:
+        raise ValueError(
+            f"attention (Mosaic GPU tiles): {tile}-key tiles at head_dim {d} need more shared "
+            "memory than an SM has (use a block size of at most 128)"
+        )
     return max(2, min(stages, (_SMEM_BYTES - fixed) // per_stage))
+
+
+def _fma(a, b, c):
+    """``a * b + c`` with one rounding (``fma.rn.f32``), on fp32 arrays in the kernel's layouts:
+    for ``fma=True``, where Triton fuses a multiply and an add that Mosaic GPU's compiler would
+    leave as two roundings (which of the two happens is what benchmarks/attention_mgpu.py's
+    probes measure). Not available in interpret mode."""
+    from jax._src.lib.mlir.dialects import math as mlir_math
+
+    layout = plgpu.Layout.WGMMA if a.ndim == 2 else plgpu.Layout.WGMMA.reduce(1)
+
+    @plgpu.inline_mgpu(
+        arg_types=(layout, layout, layout),
+        return_type=plgpu.ShapeDtypeStruct(a.shape, jnp.float32, layout=layout),
+    )
+    def fused(_, x, y, z):
+        return x._pointwise(lambda u, v, w: mlir_math.fma(u, v, w), y, z)
+
+    return fused(a, b, c)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +173,7 @@ class _Walk:
 def _kernel(
     segs_ref, nseg_ref, rpos_ref, rseq_ref, bt_ref, q_ref, k_ref, v_ref, ones_ref, o_ref,
     *, spec: AttentionSpec, block_size: int, max_blocks: int, stages: int, max_segs: int, pv: str,
-    a_in_smem: bool, overlap: bool,
+    a_in_smem: bool, overlap: bool, fma: bool,
 ):  # fmt: skip
     i, h = lax.axis_index("tile"), lax.axis_index("head")
     d = q_ref.shape[-1]
@@ -167,6 +194,11 @@ def _kernel(
         plgpu.SwizzleTransform(_SUM_N * dtype.itemsize),
     )
 
+    fused_mul_add = _fma if fma else None  # None: softmax_step's own a * b + c
+
+    def mul_add(a, b, c):
+        return a * b + c if fused_mul_add is None else fused_mul_add(a, b, c)
+
     def body(k_smem, v_smem, ones_smem, rows_smem, segs_smem, a_smem, k_bar, v_bar, ones_bar):
         nseg = nseg_ref[i]
         walk = _Walk(segs_smem, nseg, spec, tile, max_segs)
@@ -177,9 +209,13 @@ def _kernel(
             seq, _, _, _ = walk.segment(seg)
             tile_start = split * spec.split_size + t * tile
             slot = lax.rem(c, stages)
-            for p in range(pages):
-                page = jnp.minimum(tile_start // block_size + p, max_blocks - 1)
-                row0 = bt_ref[seq, page] * block_size
+            # every page's row first: a copy is preceded by a warpgroup barrier, so reading
+            # the block table between copies would serialize its loads
+            rows0 = [
+                bt_ref[seq, jnp.minimum(tile_start // block_size + p, max_blocks - 1)] * block_size
+                for p in range(pages)
+            ]
+            for p, row0 in enumerate(rows0):
                 src = pl.ds(row0, block_size)
                 dst = pl.ds(p * block_size, block_size)
                 plgpu.copy_gmem_to_smem(k_ref.at[src, h], k_smem.at[slot, dst], k_bar.at[slot])
@@ -233,10 +269,10 @@ def _kernel(
             nslot = lax.rem(c + 1, stages)
 
             def scope(next_ref):
-                @pl.when(has_next)
-                def _():
-                    plgpu.barrier_wait(k_bar.at[nslot])
-                    plgpu.wgmma(next_ref, q, k_smem.at[nslot].transpose((1, 0)))
+                # Only the wait is conditional: a wgmma under a branch may be serialized by
+                # ptxas. After the last tile it reads a slot no copy is writing; unused.
+                pl.when(has_next)(lambda: plgpu.barrier_wait(k_bar.at[nslot]))
+                plgpu.wgmma(next_ref, q, k_smem.at[nslot].transpose((1, 0)))
 
                 new = tile_math(slot, s, state, ok, zero_v)
                 return new, next_ref[...]
@@ -268,7 +304,7 @@ def _kernel(
                     plgpu.wgmma(acc_ref, p, v_smem.at[slot])
                     return acc_ref[...]
 
-                return acc * alpha + pl.run_scoped(pv_dot, plgpu.ACC((ROWS, d), jnp.float32))
+                return mul_add(acc, alpha, pl.run_scoped(pv_dot, plgpu.ACC((ROWS, d), jnp.float32)))
 
             def row_sum(p):
                 p = operand(p)
@@ -279,7 +315,9 @@ def _kernel(
 
                 return pl.run_scoped(dot, plgpu.ACC((ROWS, _SUM_N), jnp.float32))
 
-            return softmax_step(state, s, ok, spec, p_dtype=dtype, update=update, row_sum=row_sum)
+            return softmax_step(
+                state, s, ok, spec, p_dtype=dtype, update=update, row_sum=row_sum, mul_add=fused_mul_add
+            )
 
         def empty_state():
             return (
@@ -339,7 +377,7 @@ def _kernel(
                 x = lax.fori_loop(first, a, functools.partial(tile_step, True), x)
                 x = lax.fori_loop(a, b, functools.partial(tile_step, False), x)
                 x = lax.fori_loop(b, num_tiles, functools.partial(tile_step, True), x)
-                fold = fold_step(fold, x[:3], split_used(split, rpos, spec) & mine)
+                fold = fold_step(fold, x[:3], split_used(split, rpos, spec) & mine, fused_mul_add)
                 return (*fold, *x[3:8])
 
             return lax.fori_loop(first_split, end_split, one_split, carry)
@@ -414,12 +452,15 @@ def tiles_mgpu(
     stages: int = 3,
     pv: str = "add",
     overlap: bool = False,
+    fma: bool = False,
     interpret=None,
 ):
     """q [T, Hkv, G, D] -> normalised output [T, Hkv, G, D], the ``tiles`` walk on Mosaic GPU."""
     why = supported(qg.dtype, qg.shape[-1], spec)
     if why is not None:
         raise ValueError(f"attention (Mosaic GPU tiles): unsupported {why}")
+    if fma and interpret is not None:
+        raise ValueError("attention (Mosaic GPU tiles): fma=True has no interpret mode (inline Mosaic GPU)")
     if pv not in PV_VARIANTS:
         raise ValueError(f"attention (Mosaic GPU tiles): pv must be one of {PV_VARIANTS}, got {pv!r}")
     block_tables, context_lens, token_seq, token_pos = index
@@ -455,6 +496,7 @@ def tiles_mgpu(
             pv=pv,
             a_in_smem=interpret is not None,
             overlap=overlap,
+            fma=fma,
         ),
         out_type=jax.ShapeDtypeStruct((nt, hkv, ROWS, d), qg.dtype),
         grid=(nt, hkv),

@@ -83,8 +83,8 @@ def test_segments_are_each_tiles_sequences_ascending():
     assert seqs[0, :2].tolist() == [1, 3]  # sequence 0 has only a padding row
 
 
-@pytest.mark.parametrize("pv", ["add", "into"])
-def test_cuda_lowering_is_one_mosaic_gpu_kernel(pv):
+@pytest.mark.parametrize("pv,fma,overlap", [("add", False, False), ("into", True, True)])
+def test_cuda_lowering_is_one_mosaic_gpu_kernel(pv, fma, overlap):
     import jax
 
     s = jax.ShapeDtypeStruct
@@ -95,7 +95,9 @@ def test_cuda_lowering_is_one_mosaic_gpu_kernel(pv):
         s((64, 16, 8, 128), BF16),
         (s((2, 32), jnp.int32), s((2,), jnp.int32), s((200,), jnp.int32), s((200,), jnp.int32)),
     )
-    text = cuda_export(lambda q, k, v, idx: tiles_mgpu(q, k, v, idx, spec=spec, pv=pv), *args)
+    text = cuda_export(
+        lambda q, k, v, idx: tiles_mgpu(q, k, v, idx, spec=spec, pv=pv, fma=fma, overlap=overlap), *args
+    )
     assert MOSAIC_GPU_CUSTOM_CALL in text and "bijax_attention_tiles_mgpu" in text
     assert "xla.gpu.triton" not in text
 
@@ -106,6 +108,15 @@ def test_unsupported_calls_are_refused_by_name():
     assert "head_dim 96" in supported(BF16, 96, spec)
     assert "logit_softcap" in supported(BF16, 64, AttentionSpec.create(64, logit_softcap=5.0))
     assert supported(BF16, 128, spec) is None
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    q, kc = jnp.ones((1, 1, 4, 64), BF16), jnp.ones((4, 16, 1, 64), BF16)
+    idx = (np.ones((1, 2), np.int32), np.array([3], np.int32), np.zeros(1, np.int32), np.array([2], np.int32))
+    with pytest.raises(ValueError, match="fma=True has no interpret mode"):
+        tiles_mgpu(q, kc, kc, idx, spec=spec, fma=True, interpret=plgpu.InterpretGPUParams())
+    big = jnp.ones((2, 256, 1, 128), BF16)
+    with pytest.raises(ValueError, match="more shared memory than an SM has"):
+        tiles_mgpu(q.reshape(1, 1, 4, 64).repeat(2, axis=3), big, big, idx, spec=AttentionSpec.create(128))
     paged = Paged([20], hq=4, hkv=2)  # float32
     with pytest.raises(ValueError, match="dtype float32"):
         attention(
