@@ -3,8 +3,9 @@
 The engine's per-step host work - the scheduler's chunks (``Chunk.pending``), the runner's flat
 inputs (``ModelRunner._batch``: token ids, positions, block tables, slots), the block manager's
 allocation - must not grow with the context length or the pool size (decode issue). This times
-those parts for 64 running sequences at contexts from 1k to 32k tokens, and a prefix-cache hit
-of a 2048-token prompt against pools of 1k to 64k blocks.
+those parts for 64 running sequences at contexts from 1k to 32k tokens, a prefix-cache hit of a
+2048-token prompt against pools of 1k to 64k blocks, and the RequestOutput snapshots a step
+returns (``LLM.generate`` without ``on_output`` asks the engine for finished ones only).
 
 Run:  PYTHONPATH=. python benchmarks/host_step.py
 """
@@ -18,6 +19,7 @@ import numpy as np
 
 from bijax.block_manager import BlockManager
 from bijax.config import EngineConfig
+from bijax.llm_engine import Engine, _Request
 from bijax.model_runner import Chunk, ModelRunner
 from bijax.sampling_params import SamplingParams
 from bijax.sequence import Sequence
@@ -80,6 +82,26 @@ def prefix_hit(pool: int, prompt: int = 2048, bs: int = 16):
     return _median_ms(hit)
 
 
+class _Engine:
+    """Just what ``Engine._output`` reads (no tokenizer: the presets' case)."""
+
+    tokenizer = None
+    speculator = None
+
+
+def snapshots(num_reqs: int, prompt: int, output: int) -> float:
+    """Building the RequestOutput snapshots of one step: every advanced request's prompt ids,
+    output ids and logprobs so far (what ``Engine.step`` returns for streaming)."""
+    reqs = []
+    for i in range(num_reqs):
+        s = Sequence(i, str(i), list(range(prompt)), SamplingParams(), 0, 0, i)
+        for t in range(output):
+            s.output_token_ids.append(t)
+            s.logprobs.append(np.float32(-0.5))
+        reqs.append(_Request(str(i), None, list(range(prompt)), SamplingParams(), 0, [s]))
+    return _median_ms(lambda: [Engine._output(_Engine(), r) for r in reqs])
+
+
 def main():
     print("| 64 sequences, context | chunks ms | inputs ms |")
     print("|---|---|---|")
@@ -93,6 +115,10 @@ def main():
     print("|---|---|")
     for pool in (1024, 8192, 65536):
         print(f"| {pool} | {prefix_hit(pool):.3f} |", flush=True)
+    print("\n| 64 requests: prompt, output tokens | snapshots of one step, ms |")
+    print("|---|---|")
+    for prompt, output in ((1024, 1024), (1024, 8192), (32768, 1024)):
+        print(f"| {prompt}, {output} | {snapshots(64, prompt, output):.3f} |", flush=True)
 
 
 if __name__ == "__main__":

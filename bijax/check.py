@@ -131,7 +131,7 @@ def _run(engine: Engine, reqs, arrivals=None, tag="r") -> list[_Out]:
             i = order[k]
             engine.add_request(f"{tag}{i}", reqs[i][0], reqs[i][1])
             k += 1
-        for out in engine.step():
+        for out in engine.step(partial=False):
             if out.finished:
                 done[int(out.request_id[len(tag) :])] = _Out(list(out.token_ids), out.logprobs)
         step += 1

@@ -240,7 +240,7 @@ class LLM:
             bar = tqdm(total=len(ids), desc="generating", unit="req", leave=False)
         try:
             while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
+                for out in self.engine.step(partial=on_output is not None):
                     if on_output is not None:
                         on_output(index[out.request_id], out)
                     if out.finished:

@@ -92,6 +92,7 @@ class Engine:
         self._next_seq = 0
         self._arrivals = 0
         self._aborted: list[_Request] = []
+        self._partial = True  # step(partial=False): build only finished requests' outputs
         # Async scheduling: the step on the device while the host schedules and enqueues the
         # next (its sampled tokens feed the next step on the device; the host reads them after).
         # With n-gram drafts too: drafts are built from tokens on the host, so when a sequence
@@ -274,14 +275,19 @@ class Engine:
                 self._finish(s, "abort")
         self._aborted.append(req)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, *, partial: bool = True) -> list[RequestOutput]:
         """Runs one scheduled step; returns the outputs of the requests it advanced
         (``finished`` set on those that are done). With async scheduling it enqueues the next
         step, then waits for the one before and returns what that one advanced: the device
         never waits for the host between steps (the first call after a synchronous step may
         return nothing). With n-gram drafts a step that drafts runs synchronously: the calls
         before it only read back the enqueued steps. The tokens and logprobs are the same bits
-        either way (a row's bits do not depend on what else is in its step)."""
+        either way (a row's bits do not depend on what else is in its step).
+
+        ``partial=False``: only the outputs of requests that finished (or were aborted); no
+        snapshot of the others is built (a snapshot copies its prompt and outputs: per-step
+        host work that grows with them, wasted where only the final outputs are wanted)."""
+        self._partial = partial
         outputs = [self._output(r) for r in self._aborted]
         for r in self._aborted:
             self._requests.pop(r.request_id, None)
@@ -445,6 +451,8 @@ class Engine:
         """The outputs of the requests a step advanced; finished ones leave the engine."""
         outputs = []
         for req in requests:
+            if not self._partial and not all(s.status == Status.FINISHED for s in req.seqs):
+                continue
             out = self._output(req)
             outputs.append(out)
             if out.finished:
@@ -521,7 +529,7 @@ class Engine:
                 CompletionOutput(
                     index=s.sample_index,
                     token_ids=list(s.output_token_ids),
-                    logprobs=np.asarray(s.logprobs, np.float32).reshape(-1),
+                    logprobs=s.logprobs.array.copy(),
                     text=text,
                     finish_reason=s.finish_reason,
                     top_logprobs=list(s.top_logprobs) if s.params.logprobs else None,

@@ -17,32 +17,42 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-class BlockTable:
-    """A sequence's physical KV blocks in order, held in a growing int32 array: a step copies
-    ``array`` into its batch as is (converting a Python list of a 32k-token sequence's 2048
-    blocks cost ~60 us per sequence per step). Appended to, cut from the end, cleared."""
+class GrowingArray:
+    """Values appended one at a time into a numpy array that doubles when full; ``array`` is a
+    view of them (a step reads a sequence's blocks or logprobs without converting a Python list
+    of a 32k-token sequence: ~60 us per sequence per step)."""
 
     __slots__ = ("_a", "_n")
 
-    def __init__(self, blocks=()):
-        self._a = np.zeros(max(16, len(blocks)), np.int32)
+    def __init__(self, dtype, values=()):
+        self._a = np.zeros(max(16, len(values)), dtype)
         self._n = 0
-        for b in blocks:
-            self.append(b)
+        for v in values:
+            self.append(v)
 
-    def append(self, block: int) -> None:
+    def append(self, value) -> None:
         if self._n == len(self._a):
             self._a = np.concatenate([self._a, np.zeros_like(self._a)])
-        self._a[self._n] = block
+        self._a[self._n] = value
         self._n += 1
 
     @property
     def array(self) -> np.ndarray:
-        """The blocks as an int32 array (a view: copy it to keep it)."""
+        """The values (a view: copy it to keep it)."""
         return self._a[: self._n]
 
     def __len__(self) -> int:
         return self._n
+
+
+class BlockTable(GrowingArray):
+    """A sequence's physical KV blocks in order (int32): appended to, cut from the end, cleared;
+    otherwise read like the list it replaced."""
+
+    __slots__ = ()
+
+    def __init__(self, blocks=()):
+        super().__init__(np.int32, blocks)
 
     def __bool__(self) -> bool:
         return self._n > 0
@@ -95,7 +105,7 @@ class Sequence:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
-        self.logprobs: list = []  # float32 scalars (numpy), bits preserved
+        self.logprobs = GrowingArray(np.float32)  # of the generated tokens, bits preserved
         self.top_logprobs: list[list[tuple[int, float]]] = []
         self.params = params
         self.seed = seed

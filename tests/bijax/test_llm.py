@@ -68,6 +68,30 @@ def test_abort_engine_level(llm):
     assert eng.blocks.num_free == eng.config.num_kv_blocks - 1  # every block back
 
 
+def test_step_without_partial_outputs_returns_finished_ones_only(llm):
+    """``step(partial=False)`` (what ``generate`` uses without ``on_output``) builds no snapshot
+    of unfinished requests, and the finished outputs have the same ids and logprob bits."""
+    eng = llm.engine
+    sps = [SP(max_tokens=3, ignore_eos=True, seed=4), SP(max_tokens=9, ignore_eos=True, seed=5)]
+    got, returned = {}, []
+    for i, sp in enumerate(sps):
+        eng.add_request(f"quiet-{i}", PROMPT, sp)
+    while eng.has_unfinished_requests():
+        outs = eng.step(partial=False)
+        returned += outs
+        got.update({o.request_id: o for o in outs})
+    assert all(o.finished for o in returned) and len(returned) == 2
+    streamed = {}
+    llm.generate(
+        [PROMPT, PROMPT], sps, use_tqdm=False, on_output=lambda i, o: streamed.setdefault(i, []).append(o)
+    )
+    assert any(not o.finished for o in streamed[1])  # the control: partial outputs do come with on_output
+    for i in range(2):
+        a, b = got[f"quiet-{i}"].outputs[0], streamed[i][-1].outputs[0]
+        assert a.token_ids == b.token_ids and np.array_equal(bits(a.logprobs), bits(b.logprobs))
+        assert a.logprobs.dtype == np.float32 and len(a.logprobs) == len(a.token_ids)
+
+
 @pytest.mark.parametrize(
     "prompt, sp, err, match",
     [
