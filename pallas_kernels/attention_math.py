@@ -124,15 +124,17 @@ def expand(x, like):
     return lax.broadcast_in_dim(x, like.shape, tuple(range(x.ndim)))
 
 
-def softmax_step(state, s, ok, spec: AttentionSpec, *, p_dtype, update, row_sum, mul_add=None):
+def softmax_step(state, s, ok, spec: AttentionSpec, *, p_dtype, row_sum, pv=None, update=None, mul_add=None):
     """The online-softmax step over one KV tile, from the raw q.k dots ``s`` [R, N]: the one
     definition of a tile's arithmetic outside the dots (``kv_tile_step`` is it with ``jnp.dot``;
     the Mosaic GPU kernel passes wgmma dots).
 
-    ``update(acc, alpha, p)`` -> the new acc from the rescale factor broadcast to acc's shape and
-    the bf16 probabilities (``acc * alpha + p @ v``); ``row_sum(p)`` -> ``p @ ones[N, 16]``.
-    ``mul_add(a, b, c)``: how ``a * b + c`` is computed (default: as written, the compiler may
-    fuse it; the Mosaic GPU kernel can pass an explicit fused multiply-add).
+    ``row_sum(p)`` -> ``p @ ones[N, 16]``. The numerator: ``pv(p)`` -> ``p @ v``, and the new acc
+    is ``acc * alpha + pv`` - or ``update(acc, alpha, p)`` computes the new acc itself (the Mosaic
+    GPU kernel's variants). ``mul_add(a, b, c)``: how ``l * alpha + row_sum`` is computed
+    (default: as written, the compiler may fuse it; Mosaic GPU can pass an explicit fused
+    multiply-add). The default path emits the operations in the order the Triton kernels always
+    have (their lowered IR is unchanged by this function's hooks).
     """
     m, l, acc = state
     s = jnp.where(ok, scores(s, spec), -jnp.inf)
@@ -140,11 +142,13 @@ def softmax_step(state, s, ok, spec: AttentionSpec, *, p_dtype, update, row_sum,
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     alpha = jnp.exp(m - m_safe)
     p = jnp.where(ok, jnp.exp(s - expand(m_safe, s)), 0.0).astype(p_dtype)
-    acc = update(acc, expand(alpha, acc), p)
+    numerator = None if update is not None else pv(p)
     # Every column of p @ ones is the row sum; max picks it exactly (16: the dot's least N).
-    if mul_add is None:
-        return m_new, l * alpha + jnp.max(row_sum(p), axis=1), acc
-    return m_new, mul_add(l, alpha, jnp.max(row_sum(p), axis=1)), acc
+    total = jnp.max(row_sum(p), axis=1)
+    l = l * alpha + total if mul_add is None else mul_add(l, alpha, total)
+    if update is not None:
+        return m_new, l, update(acc, alpha, p)
+    return m_new, l, acc * expand(alpha, acc) + numerator
 
 
 def kv_tile_step(state, q, k, v, ok, spec: AttentionSpec):
@@ -178,8 +182,8 @@ def kv_tile_step(state, q, k, v, ok, spec: AttentionSpec):
         ok,
         spec,
         p_dtype=v.dtype,
-        update=lambda acc, alpha, p: acc * alpha + dot(p, v),
         row_sum=lambda p: dot(p, jnp.ones((p.shape[1], 16), v.dtype)),
+        pv=lambda p: dot(p, v),
     )
 
 
@@ -195,15 +199,16 @@ def fold_step(carry, state, use, mul_add=None):
     mx = jnp.maximum(fm, sm)
     mx_safe = jnp.where(mx == -jnp.inf, 0.0, mx)
     a, b = jnp.exp(fm - mx_safe), jnp.exp(sm - mx_safe)
-    if mul_add is None:
-        merged_l = fl * a + sl * b
-        merged_acc = facc * expand(a, facc) + sacc * expand(b, sacc)
-    else:  # (see softmax_step)
-        merged_l = mul_add(fl, a, sl * b)
-        merged_acc = mul_add(facc, expand(a, facc), sacc * expand(b, sacc))
+    # (the conditional expressions keep the default path's operations in their old order)
     sm = jnp.where(started, mx, sm)
-    sl = jnp.where(started, merged_l, sl)
-    sacc = jnp.where(expand(started, sacc), merged_acc, sacc)
+    sl = jnp.where(started, fl * a + sl * b if mul_add is None else mul_add(fl, a, sl * b), sl)
+    sacc = jnp.where(
+        expand(started, sacc),
+        facc * expand(a, facc) + sacc * expand(b, sacc)
+        if mul_add is None
+        else mul_add(facc, expand(a, facc), sacc * expand(b, sacc)),
+        sacc,
+    )
     fm, fl, facc = jnp.where(use, sm, fm), jnp.where(use, sl, fl), jnp.where(expand(use, sacc), sacc, facc)
     return fm, fl, facc, started | use
 

@@ -292,6 +292,7 @@ def _kernel(
                 return p_smem
 
             def update(acc, alpha, p):
+                alpha = lax.broadcast_in_dim(alpha, acc.shape, (0,))
                 p = operand(p)
                 if pv == "into":
 
