@@ -30,17 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from benchmarks.attention import PREFILL_CASES, Case, bits, check, cudnn_us, kernel_us
+from benchmarks.attention import FAILURES, PREFILL_CASES, Case, bits, check, cudnn_us, kernel_us
 from pallas_kernels import attention_mgpu, attention_triton
 from pallas_kernels.attention import AttentionSpec
-
-FAILURES: list[str] = []
-
-
-def _check(name, ok, detail=""):
-    check(name, ok, detail)
-    if not ok:
-        FAILURES.append(name)
 
 
 def _mosaic_elementwise(fn, args, block=16):
@@ -167,7 +159,7 @@ def _differ(got, want, ps):
 
 def _compare(name, got, want, ps):
     detail = _differ(got, want, ps)
-    _check(name, not detail, detail)
+    check(name, not detail, detail)
     return not detail
 
 
@@ -195,7 +187,7 @@ def check_bits():
         if not any(detail for _, detail in results):
             passing.append(v)
     good = [v for v in passing if _full_suite(v)]
-    _check(
+    check(
         "a variant gives the Triton kernel's bits on every check", bool(good), str([label(v) for v in good])
     )
     return good
@@ -238,7 +230,7 @@ def _full_suite(v):
         return all(ok)
     except Exception as err:  # noqa: BLE001
         traceback.print_exc(limit=-6)
-        _check(f"[{name}] full suite runs", False, f"{type(err).__name__}: {str(err)[:300]}")
+        check(f"[{name}] full suite runs", False, f"{type(err).__name__}: {str(err)[:300]}")
         return False
 
 

@@ -190,7 +190,7 @@ def _kernel(
         plgpu.SwizzleTransform(p_swizzle),
     )
     sum_transforms = (
-        plgpu.TilingTransform((8, _SUM_N * dtype.itemsize // dtype.itemsize)),
+        plgpu.TilingTransform((8, _SUM_N)),
         plgpu.SwizzleTransform(_SUM_N * dtype.itemsize),
     )
 
