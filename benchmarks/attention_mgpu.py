@@ -3,7 +3,7 @@ does it give the Triton kernel's bits, and how fast is it next to Triton and cuD
 
 Run on the H200 from the repo root:  PYTHONPATH=. python benchmarks/attention_mgpu.py [--no-timing]
 (each stage runs in a child process with a time limit: probe, smoke, bits, timing; the device
-tool's 600 s per call may need ``--no-timing``, then ``--timing-only into|add|into+fma|add+fma``
+tool's 600 s per call may need ``--no-timing``, then ``--timing-only into+two|add+two|into+fma|...``
 in a second call).
 
 1. Elementwise probes: the operations a tile's arithmetic uses outside the dots (exp, a * b + c,
@@ -111,27 +111,55 @@ def probe_math():
             )
         except Exception as err:  # noqa: BLE001 - report and go on
             print(f"INFO probe {name}: failed: {type(err).__name__}: {str(err)[:300]}", flush=True)
+    # Which rounding each kernel's a * b + c has: one (fused multiply-add) or two. The fp64
+    # product of two fp32 is exact, so fp32(fp64(a) * b + c) is the fused result (up to a rare
+    # double rounding) and fp32(fp32(a * b) + c) the unfused one.
+    a64, b64, c64 = (np.asarray(v, np.float64) for v in (a, b, c))
+    fused = (a64 * b64 + c64).astype(np.float32)
+    unfused = ((a64 * b64).astype(np.float32) + np.asarray(c, np.float32)).astype(np.float32)
+    fn = lambda a, b, c: a * b + c  # noqa: E731
+    outs = {"Triton": _triton_elementwise(fn, (a, b, c)), "Mosaic GPU": _mosaic_elementwise(fn, (a, b, c))}
+    outs["XLA"] = jax.jit(fn)(a, b, c)
+    try:
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+
+        for name, f in (
+            ("explicit fma", attention_mgpu._fma),
+            ("mul.rn then add", attention_mgpu._mul_rn_add),
+        ):
+            wgmma = lambda *v, f=f: f(*(plgpu.layout_cast(x, plgpu.Layout.WGMMA) for x in v))  # noqa: E731
+            outs[f"Mosaic GPU {name}"] = _mosaic_elementwise(wgmma, (a, b, c), block=64)
+    except Exception as err:  # noqa: BLE001
+        print(f"INFO probe explicit fma: failed: {type(err).__name__}: {str(err)[:300]}", flush=True)
+    for name, out in outs.items():
+        out = np.asarray(out, np.float32)
+        print(
+            f"INFO rounding of a * b + c, {name}: equals fused {int((out == fused).sum())}, "
+            f"unfused {int((out == unfused).sum())} of {out.size} (the two differ in "
+            f"{int((fused != unfused).sum())})",
+            flush=True,
+        )
 
 
-# (pv, fma): where the rescaled accumulator meets p @ v, and whether a * b + c is an explicit
-# fused multiply-add (see pallas_kernels/attention_mgpu.py); tried in this order.
-VARIANTS = [("into", False), ("add", False), ("into", True), ("add", True)]
+# (pv, rounding): where the rescaled accumulator meets p @ v, and how a * b + c is rounded
+# (see pallas_kernels/attention_mgpu.py); tried in this order.
+VARIANTS = [("into", "two"), ("add", "two"), ("into", "compiler"), ("into", "fma")]
 
 
 def label(variant):
-    return f"{variant[0]}{'+fma' if variant[1] else ''}"
+    return f"{variant[0]}+{variant[1]}"
 
 
 def parse(text):
-    pv, _, fma = text.partition("+")
-    return pv, fma == "fma"
+    pv, _, rounding = text.partition("+")
+    return pv, rounding or "compiler"
 
 
 def _mgpu(c, zs, ps, variant, stages=3, overlap=False, **kw):
     q, s, p = c.tokens(zs, ps)
     spec = AttentionSpec.create(c.d, **kw)
     g = c.hq // c.hkv
-    pv, fma = variant
+    pv, rounding = variant
     fn = jax.jit(
         lambda q, s, p: attention_mgpu.tiles_mgpu(
             q.reshape(len(p), c.hkv, g, c.d),
@@ -140,7 +168,7 @@ def _mgpu(c, zs, ps, variant, stages=3, overlap=False, **kw):
             (c.bt, c.cl, s, p),
             spec=spec,
             pv=pv,
-            fma=fma,
+            rounding=rounding,
             stages=stages,
             overlap=overlap,
         ).reshape(len(p), c.hq, c.d)
@@ -257,7 +285,7 @@ def time_prefill(n, length, hq, hkv, d, variant):
         try:
             us = kernel_us(
                 lambda q, k, v, st=stages, ov=overlap: attention_mgpu.tiles_mgpu(
-                    qg(q), k, v, idx, spec=spec, pv=variant[0], fma=variant[1], stages=st, overlap=ov
+                    qg(q), k, v, idx, spec=spec, pv=variant[0], rounding=variant[1], stages=st, overlap=ov
                 ),
                 q,
                 c.kc,
@@ -328,7 +356,7 @@ def main():
 
     failed = []
     if "--timing-only" in sys.argv:  # a second device call (each call has 600 s)
-        variant = sys.argv[sys.argv.index("--timing-only") + 1]  # e.g. into, add+fma
+        variant = sys.argv[sys.argv.index("--timing-only") + 1]  # e.g. into+two
         rc, _ = run(f"timing:{variant}", 540)
         sys.exit(rc != 0)
     run("probe", 120)

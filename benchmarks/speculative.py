@@ -92,9 +92,9 @@ def timed(llm, prompts, params):
     steps = [0]
     step = llm.engine.step
 
-    def counting_step():
+    def counting_step(*args, **kw):
         steps[0] += 1
-        return step()
+        return step(*args, **kw)
 
     llm.engine.step = counting_step  # counts steps (this script only)
     t0 = time.perf_counter()

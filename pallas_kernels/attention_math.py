@@ -187,7 +187,7 @@ def kv_tile_step(state, q, k, v, ok, spec: AttentionSpec):
     )
 
 
-def fold_step(carry, state, use, mul_add=None):
+def fold_step(carry, state, use, mul_add=None, mul=None):
     """The left fold of split states, one split: ``carry`` = (m, l, acc, started) with m, l,
     started [...] and acc [..., D]; ``state`` = the split's (m, l, acc); ``use`` [...] bool:
     whether each row uses this split. A row's first used split starts its fold as it is; a
@@ -201,12 +201,13 @@ def fold_step(carry, state, use, mul_add=None):
     a, b = jnp.exp(fm - mx_safe), jnp.exp(sm - mx_safe)
     # (the conditional expressions keep the default path's operations in their old order)
     sm = jnp.where(started, mx, sm)
-    sl = jnp.where(started, fl * a + sl * b if mul_add is None else mul_add(fl, a, sl * b), sl)
+    mul = (lambda x, y: x * y) if mul is None else mul  # noqa: E731 - hook: the Mosaic kernel's mul.rn
+    sl = jnp.where(started, fl * a + sl * b if mul_add is None else mul_add(fl, a, mul(sl, b)), sl)
     sacc = jnp.where(
         expand(started, sacc),
         facc * expand(a, facc) + sacc * expand(b, sacc)
         if mul_add is None
-        else mul_add(facc, expand(a, facc), sacc * expand(b, sacc)),
+        else mul_add(facc, expand(a, facc), mul(sacc, expand(b, sacc))),
         sacc,
     )
     fm, fl, facc = jnp.where(use, sm, fm), jnp.where(use, sl, fl), jnp.where(expand(use, sacc), sacc, facc)

@@ -29,14 +29,19 @@ What differs is the machinery:
 Status: runs in Mosaic GPU interpret mode on CPU (the tests: accuracy, NaN-filled stale cache,
 padding, a token's bits alone / in chunks / among other sequences, ``overlap`` and stages as
 launch choices) and lowers for CUDA (interpret mode has no wgmma with A in registers, so there q
-and p go through SMEM). Whether its bits equal the Triton kernel's on the H200 is what
-``benchmarks/attention_mgpu.py`` checks first. ``fma=True`` computes each ``a * b + c`` of the
-tile step and the fold as an explicit fused multiply-add (Triton's compiler fuses them where it
-may; whether Mosaic GPU's does is what that script's probes show). ``pv`` selects how the rescaled
-accumulator meets ``p @ v`` (a separate dot then ``acc * alpha + pv`` - the formula as
-written - or the dot accumulating into ``acc * alpha``, which is what Triton makes of
-``acc + dot`` in the matmul); the check tries both. Until a variant matches on the H200 the
-engine does not use this kernel ("auto" never picks it).
+and p go through SMEM). On the H200 (session 24, ``benchmarks/attention_mgpu.py``, RESULTS.md)
+the variant ``pv="into", rounding="two"`` (the defaults) gives the Triton ``tiles`` kernel's bits
+on every check that script runs (one / two tiles, two splits, a chunk among decode tokens ==
+the ``tokens`` kernel, 2 / 3 stages, overlapped scores, a window, 28/4 and 9/3 heads, D 64,
+64-token pages, a whole 4096-token prompt), and its prefill kernel time is 0.81-0.97x Triton's
+(2.3-3.2x cuDNN's). ``rounding`` says how each ``a * b + c`` of the tile step and the fold is
+rounded: "compiler" leaves it to Mosaic GPU's compiler (probed on the H200: it fuses them, one
+rounding), "fma" an explicit fused multiply-add, "two" a ``mul.rn`` then an add (two roundings:
+what the Triton kernels and XLA get on the H200). ``pv`` selects how the rescaled accumulator
+meets ``p @ v``: the dot accumulating into ``acc * alpha`` ("into": what Triton makes of
+``acc * alpha + dot``) or a separate dot then ``acc * alpha + pv`` ("add"). The engine uses it
+only when asked (``gpu_kernel="tiles_mgpu"``); "auto" picks it once an engine-level run on the
+H200 (``benchmarks/gpu_digests.py`` with it) has matched the records.
 """
 
 from __future__ import annotations
@@ -92,23 +97,41 @@ def _stages(tile: int, d: int, itemsize: int, stages: int) -> int:
     return max(2, min(stages, (_SMEM_BYTES - fixed) // per_stage))
 
 
-def _fma(a, b, c):
-    """``a * b + c`` with one rounding (``fma.rn.f32``), on fp32 arrays in the kernel's layouts:
-    for ``fma=True``, where Triton fuses a multiply and an add that Mosaic GPU's compiler would
-    leave as two roundings (which of the two happens is what benchmarks/attention_mgpu.py's
-    probes measure). Not available in interpret mode."""
-    from jax._src.lib.mlir.dialects import math as mlir_math
+ROUNDINGS = ("compiler", "fma", "two")
 
+
+def _inline_pointwise(op, *arrays):
+    """op over the registers of fp32 arrays in the kernel's layouts (inline Mosaic GPU)."""
+    a = arrays[0]
     layout = plgpu.Layout.WGMMA if a.ndim == 2 else plgpu.Layout.WGMMA.reduce(1)
 
     @plgpu.inline_mgpu(
-        arg_types=(layout, layout, layout),
+        arg_types=(layout,) * len(arrays),
         return_type=plgpu.ShapeDtypeStruct(a.shape, jnp.float32, layout=layout),
     )
-    def fused(_, x, y, z):
-        return x._pointwise(lambda u, v, w: mlir_math.fma(u, v, w), y, z)
+    def run(_, x, *others):
+        return x._pointwise(op, *others)
 
-    return fused(a, b, c)
+    return run(*arrays)
+
+
+def _mul_rn(a, b):
+    """``a * b`` by ``mul.rn.f32`` (inline PTX, which ptxas never fuses with a following add)."""
+    from jax.experimental.mosaic.gpu import fragmented_array
+
+    return _inline_pointwise(fragmented_array.FragmentedArray._lift_fast_instr("mul.rn.f32"), a, b)
+
+
+def _mul_rn_add(a, b, c):
+    """``a * b + c`` with two roundings: the product by ``mul.rn``, then the add."""
+    return _mul_rn(a, b) + c
+
+
+def _fma(a, b, c):
+    """``a * b + c`` with one rounding (``fma.rn.f32``), on fp32 arrays in the kernel's layouts."""
+    from jax._src.lib.mlir.dialects import math as mlir_math
+
+    return _inline_pointwise(mlir_math.fma, a, b, c)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,7 +196,7 @@ class _Walk:
 def _kernel(
     segs_ref, nseg_ref, rpos_ref, rseq_ref, bt_ref, q_ref, k_ref, v_ref, ones_ref, o_ref,
     *, spec: AttentionSpec, block_size: int, max_blocks: int, stages: int, max_segs: int, pv: str,
-    a_in_smem: bool, overlap: bool, fma: bool,
+    a_in_smem: bool, overlap: bool, rounding: str,
 ):  # fmt: skip
     i, h = lax.axis_index("tile"), lax.axis_index("head")
     d = q_ref.shape[-1]
@@ -194,7 +217,8 @@ def _kernel(
         plgpu.SwizzleTransform(_SUM_N * dtype.itemsize),
     )
 
-    fused_mul_add = _fma if fma else None  # None: softmax_step's own a * b + c
+    fused_mul_add = {"compiler": None, "fma": _fma, "two": _mul_rn_add}[rounding]  # None: a * b + c
+    fold_mul = _mul_rn if rounding == "two" else None  # the fold's a * b + c * d: both products rounded
 
     def mul_add(a, b, c):
         return a * b + c if fused_mul_add is None else fused_mul_add(a, b, c)
@@ -378,7 +402,7 @@ def _kernel(
                 x = lax.fori_loop(first, a, functools.partial(tile_step, True), x)
                 x = lax.fori_loop(a, b, functools.partial(tile_step, False), x)
                 x = lax.fori_loop(b, num_tiles, functools.partial(tile_step, True), x)
-                fold = fold_step(fold, x[:3], split_used(split, rpos, spec) & mine, fused_mul_add)
+                fold = fold_step(fold, x[:3], split_used(split, rpos, spec) & mine, fused_mul_add, fold_mul)
                 return (*fold, *x[3:8])
 
             return lax.fori_loop(first_split, end_split, one_split, carry)
@@ -451,19 +475,27 @@ def tiles_mgpu(
     *,
     spec: AttentionSpec,
     stages: int = 3,
-    pv: str = "add",
+    pv: str = "into",
     overlap: bool = False,
-    fma: bool = False,
+    rounding: str = "two",
     interpret=None,
 ):
     """q [T, Hkv, G, D] -> normalised output [T, Hkv, G, D], the ``tiles`` walk on Mosaic GPU."""
     why = supported(qg.dtype, qg.shape[-1], spec)
     if why is not None:
         raise ValueError(f"attention (Mosaic GPU tiles): unsupported {why}")
-    if fma and interpret is not None:
-        raise ValueError("attention (Mosaic GPU tiles): fma=True has no interpret mode (inline Mosaic GPU)")
+    if rounding not in ROUNDINGS:
+        raise ValueError(
+            f"attention (Mosaic GPU tiles): rounding must be one of {ROUNDINGS}, got {rounding!r}"
+        )
+    if rounding != "compiler" and interpret is not None:
+        raise ValueError(
+            f"attention (Mosaic GPU tiles): rounding={rounding!r} has no interpret mode (inline Mosaic GPU)"
+        )
     if pv not in PV_VARIANTS:
         raise ValueError(f"attention (Mosaic GPU tiles): pv must be one of {PV_VARIANTS}, got {pv!r}")
+    if pv == "into" and interpret is not None:
+        raise ValueError('attention (Mosaic GPU tiles): pv="into" has no interpret mode (use pv="add")')
     block_tables, context_lens, token_seq, token_pos = index
     hkv, d = qg.shape[1], qg.shape[3]
     num_blocks, block_size = k_cache.shape[:2]
@@ -497,7 +529,7 @@ def tiles_mgpu(
             pv=pv,
             a_in_smem=interpret is not None,
             overlap=overlap,
-            fma=fma,
+            rounding=rounding,
         ),
         out_type=jax.ShapeDtypeStruct((nt, hkv, ROWS, d), qg.dtype),
         grid=(nt, hkv),

@@ -362,14 +362,17 @@ def attend(
     prefill 5%).
     """
     block_tables = index[0]
-    if kernel == "tiles_mgpu":  # opt-in until its bits are proven equal on the H200
+    if kernel == "tiles_mgpu":  # opt-in until an engine-level H200 run proves it (attention_mgpu)
         # (imported here: Mosaic GPU's modules take ~0.3 s to import, paid only by who uses it)
         from jax.experimental.pallas import mosaic_gpu as plgpu
 
         from pallas_kernels import attention_mgpu
 
-        mode = plgpu.InterpretGPUParams() if interpret else None
-        return attention_mgpu.tiles_mgpu(qg, k_cache, v_cache, index, spec=spec, interpret=mode)
+        if interpret:  # the interpreter has neither mul.rn nor a wgmma into a given accumulator
+            kw = {"interpret": plgpu.InterpretGPUParams(), "pv": "add", "rounding": "compiler"}
+        else:
+            kw = {"pv": "into", "rounding": "two"}  # the Triton kernels' bits on the H200
+        return attention_mgpu.tiles_mgpu(qg, k_cache, v_cache, index, spec=spec, **kw)
     if kernel == "auto":
         kernel = "tiles" if qg.shape[0] > block_tables.shape[0] and not interpret else "tokens"
     if kernel == "tokens":

@@ -83,8 +83,10 @@ def test_segments_are_each_tiles_sequences_ascending():
     assert seqs[0, :2].tolist() == [1, 3]  # sequence 0 has only a padding row
 
 
-@pytest.mark.parametrize("pv,fma,overlap", [("add", False, False), ("into", True, True)])
-def test_cuda_lowering_is_one_mosaic_gpu_kernel(pv, fma, overlap):
+@pytest.mark.parametrize(
+    "pv,rounding,overlap", [("add", "compiler", False), ("into", "two", True), ("add", "fma", False)]
+)
+def test_cuda_lowering_is_one_mosaic_gpu_kernel(pv, rounding, overlap):
     import jax
 
     s = jax.ShapeDtypeStruct
@@ -96,7 +98,8 @@ def test_cuda_lowering_is_one_mosaic_gpu_kernel(pv, fma, overlap):
         (s((2, 32), jnp.int32), s((2,), jnp.int32), s((200,), jnp.int32), s((200,), jnp.int32)),
     )
     text = cuda_export(
-        lambda q, k, v, idx: tiles_mgpu(q, k, v, idx, spec=spec, pv=pv, fma=fma, overlap=overlap), *args
+        lambda q, k, v, idx: tiles_mgpu(q, k, v, idx, spec=spec, pv=pv, rounding=rounding, overlap=overlap),
+        *args,
     )
     assert MOSAIC_GPU_CUSTOM_CALL in text and "bijax_attention_tiles_mgpu" in text
     assert "xla.gpu.triton" not in text
@@ -112,8 +115,12 @@ def test_unsupported_calls_are_refused_by_name():
 
     q, kc = jnp.ones((1, 1, 4, 64), BF16), jnp.ones((4, 16, 1, 64), BF16)
     idx = (np.ones((1, 2), np.int32), np.array([3], np.int32), np.zeros(1, np.int32), np.array([2], np.int32))
-    with pytest.raises(ValueError, match="fma=True has no interpret mode"):
-        tiles_mgpu(q, kc, kc, idx, spec=spec, fma=True, interpret=plgpu.InterpretGPUParams())
+    with pytest.raises(ValueError, match="rounding='two' has no interpret mode"):
+        tiles_mgpu(q, kc, kc, idx, spec=spec, pv="add", rounding="two", interpret=plgpu.InterpretGPUParams())
+    with pytest.raises(ValueError, match='pv="into" has no interpret mode'):
+        tiles_mgpu(q, kc, kc, idx, spec=spec, rounding="compiler", interpret=plgpu.InterpretGPUParams())
+    with pytest.raises(ValueError, match="rounding must be one of"):
+        tiles_mgpu(q, kc, kc, idx, spec=spec, rounding="fast")
     big = jnp.ones((2, 256, 1, 128), BF16)
     with pytest.raises(ValueError, match="more shared memory than an SM has"):
         tiles_mgpu(q.reshape(1, 1, 4, 64).repeat(2, axis=3), big, big, idx, spec=AttentionSpec.create(128))
@@ -144,7 +151,18 @@ def test_overlapped_scores_are_a_launch_choice():
     mode = plgpu.InterpretGPUParams(detect_races=True)
     runs = {}
     for ov, st in ((False, 3), (True, 3), (True, 2)):
-        out = tiles_mgpu(q, paged.kc, paged.vc, index, spec=spec, overlap=ov, stages=st, interpret=mode)
+        out = tiles_mgpu(
+            q,
+            paged.kc,
+            paged.vc,
+            index,
+            spec=spec,
+            overlap=ov,
+            stages=st,
+            pv="add",
+            rounding="compiler",
+            interpret=mode,
+        )
         runs[(ov, st)] = bits(out)
         assert not get_races().races_found, (ov, st)
     base = runs[(False, 3)]
