@@ -106,10 +106,12 @@ class Engine:
         )
         self._in_flight: list[_InFlight] = []  # enqueued, not yet read back (oldest first; at most 2)
         self._drain = False  # a drafted step is next: read back the enqueued ones, enqueue none
-        # The drafted step's cost for the adaptive rule runs from the decision to drain: (start
-        # time, tokens the drained steps emitted, compiles at the start, all decode-only).
-        self._episode: list | None = None
-        self._last_read: tuple | None = None  # (time, compiles) at the last async read-back (step times)
+        # The adaptive rule's clock: every read-back or synchronous step ends an interval since
+        # the one before (time, compiles at its end); an interval is the drafted regime's when
+        # it drains the queue for a drafted step, is that step, or restarts the queue after it
+        # (``_restart``): so the emptied pipeline's cost is counted where it is paid.
+        self._last_event: tuple | None = None
+        self._restart = False
 
     # ------------------------------------------------------------------ input checks
 
@@ -299,7 +301,7 @@ class Engine:
         else:
             outputs += self._step_sync()
         if not self.has_unfinished_requests():  # idle: no decision or timing carries over
-            self._drain, self._episode, self._last_read = False, None, None
+            self._drain, self._restart, self._last_event = False, False, None
         return outputs
 
     def _drafting(self) -> bool:
@@ -317,8 +319,15 @@ class Engine:
             and self.speculator.has_candidates(running)
         ):
             self._drain = True
-            self._episode = [time.perf_counter(), 0, num_compiled_steps(), True]
         return self._drain
+
+    def _interval(self, num_seqs: int, decode_only: bool, drafted: bool, emitted: int) -> None:
+        """Ends an interval of the adaptive rule's clock (see ``__init__``): its time since the
+        last one and the tokens it emitted go to the speculator, unless something compiled."""
+        now = (time.perf_counter(), num_compiled_steps())
+        last, self._last_event = self._last_event, now
+        if self.speculator is not None and last is not None and last[1] == now[1]:
+            self.speculator.timed(num_seqs, decode_only, drafted, now[0] - last[0], emitted)
 
     def _step_sync(self) -> list[RequestOutput]:
         """Schedules, runs and reads back one step (drafts in it with speculative decoding)."""
@@ -326,26 +335,16 @@ class Engine:
             return []
         self.check_weights()  # before scheduling: a failure leaves every request as it was
         chunks = self.scheduler.schedule()
-        # The step's time, drafting included (the adaptive rule); with async scheduling from the
-        # decision to drain, so that the emptied pipeline is part of a drafted step's cost.
-        t0, tokens_drained, compiles, comparable = self._episode or (
-            time.perf_counter(),
-            0,
-            num_compiled_steps(),
-            True,
-        )
-        self._episode = None
         drafts = {}
         if self.speculator is not None and (self._drain or self.speculator.worth_it(len(chunks))):
             left = self.config.max_num_batched_tokens - sum(n for _, n in chunks)
             drafts = self.speculator.propose(chunks, self.blocks, left)
-        drained, self._drain, self._last_read = self._drain, False, None
+        drained, self._drain = self._drain, False
         run = [Chunk.pending(seq, n, drafts.get(seq.seq_id, ())) for seq, n in chunks]
         num_logprobs = MAX_LOGPROBS if any(s.params.logprobs for s, _ in chunks) else 0
         tok, lp, top = self.runner.step(run, num_logprobs)
         if self.speculator is not None:
             self.speculator.observe(run)
-        seconds = time.perf_counter() - t0
         emitted = 0  # tokens this step appends, and whether every chunk is a decode (adaptive rule)
         decode_only = True
         touched = {}
@@ -367,15 +366,12 @@ class Engine:
             elif c.num_rows > 1:
                 self.blocks.trim(seq)  # blocks of rejected drafts go back
             touched[seq.request_id] = self._requests[seq.request_id]
-        if self.speculator is not None and (drafts or drained or not self.async_scheduling):
-            # With async scheduling plain steps are timed as enqueued ones (``_read_back``); a
-            # step the queue was emptied for counts as drafted even if in the end nothing was
-            # drafted (the guess from the known tokens missed): emptying the queue was its cost.
-            if num_compiled_steps() == compiles:
-                steps = decode_only and comparable
-                self.speculator.timed(
-                    len(run), steps, bool(drafts or drained), seconds, emitted + tokens_drained
-                )
+        # A step the queue was emptied for counts as drafted even if in the end nothing was
+        # drafted (the guess from the known tokens missed): emptying the queue was its cost, and
+        # so is refilling it (the next read-back's interval).
+        drafted = bool(drafts or drained)
+        self._interval(len(run), decode_only, drafted, emitted)
+        self._restart = drafted and self.async_scheduling
         return self._outputs(touched.values())
 
     def _finish(self, seq: Sequence, reason: str) -> None:
@@ -416,16 +412,9 @@ class Engine:
         step = self._in_flight[0]
         tok, lp, top = self.runner.collect(step.launched)  # waits; may raise: the step stays queued
         self._in_flight.pop(0)
-        if self.speculator is not None:  # a plain step's time for the adaptive rule: read to read
-            now = (time.perf_counter(), num_compiled_steps())
-            decode_only = all(step.samples) and all(n == 1 for _, n in step.chunks)
-            if self._last_read is not None and decode_only and self._last_read[1] == now[1]:
-                seconds = now[0] - self._last_read[0]
-                self.speculator.timed(len(step.chunks), True, False, seconds, len(step.chunks))
-            self._last_read = None if self._drain else now
-            if self._episode is not None:  # drained for a drafted step: its tokens count there
-                self._episode[1] += sum(step.samples)
-                self._episode[3] = self._episode[3] and decode_only
+        decode_only = all(step.samples) and all(n == 1 for _, n in step.chunks)
+        self._interval(len(step.chunks), decode_only, self._drain or self._restart, sum(step.samples))
+        self._restart = False
         return self._apply(step, tok, lp, top)
 
     def _apply(self, step: _InFlight, tok, lp, top) -> list[RequestOutput]:

@@ -26,16 +26,21 @@ import dataclasses
 from bijax.model_runner import Chunk, ModelRunner
 
 METHODS = ("ngram", "draft_model")
-# Adaptive drafting, two rules. Per engine: decode-only steps are timed with and without
-# drafts (per batch-size bucket, an exponential average); when tokens emitted per second with
-# drafts fall below those without, steps go without drafts, but every PROBE_EVERY-th step tries
-# the other way so that both times stay current. Per sequence: after a sequence's last ADAPT_WINDOW drafted tokens were accepted at a
-# rate below ADAPT_MIN_ACCEPTANCE, it decodes plainly for ADAPT_BACKOFF tokens, twice as long
-# after each further miss (and resets when it is above the rate again).
+# Adaptive drafting, two rules. Per engine: the engine's decode-only intervals (step to step,
+# or read-back to read-back with async scheduling, the pipeline drained and refilled for a
+# drafted step included) give tokens emitted per second with and without drafts (per
+# batch-size bucket, exponential averages of an interval's seconds and tokens); the faster
+# regime runs, and the other is probed after PROBE_EVERY decisions, then after twice as many
+# while the choice stands (at most PROBE_MAX: a probe that loses costs a drained pipeline),
+# back to PROBE_EVERY when the choice changes. Per sequence: after a sequence's last
+# ADAPT_WINDOW drafted tokens were accepted at a rate below ADAPT_MIN_ACCEPTANCE, it decodes
+# plainly for ADAPT_BACKOFF tokens, twice as long after each further miss (and resets when it
+# is above the rate again).
 ADAPT_WINDOW = 8
 ADAPT_MIN_ACCEPTANCE = 0.3
 ADAPT_BACKOFF = 16
 PROBE_EVERY = 16
+PROBE_MAX = 128
 EMA = 0.2
 
 
@@ -161,9 +166,9 @@ class Speculator:
         self.config = config
         self.draft_model = draft_model
         self._ngrams: dict[int, NgramIndex] = {}  # by sequence id
-        self.times: dict[int, list] = {}  # batch-size bucket -> [plain s/step, drafted s/step]
-        self.gain = 1.0 + spec.num_speculative_tokens / 2  # tokens per sequence per drafted step
-        self.num_steps = 0
+        # batch-size bucket -> [plain, drafted], each None or [seconds, tokens] of an interval (EMAs)
+        self.times: dict[int, list] = {}
+        self.probes: dict[int, list] = {}  # bucket -> [decisions since a probe, probe after, last choice]
         self.draft = None if draft_model is None else ModelRunner(draft_model, config)
 
     def verify_buckets(self, pairs) -> list[tuple[int, int, int]]:
@@ -199,24 +204,30 @@ class Speculator:
         times (see top). Each call is one decision (it counts towards the probes)."""
         if not self.spec.adaptive:
             return True
-        self.num_steps += 1
-        t = self.times.get(_size(num_seqs))
-        if t is None or t[0] is None or t[1] is None:
-            return t is None or t[1] is None or self.num_steps % PROBE_EVERY == 0
-        worth = self.gain / t[1] >= 1.0 / t[0]
-        return worth != (self.num_steps % PROBE_EVERY == 0)
+        bucket = _size(num_seqs)
+        t = self.times.get(bucket)
+        if t is None or t[1] is None:
+            return True  # drafting not measured yet at this size
+        worth = t[0] is None or t[1][1] / t[1][0] >= t[0][1] / t[0][0]  # tokens per second
+        probe = self.probes.setdefault(bucket, [0, PROBE_EVERY, worth])
+        if worth != probe[2]:
+            probe[:] = [0, PROBE_EVERY, worth]
+        probe[0] += 1
+        if probe[0] < probe[1]:
+            return worth
+        probe[0], probe[1] = 0, min(2 * probe[1], PROBE_MAX)
+        return not worth
 
     def timed(self, num_seqs: int, decode_only: bool, drafted: bool, seconds: float, emitted: int) -> None:
-        """Records the time of a step of ``num_seqs`` sequences (decode-only steps: one pending
-        token per sequence, drafts aside), and with drafts the tokens it emitted per sequence."""
-        if not decode_only:
+        """Records an interval of the engine's clock that ended with a step of ``num_seqs``
+        sequences (decode-only: one pending token per sequence, drafts aside): its seconds and
+        the tokens it emitted, in the drafted or the plain regime."""
+        if not decode_only or seconds <= 0:
             return  # a prefill chunk in the step: not comparable
         t = self.times.setdefault(_size(num_seqs), [None, None])
         i = int(drafted)
-        t[i] = seconds if t[i] is None else (1 - EMA) * t[i] + EMA * seconds
-        if drafted:
-            per_seq = emitted / num_seqs
-            self.gain = (1 - EMA) * self.gain + EMA * per_seq
+        now = [seconds, float(emitted)]
+        t[i] = now if t[i] is None else [(1 - EMA) * a + EMA * b for a, b in zip(t[i], now, strict=True)]
 
     def _ngram(self, seq) -> NgramIndex:
         index = self._ngrams.get(seq.seq_id)

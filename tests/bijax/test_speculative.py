@@ -123,7 +123,7 @@ def test_speculative_equals_plain(kind, monkeypatch):
     outs = llm(kind).generate(prompts, params, use_tqdm=False)
     assert same(outs, plain_outputs())
     # idle again: nothing in flight, no drafting decision or timing carried over, blocks back
-    assert not eng._in_flight and not eng._drain and eng._episode is None and eng._last_read is None
+    assert not eng._in_flight and not eng._drain and not eng._restart and eng._last_event is None
     assert eng.stats().num_free_blocks == free
     if kind == "ngram-adaptive":
         return  # (which steps draft follows measured times here)
@@ -325,14 +325,23 @@ def test_adaptive_rules():
     """Drafting stops where the measured step times say it does not pay (probing the other way
     every PROBE_EVERY steps), and per sequence after a window of low acceptance."""
     sp = Speculator(SpeculativeConfig.create({**NGRAM, "adaptive": True}), llm("plain").config)
-    chunks = [object()] * 4
-    assert sp.worth_it(len(chunks))  # nothing measured yet
-    sp.times[4] = [0.010, 0.030]  # a drafted step 3x as slow as a plain one
-    sp.gain = 2.0  # ... emitting only 2 tokens per sequence: not worth it
-    decisions = [sp.worth_it(len(chunks)) for _ in range(2 * PROBE_EVERY)]
-    assert sum(decisions) == 2  # only the probes
-    sp.gain = 4.0  # 4 tokens per drafted step: worth it
-    assert sum(sp.worth_it(len(chunks)) for _ in range(2 * PROBE_EVERY)) == 2 * PROBE_EVERY - 2
+    n = 4
+    assert sp.worth_it(n)  # nothing measured yet
+    sp.timed(n, True, False, 0.010, 4)  # plain: 4 tokens in 10 ms
+    sp.timed(n, True, True, 0.030, 8)  # drafted (pipeline drained and refilled): 8 in 30 ms
+    decisions = [sp.worth_it(n) for _ in range(PROBE_EVERY * 7)]
+    # not worth it: drafting only as probes, PROBE_EVERY decisions apart, then twice as far
+    probes = [i + 1 for i, d in enumerate(decisions) if d]
+    assert probes == [PROBE_EVERY, 3 * PROBE_EVERY, 7 * PROBE_EVERY]
+    sp.timed(n, False, True, 0.001, 100)  # a step with a prefill chunk: not comparable, ignored
+    assert not sp.worth_it(n)
+    for _ in range(20):  # drafting now emits 24 tokens per 30 ms: worth it
+        sp.timed(n, True, True, 0.030, 24)
+    decisions = [sp.worth_it(n) for _ in range(2 * PROBE_EVERY)]
+    assert (
+        decisions.count(False) == 1 and not decisions[PROBE_EVERY - 1]
+    )  # the choice changed: probes restart
+    assert sp.worth_it(1)  # another batch-size bucket: nothing measured there
 
     class Seq:  # the counters of bijax.sequence.Sequence
         num_draft_tokens = num_accepted_tokens = num_verify_steps = 0
