@@ -33,7 +33,18 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--write", action="store_true", help="write the records instead of comparing")
     p.add_argument("--dir", default=HERE, help="where the records live (default benchmarks/digests)")
+    p.add_argument(
+        "--prefill-kernel",
+        choices=("tiles", "tiles_mgpu"),
+        help="the kernel attention's 'auto' runs for prefill steps (attention_triton.PREFILL_KERNEL; "
+        "default: as committed) - the records must MATCH either way",
+    )
     args = p.parse_args()
+    if args.prefill_kernel:
+        from pallas_kernels import attention_triton
+
+        attention_triton.PREFILL_KERNEL = args.prefill_kernel
+        print(f"# prefill kernel: {args.prefill_kernel}", flush=True)
     cls = digest.device_class()
     print(f"# {time.strftime('%Y-%m-%d')} {digest.describe(digest.fingerprint())}", flush=True)
     rows = []

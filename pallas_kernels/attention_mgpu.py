@@ -85,6 +85,18 @@ def supported(dtype, head_dim: int, spec: AttentionSpec) -> str | None:
     return None
 
 
+def can_run(dtype, head_dim: int, spec: AttentionSpec, *, block_size: int) -> bool:
+    """Whether this kernel runs the call here: ``supported``, pages that fit its shared memory,
+    and a Hopper GPU (wgmma) as the default device."""
+    if supported(dtype, head_dim, spec) is not None:
+        return False
+    try:
+        _stages(kv_tile(block_size), head_dim, jnp.dtype(dtype).itemsize, 2)
+    except ValueError:
+        return False
+    return getattr(jax.devices()[0], "compute_capability", None) == "9.0"
+
+
 def _stages(tile: int, d: int, itemsize: int, stages: int) -> int:
     """Ring slots: as asked, fewer where two programs per SM would not fit, at least 2."""
     per_stage = 2 * tile * d * itemsize

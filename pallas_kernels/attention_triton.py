@@ -47,6 +47,12 @@ from pallas_kernels.attention_math import (
 MIN_ROWS = 16  # the GPU dot needs at least 16 rows; the head group is padded to this
 TILE_ROWS = 64  # rows (tokens x padded query heads) of a ``tiles`` program
 GPU_KERNELS = ("auto", "tokens", "tiles", "tiles_mgpu")
+# What "auto" runs for a prefill step on the GPU (``_prefill_kernel``): "tiles" (Triton) or
+# "tiles_mgpu" (Mosaic GPU: the Triton kernel's bits on every check of
+# benchmarks/attention_mgpu.py on the H200, 0.81-0.96x its kernel time). It stays "tiles" until
+# an engine-level H200 run with "tiles_mgpu" has matched the recorded digests
+# (``benchmarks/gpu_digests.py --prefill-kernel tiles_mgpu``).
+PREFILL_KERNEL = "tiles"
 _BIG = 2**30
 
 
@@ -331,6 +337,18 @@ def _tiles(
     return unpack(out)
 
 
+def _prefill_kernel(qg, k_cache, spec: AttentionSpec) -> str:
+    """The kernel "auto" runs for a prefill step on the GPU: PREFILL_KERNEL where it can run the
+    call (Mosaic GPU: a Hopper GPU, bf16 / f16, head_dim 64 / 128, no softcap, pages of at most
+    128 tokens), else the Triton ``tiles`` kernel - the same bits either way."""
+    if PREFILL_KERNEL != "tiles_mgpu":
+        return "tiles"
+    from pallas_kernels import attention_mgpu
+
+    ok = attention_mgpu.can_run(qg.dtype, qg.shape[-1], spec, block_size=k_cache.shape[1])
+    return "tiles_mgpu" if ok else "tiles"
+
+
 def attend(
     qg,
     k_cache,
@@ -362,7 +380,10 @@ def attend(
     prefill 5%).
     """
     block_tables = index[0]
-    if kernel == "tiles_mgpu":  # opt-in until an engine-level H200 run proves it (attention_mgpu)
+    if kernel == "auto":
+        prefill = qg.shape[0] > block_tables.shape[0] and not interpret
+        kernel = _prefill_kernel(qg, k_cache, spec) if prefill else "tokens"
+    if kernel == "tiles_mgpu":  # "auto" picks it where PREFILL_KERNEL says so
         # (imported here: Mosaic GPU's modules take ~0.3 s to import, paid only by who uses it)
         from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -373,8 +394,6 @@ def attend(
         else:
             kw = {"pv": "into", "rounding": "two"}  # the Triton kernels' bits on the H200
         return attention_mgpu.tiles_mgpu(qg, k_cache, v_cache, index, spec=spec, **kw)
-    if kernel == "auto":
-        kernel = "tiles" if qg.shape[0] > block_tables.shape[0] and not interpret else "tokens"
     if kernel == "tokens":
         states = token_states(
             qg,
