@@ -3,7 +3,7 @@ per output token after a warm-up run (prefix caching off, so the timed run sched
 warm-up's steps; the two engines share their compiled programs), and the two runs' token ids
 and float32 logprob bits compared.
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/async_scheduling.py [--model llama3-8b] [--seqs 1,64]
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/async_scheduling.py [--model llama3-8b] [--seqs 1,64] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ def main() -> int:
     ap.add_argument("--seqs", default="1,64", help="comma-separated numbers of concurrent sequences")
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=1, help="timed runs per cell (the median is reported)")
     a = ap.parse_args()
     print(f"# {datetime.date.today()} {jax.devices()[0].device_kind} jax {jax.__version__} model {a.model}")
     model = Llama(preset(a.model), dtype=jnp.bfloat16, seed=0)
@@ -50,9 +51,14 @@ def main() -> int:
             )
             llm.generate(prompts, sp, use_tqdm=False)  # warm-up: compiles what the timed run uses
             compiled = num_compiled_steps()
-            t0 = time.perf_counter()
-            outs = llm.generate(prompts, sp, use_tqdm=False)
-            wall = time.perf_counter() - t0
+            walls = []
+            for _ in range(a.repeats):
+                t0 = time.perf_counter()
+                outs = llm.generate(prompts, sp, use_tqdm=False)
+                walls.append(time.perf_counter() - t0)
+            wall = float(np.median(walls))
+            if a.repeats > 1:
+                print(f"{n} seqs, async={async_scheduling}: runs {', '.join(f'{w:.3f}' for w in walls)} s")
             if num_compiled_steps() != compiled:
                 failures.append(f"{n} seqs async={async_scheduling}: compiled inside the timed run")
             got[async_scheduling] = outs

@@ -1,0 +1,34 @@
+"""A/B of an engine choice that never changes bits (so only time differs): one process per side,
+running ``benchmarks/async_scheduling.py`` with the arguments after the side.
+
+    PYTHONPATH=. python3 benchmarks/ab.py decode-launch old|new [async_scheduling.py args]
+    PYTHONPATH=. python3 benchmarks/ab.py prefill-kernel tiles|tiles_mgpu [async_scheduling.py args]
+
+``decode-launch``: ``matmul_triton.gpu_tiles``'s 16-row launch (64 columns, 4 warps, 8 stages)
+off (``old``: 32 columns, 2 warps, 4 stages) or on (``new``, committed). ``prefill-kernel``:
+``attention_triton.PREFILL_KERNEL`` (the kernel attention's "auto" runs for prefill steps).
+Default arguments: llama3-8b, 1 and 64 sequences x (64 + 128) tokens, 3 timed runs; for a
+prefill-bound run e.g. ``--seqs 8 --input-len 4096 --output-len 8``. Alternate the sides.
+"""
+
+import runpy
+import sys
+
+SWITCHES = {"decode-launch": ("old", "new"), "prefill-kernel": ("tiles", "tiles_mgpu")}
+
+if __name__ == "__main__":
+    if len(sys.argv) < 3 or sys.argv[1] not in SWITCHES or sys.argv[2] not in SWITCHES[sys.argv[1]]:
+        sys.exit("usage: ab.py " + " | ".join(f"{k} {'|'.join(v)}" for k, v in SWITCHES.items()) + " [args]")
+    switch, side, rest = sys.argv[1], sys.argv[2], sys.argv[3:]
+    if switch == "decode-launch" and side == "old":
+        import pallas_kernels.matmul_triton as matmul_triton
+
+        matmul_triton._DECODE_WIDE_PROGRAMS = 1 << 30  # no weight has this many programs: rule off
+    if switch == "prefill-kernel":
+        import pallas_kernels.attention_triton as attention_triton
+
+        attention_triton.PREFILL_KERNEL = side
+    print(f"# A/B {switch} = {side}", flush=True)
+    default = ["--model", "llama3-8b", "--seqs", "1,64", "--output-len", "128", "--repeats", "3"]
+    sys.argv = ["async_scheduling.py", *(rest or default)]
+    runpy.run_path("benchmarks/async_scheduling.py", run_name="__main__")
