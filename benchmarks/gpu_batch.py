@@ -1,0 +1,141 @@
+"""Runs named GPU benchmark steps one after another in a single device call, each in its own
+process with a time limit, its log under ``--out``, and a short table last - so that one call of
+the device tool (600 s, a machine that goes back 30 s after the call) does many things.
+
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/gpu_batch.py digests+mgpu-bits spec --out $OUT
+
+Steps are run in the order given; steps joined by "+" run at the same time (bit checks only:
+each gets ``XLA_PYTHON_CLIENT_PREALLOCATE=false``; never join steps that time something). The
+whole batch stops starting steps once ``--budget`` seconds have passed. ``--list`` prints the
+steps. Exit code 1 if a step failed or ran out of time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+
+PY = [sys.executable]
+# name -> (command, time limit s, what it is for)
+STEPS = {
+    "digests": (PY + ["benchmarks/gpu_digests.py"], 220, "engine bits vs the records (4 configs)"),
+    "digests-mgpu": (
+        PY + ["benchmarks/gpu_digests.py", "--prefill-kernel", "tiles_mgpu"],
+        240,
+        "the same with the Mosaic GPU prefill kernel under 'auto'",
+    ),
+    "mgpu-bits": (
+        PY + ["benchmarks/attention_mgpu.py", "--child", "bits"],
+        270,
+        "Mosaic attention == Triton bits",
+    ),
+    "mgpu-timing": (
+        PY + ["benchmarks/attention_mgpu.py", "--child", "timing:into+two"],
+        150,
+        "Mosaic attention vs Triton vs cuDNN kernel time",
+    ),
+    "attention": (PY + ["benchmarks/attention.py"], 400, "attention kernels: bits and time vs cuDNN"),
+    "kernels": (PY + ["benchmarks/kernels.py", "--skip-checks"], 200, "matmul / rows kernel time vs XLA"),
+    "decode-sweep": (PY + ["benchmarks/kernels.py", "--decode-sweep"], 150, "decode-row matmul launches"),
+    "spec": (
+        PY + ["benchmarks/speculative.py", "--workloads", "repeat,random"],
+        280,
+        "speculation vs plain: repeat and random",
+    ),
+    "spec-cycle": (PY + ["benchmarks/speculative.py", "--workloads", "cycle"], 200, "speculation: cycle"),
+    "async": (
+        PY
+        + ["benchmarks/async_scheduling.py", "--model", "llama3-8b", "--seqs", "1,64", "--output-len", "128"]
+        + ["--repeats", "3"],
+        200,
+        "engine decode tok/s, 1 and 64 sequences",
+    ),
+    "ab-decode-old": (PY + ["benchmarks/ab.py", "decode-launch", "old"], 200, "A/B decode launch: old"),
+    "ab-decode-new": (PY + ["benchmarks/ab.py", "decode-launch", "new"], 200, "A/B decode launch: new"),
+    "ab-prefill-tiles": (
+        PY
+        + ["benchmarks/ab.py", "prefill-kernel", "tiles", "--model", "llama3-8b", "--seqs", "8"]
+        + ["--input-len", "4096", "--output-len", "8", "--repeats", "3"],
+        200,
+        "A/B prefill kernel: Triton tiles, 8 x 4096 prompts",
+    ),
+    "ab-prefill-mgpu": (
+        PY
+        + ["benchmarks/ab.py", "prefill-kernel", "tiles_mgpu", "--model", "llama3-8b", "--seqs", "8"]
+        + ["--input-len", "4096", "--output-len", "8", "--repeats", "3"],
+        200,
+        "A/B prefill kernel: Mosaic GPU, 8 x 4096 prompts",
+    ),
+    "profile": (PY + ["benchmarks/profile_step.py"], 300, "where a step's time goes"),
+    "startup": (PY + ["benchmarks/startup.py"], 450, "cold / warm start-up (fresh processes)"),
+    "long": (PY + ["benchmarks/long_context.py"], 500, "a 32k-token prompt through the engine"),
+}
+
+
+def run_group(names, out_dir, parallel):
+    env = dict(os.environ)
+    if parallel:
+        env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    procs = []
+    for name in names:
+        cmd, limit, _ = STEPS[name]
+        log = open(os.path.join(out_dir, f"{name}.log"), "w")  # noqa: SIM115 - closed below
+        procs.append(
+            (
+                name,
+                limit,
+                log,
+                time.perf_counter(),
+                subprocess.Popen(cmd, stdout=log, stderr=log, env=env, start_new_session=True),
+            )
+        )
+    rows = []
+    for name, limit, log, t0, proc in procs:
+        try:
+            rc = proc.wait(timeout=max(1.0, limit - (time.perf_counter() - t0)))
+            status = "ok" if rc == 0 else f"exit {rc}"
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # its children too (startup.py runs some)
+            proc.wait()
+            status = f"killed at {limit} s"
+        log.close()
+        rows.append((name, status, time.perf_counter() - t0))
+        print(f"## {name}: {status} ({rows[-1][2]:.0f} s)", flush=True)
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("steps", nargs="*", help='step names; "a+b" runs a and b at the same time')
+    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="directory for the logs")
+    ap.add_argument("--budget", type=float, default=570, help="start no step after this many seconds")
+    ap.add_argument("--list", action="store_true")
+    a = ap.parse_args()
+    if a.list or not a.steps:
+        for name, (_cmd, limit, what) in STEPS.items():
+            print(f"{name:18} {limit:4d} s  {what}")
+        return 0
+    groups = [g.split("+") for g in a.steps]
+    unknown = [n for g in groups for n in g if n not in STEPS]
+    if unknown:
+        sys.exit(f"unknown steps {unknown}; --list shows them")
+    os.makedirs(a.out, exist_ok=True)
+    start, rows = time.perf_counter(), []
+    for group in groups:
+        left = a.budget - (time.perf_counter() - start)
+        if left < max(STEPS[n][1] for n in group) / 3:
+            rows += [(n, "not started (budget)", 0.0) for n in group]
+            continue
+        rows += run_group(group, a.out, parallel=len(group) > 1)
+    print("\n| step | status | s |\n|---|---|---|")
+    for name, status, secs in rows:
+        print(f"| {name} | {status} | {secs:.0f} |")
+    return 0 if all(status == "ok" for _, status, _ in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
