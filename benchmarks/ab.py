@@ -23,12 +23,12 @@ if __name__ == "__main__":
     if switch == "decode-launch" and side == "old":
         import pallas_kernels.matmul_triton as matmul_triton
 
-        matmul_triton._DECODE_WIDE_PROGRAMS = 1 << 30  # no weight has this many programs: rule off
+        matmul_triton.DECODE_WIDE_PROGRAMS = 1 << 30  # no weight has this many programs: rule off
     if switch == "prefill-kernel":
         import pallas_kernels.attention_triton as attention_triton
 
         attention_triton.PREFILL_KERNEL = side
     print(f"# A/B {switch} = {side}", flush=True)
     default = ["--model", "llama3-8b", "--seqs", "1,64", "--output-len", "128", "--repeats", "3"]
-    sys.argv = ["async_scheduling.py", *(rest or default)]
+    sys.argv = ["async_scheduling.py", *default, *rest]  # later arguments override the defaults
     runpy.run_path("benchmarks/async_scheduling.py", run_name="__main__")

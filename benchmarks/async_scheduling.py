@@ -32,6 +32,8 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per cell (the median is reported)")
     a = ap.parse_args()
+    if a.repeats < 1:
+        ap.error("--repeats must be at least 1")
     print(f"# {datetime.date.today()} {jax.devices()[0].device_kind} jax {jax.__version__} model {a.model}")
     model = Llama(preset(a.model), dtype=jnp.bfloat16, seed=0)
     rng = np.random.default_rng(0)

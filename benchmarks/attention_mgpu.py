@@ -8,8 +8,9 @@ in a second call).
 
 1. Elementwise probes: the operations a tile's arithmetic uses outside the dots (exp, a * b + c,
    a * b + c * d, x / y), each in a Triton and a Mosaic GPU kernel, on the same inputs - where
-   the bits differ, the kernels cannot agree.
-2. Bits of the variants (``pv`` "into" / "add", with and without explicit fused multiply-adds)
+   the bits differ, the kernels cannot agree; and which rounding each compiler gives a * b + c
+   (one, fused, or two), against fp64 references, with Mosaic GPU's explicit fma and mul.rn.
+2. Bits of the variants (``pv`` "into" / "add" x ``rounding`` "two" / "compiler" / "fma")
    against the Triton ``tiles`` kernel (== the ``tokens`` kernel, benchmarks/attention.py): each
    on one KV tile (no rescale across tiles), two tiles, two splits; the variants that match
    there on every check attention.py runs on the Triton kernel (a chunk among decode tokens,
@@ -117,20 +118,29 @@ def probe_math():
     a64, b64, c64 = (np.asarray(v, np.float64) for v in (a, b, c))
     fused = (a64 * b64 + c64).astype(np.float32)
     unfused = ((a64 * b64).astype(np.float32) + np.asarray(c, np.float32)).astype(np.float32)
-    fn = lambda a, b, c: a * b + c  # noqa: E731
-    outs = {"Triton": _triton_elementwise(fn, (a, b, c)), "Mosaic GPU": _mosaic_elementwise(fn, (a, b, c))}
-    outs["XLA"] = jax.jit(fn)(a, b, c)
-    try:
-        from jax.experimental.pallas import mosaic_gpu as plgpu
+    from jax.experimental.pallas import mosaic_gpu as plgpu
 
-        for name, f in (
-            ("explicit fma", attention_mgpu._fma),
-            ("mul.rn then add", attention_mgpu._mul_rn_add),
-        ):
-            wgmma = lambda *v, f=f: f(*(plgpu.layout_cast(x, plgpu.Layout.WGMMA) for x in v))  # noqa: E731
-            outs[f"Mosaic GPU {name}"] = _mosaic_elementwise(wgmma, (a, b, c), block=64)
-    except Exception as err:  # noqa: BLE001
-        print(f"INFO probe explicit fma: failed: {type(err).__name__}: {str(err)[:300]}", flush=True)
+    def wgmma(f):  # an inline Mosaic GPU function on the kernel's WGMMA layout (64-row blocks)
+        return lambda *v: f(*(plgpu.layout_cast(x, plgpu.Layout.WGMMA) for x in v))
+
+    fn = lambda a, b, c: a * b + c  # noqa: E731
+    ways = {
+        "Triton": lambda: _triton_elementwise(fn, (a, b, c)),
+        "Mosaic GPU": lambda: _mosaic_elementwise(fn, (a, b, c)),
+        "XLA": lambda: jax.jit(fn)(a, b, c),
+        "Mosaic GPU explicit fma": lambda: _mosaic_elementwise(
+            wgmma(attention_mgpu._fma), (a, b, c), block=64
+        ),
+        "Mosaic GPU mul.rn then add": lambda: _mosaic_elementwise(
+            wgmma(attention_mgpu._mul_rn_add), (a, b, c), block=64
+        ),
+    }
+    outs = {}
+    for name, way in ways.items():
+        try:
+            outs[name] = way()
+        except Exception as err:  # noqa: BLE001 - report and go on
+            print(f"INFO probe rounding, {name}: failed: {type(err).__name__}: {str(err)[:300]}", flush=True)
     for name, out in outs.items():
         out = np.asarray(out, np.float32)
         print(
@@ -324,7 +334,7 @@ def _child(stage):
         print(f"\nINFO variants with the Triton kernel's bits: {good}", flush=True)
         print(f"GOOD {','.join(good)}", flush=True)
     elif stage.startswith("timing"):
-        variant = parse(stage.split(":", 1)[1] if ":" in stage else "into")
+        variant = parse(stage.split(":", 1)[1] if ":" in stage else "into+two")
         rows = []
         for args in PREFILL_CASES:
             rows += time_prefill(*args, variant=variant)
@@ -368,7 +378,7 @@ def main():
     failed += [] if rc == 0 else ["bits"]
     good = [line.split(" ", 1)[1] for line in out.splitlines() if line.startswith("GOOD ") and " " in line]
     if "--no-timing" not in sys.argv:
-        variant = good[0].split(",")[0] if good and good[0] else "into"
+        variant = good[0].split(",")[0] if good and good[0] else "into+two"
         rc, _ = run(f"timing:{variant}", 300)
         failed += [] if rc == 0 else ["timing"]
     print(f"\nstages failed: {failed}")

@@ -29,10 +29,13 @@ METHODS = ("ngram", "draft_model")
 # Adaptive drafting, two rules. Per engine: the engine's decode-only intervals (step to step,
 # or read-back to read-back with async scheduling, the pipeline drained and refilled for a
 # drafted step included) give tokens emitted per second with and without drafts (per
-# batch-size bucket, exponential averages of an interval's seconds and tokens); the faster
-# regime runs, and the other is probed after PROBE_EVERY decisions, then after twice as many
-# while the choice stands (at most PROBE_MAX: a probe that loses costs a drained pipeline),
-# back to PROBE_EVERY when the choice changes. Per sequence: after a sequence's last
+# batch-size bucket, exponential averages of an interval's seconds and tokens); each regime is
+# measured first (drafted, then plain), then the faster runs, and the other is probed after
+# PROBE_EVERY decisions, then after twice as many while the choice stands (at most PROBE_MAX:
+# a probe that loses costs a drained pipeline), back to PROBE_EVERY when the choice changes. A
+# probe lasts until the other regime has been measured (a plain interval with async scheduling
+# needs a few plain decisions in a row; a drafting probe waits for a sequence with drafts), at
+# most PROBE_TRIES decisions. Per sequence: after a sequence's last
 # ADAPT_WINDOW drafted tokens were accepted at a rate below ADAPT_MIN_ACCEPTANCE, it decodes
 # plainly for ADAPT_BACKOFF tokens, twice as long after each further miss (and resets when it
 # is above the rate again).
@@ -41,6 +44,7 @@ ADAPT_MIN_ACCEPTANCE = 0.3
 ADAPT_BACKOFF = 16
 PROBE_EVERY = 16
 PROBE_MAX = 128
+PROBE_TRIES = 32
 EMA = 0.2
 
 
@@ -168,7 +172,8 @@ class Speculator:
         self._ngrams: dict[int, NgramIndex] = {}  # by sequence id
         # batch-size bucket -> [plain, drafted], each None or [seconds, tokens] of an interval (EMAs)
         self.times: dict[int, list] = {}
-        self.probes: dict[int, list] = {}  # bucket -> [decisions since a probe, probe after, last choice]
+        # bucket -> [decisions since a probe, probe after, the choice, decisions left in a running probe]
+        self.probes: dict[int, list] = {}
         self.draft = None if draft_model is None else ModelRunner(draft_model, config)
 
     def verify_buckets(self, pairs) -> list[tuple[int, int, int]]:
@@ -208,14 +213,19 @@ class Speculator:
         t = self.times.get(bucket)
         if t is None or t[1] is None:
             return True  # drafting not measured yet at this size
-        worth = t[0] is None or t[1][1] / t[1][0] >= t[0][1] / t[0][0]  # tokens per second
-        probe = self.probes.setdefault(bucket, [0, PROBE_EVERY, worth])
+        if t[0] is None:
+            return False  # then plain
+        worth = t[1][1] / t[1][0] >= t[0][1] / t[0][0]  # tokens per second
+        probe = self.probes.setdefault(bucket, [0, PROBE_EVERY, worth, 0])
         if worth != probe[2]:
-            probe[:] = [0, PROBE_EVERY, worth]
+            probe[:] = [0, PROBE_EVERY, worth, 0]
+        if probe[3]:  # a probe runs until the other regime is measured (``timed``)
+            probe[3] -= 1
+            return not worth
         probe[0] += 1
         if probe[0] < probe[1]:
             return worth
-        probe[0], probe[1] = 0, min(2 * probe[1], PROBE_MAX)
+        probe[0], probe[3] = 0, PROBE_TRIES - 1
         return not worth
 
     def timed(self, num_seqs: int, decode_only: bool, drafted: bool, seconds: float, emitted: int) -> None:
@@ -224,10 +234,14 @@ class Speculator:
         the tokens it emitted, in the drafted or the plain regime."""
         if not decode_only or seconds <= 0:
             return  # a prefill chunk in the step: not comparable
-        t = self.times.setdefault(_size(num_seqs), [None, None])
+        bucket = _size(num_seqs)
+        t = self.times.setdefault(bucket, [None, None])
         i = int(drafted)
         now = [seconds, float(emitted)]
         t[i] = now if t[i] is None else [(1 - EMA) * a + EMA * b for a, b in zip(t[i], now, strict=True)]
+        probe = self.probes.get(bucket)
+        if probe is not None and probe[3] and drafted != probe[2]:  # the probe has its measurement
+            probe[1], probe[3] = min(2 * probe[1], PROBE_MAX), 0
 
     def _ngram(self, seq) -> NgramIndex:
         index = self._ngrams.get(seq.seq_id)

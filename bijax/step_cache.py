@@ -67,6 +67,15 @@ def _source_digest() -> str:
     return h.hexdigest()
 
 
+def _settings() -> tuple:
+    """Module-level choices that tracing reads and a process may set (the A/B switches of
+    ``benchmarks/ab.py`` and ``gpu_digests.py --prefill-kernel``): a program traced under one
+    value must not be read back under another."""
+    from pallas_kernels import attention_triton, matmul_triton
+
+    return (attention_triton.PREFILL_KERNEL, matmul_triton.DECODE_WIDE_PROGRAMS)
+
+
 def key(*parts) -> str:
     """A file name for the program described by ``parts`` (static arguments, input avals and
     shardings, ...; each by its repr) built by this process's code, libraries and devices."""
@@ -89,6 +98,7 @@ def key(*parts) -> str:
         [(d.id, d.device_kind) for d in jax.devices()],
         os.environ.get("XLA_FLAGS", ""),
         sorted(jax.config.values.items()),
+        _settings(),
         *parts,
     ):
         h.update(repr(part).encode() + b"\0")

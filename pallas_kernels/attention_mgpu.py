@@ -33,8 +33,8 @@ and p go through SMEM). On the H200 (session 24, ``benchmarks/attention_mgpu.py`
 the variant ``pv="into", rounding="two"`` (the defaults) gives the Triton ``tiles`` kernel's bits
 on every check that script runs (one / two tiles, two splits, a chunk among decode tokens ==
 the ``tokens`` kernel, 2 / 3 stages, overlapped scores, a window, 28/4 and 9/3 heads, D 64,
-64-token pages, a whole 4096-token prompt), and its prefill kernel time is 0.81-0.97x Triton's
-(2.3-3.2x cuDNN's). ``rounding`` says how each ``a * b + c`` of the tile step and the fold is
+64-token pages, a whole 4096-token prompt), and its prefill kernel time is 0.81-0.96x Triton's
+(2.3-3.1x cuDNN's). ``rounding`` says how each ``a * b + c`` of the tile step and the fold is
 rounded: "compiler" leaves it to Mosaic GPU's compiler (probed on the H200: it fuses them, one
 rounding), "fma" an explicit fused multiply-add, "two" a ``mul.rn`` then an add (two roundings:
 what the Triton kernels and XLA get on the H200). ``pv`` selects how the rescaled accumulator
@@ -85,10 +85,20 @@ def supported(dtype, head_dim: int, spec: AttentionSpec) -> str | None:
     return None
 
 
-def can_run(dtype, head_dim: int, spec: AttentionSpec, *, block_size: int) -> bool:
-    """Whether this kernel runs the call here: ``supported``, pages that fit its shared memory,
-    and a Hopper GPU (wgmma) as the default device."""
-    if supported(dtype, head_dim, spec) is not None:
+def _layout_refusal(block_size: int, group: int) -> str | None:
+    """Why pages of ``block_size`` tokens or a query-head group of ``group`` cannot be laid out
+    in this kernel's tiles, or None."""
+    if kv_tile(block_size) % block_size or block_size % 8:
+        return f"block_size {block_size} must be a multiple of 8"
+    if group > ROWS:
+        return f"query group too large for {ROWS} rows"
+    return None
+
+
+def can_run(dtype, head_dim: int, spec: AttentionSpec, *, block_size: int, group: int) -> bool:
+    """Whether this kernel runs the call here: ``supported``, a page size and query group it
+    lays out, pages that fit its shared memory, and a Hopper GPU (wgmma) as the default device."""
+    if supported(dtype, head_dim, spec) is not None or _layout_refusal(block_size, group) is not None:
         return False
     try:
         _stages(kv_tile(block_size), head_dim, jnp.dtype(dtype).itemsize, 2)
@@ -512,12 +522,11 @@ def tiles_mgpu(
     hkv, d = qg.shape[1], qg.shape[3]
     num_blocks, block_size = k_cache.shape[:2]
     tile = kv_tile(block_size)
-    if tile % block_size or block_size % 8:
-        raise ValueError(f"attention (Mosaic GPU tiles): block_size {block_size} must be a multiple of 8")
+    why = _layout_refusal(block_size, qg.shape[2])
+    if why is not None:
+        raise ValueError(f"attention (Mosaic GPU tiles): {why}")
     q, rpos, rseq, unpack = row_tiles(qg, token_seq, token_pos, ROWS)
-    nt, rows = rpos.shape
-    if rows != ROWS:
-        raise ValueError(f"attention (Mosaic GPU tiles): query group too large for {ROWS} rows")
+    nt = rpos.shape[0]
     seqs, nseg = segments(rseq, rpos)
     max_segs = seqs.shape[1]
     mine = (rseq[:, None, :] == seqs[:, :, None]) & (rpos >= 0)[:, None, :]

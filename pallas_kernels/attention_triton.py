@@ -345,7 +345,7 @@ def _prefill_kernel(qg, k_cache, spec: AttentionSpec) -> str:
         return "tiles"
     from pallas_kernels import attention_mgpu
 
-    ok = attention_mgpu.can_run(qg.dtype, qg.shape[-1], spec, block_size=k_cache.shape[1])
+    ok = attention_mgpu.can_run(qg.dtype, qg.shape[-1], spec, block_size=k_cache.shape[1], group=qg.shape[2])
     return "tiles_mgpu" if ok else "tiles"
 
 

@@ -19,9 +19,9 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.plan import GPU_MIN_TILE_N, H200_SMS, MatmulPlan, combine_leaves, to_leaves
 
-# Decode-row launches (16-row tiles) take 64-column tiles from this many programs on (Llama-3-8B's
-# 4096-column weights give 64); narrower weights keep 32-column tiles for more programs.
-_DECODE_WIDE_PROGRAMS = 64
+# Decode-row launches (16-row tiles, 2-byte weights) take 64-column tiles from this many programs
+# on (Llama-3-8B's 4096-column weights give 64); narrower weights keep 32-column tiles.
+DECODE_WIDE_PROGRAMS = 64
 # Row tile groups that share column tiles in consecutive programs (L2 reuse at large M).
 _GPU_GROUP_M = 8
 # GPU row tiles chosen from M (rows are bit-identical across these; proven on
@@ -62,10 +62,12 @@ def gpu_tiles(plan: MatmulPlan, m: int) -> GpuTiles:
             continue
         if programs * -(-plan.n // tile_n) >= enough:
             break
-    if tile_m == 16 and tile_n <= 64 and programs * -(-plan.n // 64) >= _DECODE_WIDE_PROGRAMS:
-        # Decode rows: 64 columns, 4 warps, an 8-deep pipeline (H200, Llama-3-8B's qkv, o and
-        # down at M = 1 and 16: 1.31-1.44x XLA's time with 32 columns, 2 warps and 4 stages ->
-        # 0.99-1.16x; RESULTS.md, session 24, `kernels.py --decode-sweep`, same bits).
+    wide = tile_m == 16 and tile_n <= 64 and plan.n % 64 == 0 and jnp.dtype(plan.dtype).itemsize == 2
+    if wide and programs * (plan.n // 64) >= DECODE_WIDE_PROGRAMS:
+        # Decode rows: 64 columns, 4 warps, an 8-deep pipeline (H200, Llama-3-8B's bf16 qkv, o
+        # and down at M = 1 and 16: 1.31-1.44x XLA's time with 32 columns, 2 warps and 4 stages
+        # -> 0.99-1.16x; RESULTS.md, session 24, `kernels.py --decode-sweep`, same bits). Only
+        # where 64 columns need no padding, and for 2-byte weights (what was measured).
         return GpuTiles(16, 64, 4, 8)
     if tile_m <= 32 and tile_n <= 64:
         return GpuTiles(tile_m, tile_n, 2, 4)

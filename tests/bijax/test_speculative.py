@@ -21,6 +21,8 @@ from bijax.sequence import PENDING
 from bijax.speculative import (
     ADAPT_BACKOFF,
     PROBE_EVERY,
+    PROBE_MAX,
+    PROBE_TRIES,
     NgramIndex,
     SpeculativeConfig,
     Speculator,
@@ -322,22 +324,40 @@ def test_ngram_index_equals_the_search():
 
 
 def test_adaptive_rules():
-    """Drafting stops where the measured step times say it does not pay (probing the other way
-    every PROBE_EVERY steps), and per sequence after a window of low acceptance."""
+    """Drafting stops where the measured intervals say it does not pay: each regime measured
+    first, then the faster one runs and the other is probed after PROBE_EVERY decisions, twice
+    as far apart while the choice stands, until it is measured (at most PROBE_TRIES decisions);
+    per sequence, drafting backs off after a window of low acceptance."""
     sp = Speculator(SpeculativeConfig.create({**NGRAM, "adaptive": True}), llm("plain").config)
     n = 4
-    assert sp.worth_it(n)  # nothing measured yet
-    sp.timed(n, True, False, 0.010, 4)  # plain: 4 tokens in 10 ms
-    sp.timed(n, True, True, 0.030, 8)  # drafted (pipeline drained and refilled): 8 in 30 ms
-    decisions = [sp.worth_it(n) for _ in range(PROBE_EVERY * 7)]
-    # not worth it: drafting only as probes, PROBE_EVERY decisions apart, then twice as far
-    probes = [i + 1 for i, d in enumerate(decisions) if d]
-    assert probes == [PROBE_EVERY, 3 * PROBE_EVERY, 7 * PROBE_EVERY]
+    rates = {False: (0.010, 4), True: (0.030, 8)}  # plain: 4 tokens in 10 ms; drafted: 8 in 30
+
+    def decide(k, measured=True):  # k decisions, each step's interval measured as it ran
+        out = []
+        for _ in range(k):
+            out.append(sp.worth_it(n))
+            if measured:
+                sp.timed(n, True, out[-1], *rates[out[-1]])
+        return out
+
+    assert decide(2) == [True, False]  # drafting measured first, then plain
+    decisions = decide(PROBE_EVERY * 7)
+    # drafting does not pay: it runs only as probes, PROBE_EVERY decisions apart, then twice as far
+    assert [i + 1 for i, d in enumerate(decisions) if d] == [
+        PROBE_EVERY,
+        3 * PROBE_EVERY,
+        7 * PROBE_EVERY,
+    ]
     sp.timed(n, False, True, 0.001, 100)  # a step with a prefill chunk: not comparable, ignored
-    assert not sp.worth_it(n)
-    for _ in range(20):  # drafting now emits 24 tokens per 30 ms: worth it
-        sp.timed(n, True, True, 0.030, 24)
-    decisions = [sp.worth_it(n) for _ in range(2 * PROBE_EVERY)]
+    assert not decide(1)[0]
+    # a probe that gets no measurement (no sequence had drafts) goes on, at most PROBE_TRIES decisions
+    unmeasured = decide(PROBE_MAX + PROBE_TRIES, measured=False)
+    runs = [i for i, d in enumerate(unmeasured) if d]
+    assert runs == list(range(runs[0], runs[0] + PROBE_TRIES)) and not unmeasured[-1]  # then plain again
+    rates[True] = (0.030, 24)  # drafting now emits 24 tokens per 30 ms: worth it
+    for _ in range(20):
+        sp.timed(n, True, True, *rates[True])
+    decisions = decide(2 * PROBE_EVERY)
     assert (
         decisions.count(False) == 1 and not decisions[PROBE_EVERY - 1]
     )  # the choice changed: probes restart
@@ -357,6 +377,40 @@ def test_adaptive_rules():
     sp.record(seq, 4, 0)
     sp.record(seq, 4, 0)
     assert seq.spec_resume_at == 100 + 2 * ADAPT_BACKOFF  # twice as long after a second miss
+
+
+def test_adaptive_rule_probes_plain_with_async_scheduling(monkeypatch):
+    """With async scheduling, drafting the faster way and a sequence that could always draft,
+    the probes of plain decoding are measured: a plain interval needs a few plain decisions in a
+    row, and a probe lasts until it is measured. Control: a one-decision probe (PROBE_TRIES = 1)
+    measures plain only once, before drafting is chosen. Outputs stay plain decoding's."""
+    import bijax.speculative as speculative
+
+    eng = llm("ngram-adaptive").engine
+    assert eng.async_scheduling and eng.speculator.spec.adaptive
+    monkeypatch.setattr(eng.speculator, "has_candidates", lambda seqs: True)
+    timed = eng.speculator.timed
+    rng = np.random.default_rng(3)
+    loop = [int(t) for t in rng.integers(3, 512, 6)] * 5
+    sp = SP(max_tokens=120, ignore_eos=True, temperature=0)
+    plain = llm("plain").generate([loop] * 2, sp, use_tqdm=False)
+
+    def plain_intervals(tries):
+        monkeypatch.setattr(speculative, "PROBE_TRIES", tries)
+        eng.speculator.times.clear()
+        eng.speculator.probes.clear()
+        seen = []
+
+        def record(n, decode_only, drafted, seconds, emitted):  # drafting made to look 4x faster
+            seen.append(drafted) if decode_only else None
+            timed(n, decode_only, drafted, seconds / 4 if drafted else seconds, emitted)
+
+        monkeypatch.setattr(eng.speculator, "timed", record)
+        assert same(llm("ngram-adaptive").generate([loop] * 2, sp, use_tqdm=False), plain)
+        return seen.count(False)
+
+    assert plain_intervals(speculative.PROBE_TRIES) >= 2
+    assert plain_intervals(1) == 1  # control
 
 
 def test_warmup_compiles_the_verify_steps():

@@ -17,6 +17,19 @@ def test_key_names_what_the_program_depends_on():
     assert a != step_cache.key("step", (2, 16), "bfloat16")
 
 
+def test_key_follows_the_kernel_choices_tracing_reads(monkeypatch):
+    """A program traced with another prefill kernel or decode launch rule (benchmarks' A/B
+    switches) is saved under another name. Control: the same settings give the same name."""
+    from pallas_kernels import attention_triton, matmul_triton
+
+    a = step_cache.key("step", (2, 16))
+    assert a == step_cache.key("step", (2, 16))
+    monkeypatch.setattr(attention_triton, "PREFILL_KERNEL", "tiles_mgpu")
+    b = step_cache.key("step", (2, 16))
+    monkeypatch.setattr(matmul_triton, "DECODE_WIDE_PROGRAMS", 1 << 30)
+    assert len({a, b, step_cache.key("step", (2, 16))}) == 3
+
+
 def test_saved_programs_read_back_and_the_oldest_are_pruned(tmp_path, monkeypatch):
     monkeypatch.setattr(compile_cache, "directory", lambda: str(tmp_path))
     monkeypatch.setattr(step_cache, "MAX_FILES", 2)

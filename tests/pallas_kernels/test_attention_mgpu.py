@@ -189,5 +189,7 @@ def test_auto_picks_the_mosaic_kernel_only_where_it_runs(monkeypatch):
     assert pick(q.astype(jnp.float32), kc.astype(jnp.float32), spec) == "tiles"
     assert pick(q, kc, AttentionSpec.create(128, logit_softcap=30.0)) == "tiles"
     assert pick(q, jnp.zeros((2, 256, 8, 128), BF16), spec) == "tiles"  # pages too big for SMEM
+    assert pick(q, jnp.zeros((8, 4, 8, 128), BF16), spec) == "tiles"  # 4-token pages
+    assert pick(jnp.zeros((64, 1, 71, 128), BF16), jnp.zeros((8, 16, 1, 128), BF16), spec) == "tiles"
     Device.compute_capability = "8.0"
     assert pick(q, kc, spec) == "tiles"
