@@ -1,0 +1,49 @@
+"""benchmarks/gpu_batch.py (the device-call runner): a step past its time limit is killed with
+the processes it started, steps run in order with their logs, and the budget stops later steps."""
+
+import os
+import sys
+import time
+
+from benchmarks import gpu_batch
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_runner_kills_steps_past_their_limit_with_their_children(tmp_path, monkeypatch, capsys):
+    pidfile = tmp_path / "child.pid"
+    hang = (
+        "import subprocess, sys, time; "
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+        f"open({str(pidfile)!r}, 'w').write(str(p.pid)); time.sleep(60)"
+    )
+    steps = {
+        "hang": ([sys.executable, "-c", hang], 2, "sleeps past its limit, with a child"),
+        "ok": ([sys.executable, "-c", "print('done')"], 30, "succeeds"),
+        "fails": ([sys.executable, "-c", "raise SystemExit(3)"], 30, "fails"),
+        "long": ([sys.executable, "-c", "print('ran')"], 60, "needs a third of its 60 s left to start"),
+    }
+    monkeypatch.setattr(gpu_batch, "STEPS", steps)
+    t0 = time.perf_counter()
+    rows = gpu_batch.run_group(["hang", "ok"], str(tmp_path), parallel=True)
+    assert time.perf_counter() - t0 < 20
+    assert [(name, status) for name, status, _ in rows] == [("hang", "killed at 2 s"), ("ok", "ok")]
+    child = int(pidfile.read_text())
+    deadline = time.time() + 5
+    while _alive(child) and time.time() < deadline:  # killed with its group (reaped by init)
+        time.sleep(0.1)
+    assert not _alive(child)
+    assert (tmp_path / "ok.log").read_text().strip() == "done"
+    assert gpu_batch.run_group(["fails"], str(tmp_path), parallel=False)[0][1] == "exit 3"
+    # the budget: a step with less than a third of its limit left is not started
+    monkeypatch.setattr(sys, "argv", ["gpu_batch.py", "ok", "long", "--out", str(tmp_path), "--budget", "15"])
+    assert gpu_batch.main() == 1
+    table = capsys.readouterr().out
+    assert "| ok | ok |" in table and "| long | not started (budget) | 0 |" in table
+    assert not (tmp_path / "long.log").exists()
