@@ -71,6 +71,16 @@ STEPS = {
         "A/B prefill kernel: Mosaic GPU, 8 x 4096 prompts",
     ),
     "profile": (PY + ["benchmarks/profile_step.py"], 300, "where a step's time goes"),
+    "bench": (
+        PY + ["benchmarks/baseline.py", "--part", "bench"],
+        450,
+        "bijax bench llama3-8b 64 x (256 + 128), invariant vs the XLA baseline",
+    ),
+    "bench-single": (
+        PY + ["benchmarks/baseline.py", "--part", "bench", "--single"],
+        300,
+        "bijax bench llama3-8b, one stream 64 + 256, invariant vs the XLA baseline",
+    ),
     "startup": (PY + ["benchmarks/startup.py"], 450, "cold / warm start-up (fresh processes)"),
     "long": (PY + ["benchmarks/long_context.py"], 500, "a 32k-token prompt through the engine"),
 }
