@@ -5,9 +5,10 @@ the device tool (600 s, a machine that goes back 30 s after the call) does many 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/gpu_batch.py digests+mgpu-bits spec --out $OUT
 
 Steps are run in the order given; steps joined by "+" run at the same time (bit checks only:
-each gets ``XLA_PYTHON_CLIENT_PREALLOCATE=false``; never join steps that time something). The
-whole batch stops starting steps once ``--budget`` seconds have passed. ``--list`` prints the
-steps. Exit code 1 if a step failed or ran out of time.
+each gets ``XLA_PYTHON_CLIENT_PREALLOCATE=false``; never join steps that time something). A
+step starts only while a third of its time limit is left of ``--budget`` seconds. The logs go
+into one file, ``<out>/gpu_batch.log``, a section per step (the device tool brings back at most
+8 files). ``--list`` prints the steps. Exit code 1 if a step failed or ran out of time.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 PY = [sys.executable]
@@ -86,12 +88,20 @@ STEPS = {
 }
 
 
+# Steps that time compiles: each runs on an empty compilation cache of its own.
+FRESH_CACHE = {"long"}
+
+
 def run_group(names, out_dir, parallel):
-    env = dict(os.environ)
-    if parallel:
-        env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    """Runs ``names`` at the same time (``parallel``) or the one step; each step's log is
+    ``<out_dir>/<name>.log``. Returns (name, status, seconds) per step."""
     procs = []
     for name in names:
+        env = dict(os.environ)
+        if parallel:
+            env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+        if name in FRESH_CACHE:
+            env["BIJAX_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"bijax-{name}-")
         cmd, limit, _ = STEPS[name]
         log = open(os.path.join(out_dir, f"{name}.log"), "w")  # noqa: SIM115 - closed below
         procs.append(
@@ -134,13 +144,21 @@ def main() -> int:
     if unknown:
         sys.exit(f"unknown steps {unknown}; --list shows them")
     os.makedirs(a.out, exist_ok=True)
+    combined = os.path.join(a.out, "gpu_batch.log")
+    logs = tempfile.mkdtemp(prefix="gpu-batch-")
     start, rows = time.perf_counter(), []
     for group in groups:
         left = a.budget - (time.perf_counter() - start)
         if left < max(STEPS[n][1] for n in group) / 3:
             rows += [(n, "not started (budget)", 0.0) for n in group]
             continue
-        rows += run_group(group, a.out, parallel=len(group) > 1)
+        done = run_group(group, logs, parallel=len(group) > 1)
+        rows += done
+        with open(combined, "a") as out:
+            for name, status, secs in done:
+                out.write(f"\n######## {name}: {status} ({secs:.0f} s): {' '.join(STEPS[name][0][1:])}\n")
+                with open(os.path.join(logs, f"{name}.log"), errors="replace") as f:
+                    out.write(f.read())
     print("\n| step | status | s |\n|---|---|---|")
     for name, status, secs in rows:
         print(f"| {name} | {status} | {secs:.0f} |")

@@ -46,4 +46,5 @@ def test_runner_kills_steps_past_their_limit_with_their_children(tmp_path, monke
     assert gpu_batch.main() == 1
     table = capsys.readouterr().out
     assert "| ok | ok |" in table and "| long | not started (budget) | 0 |" in table
-    assert not (tmp_path / "long.log").exists()
+    combined = (tmp_path / "gpu_batch.log").read_text()  # one file: a section per step that ran
+    assert "######## ok: ok" in combined and "done" in combined and "long" not in combined
