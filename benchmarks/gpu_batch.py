@@ -21,72 +21,71 @@ import sys
 import tempfile
 import time
 
-PY = [sys.executable]
+
+def _py(script, *args):
+    return [sys.executable, f"benchmarks/{script}", *args]
+
+
+# The engine A/B runs (benchmarks/ab.py): decode with its default workload, prefill on 8 x 4096 prompts.
+_PREFILL = (
+    "--model",
+    "llama3-8b",
+    "--seqs",
+    "8",
+    "--input-len",
+    "4096",
+    "--output-len",
+    "8",
+    "--repeats",
+    "3",
+)
+_AB = {
+    f"ab-{name}": (_py("ab.py", switch, side, *extra), 200, f"A/B {switch}: {side}")
+    for name, switch, side, extra in (
+        ("decode-old", "decode-launch", "old", ()),
+        ("decode-new", "decode-launch", "new", ()),
+        ("prefill-tiles", "prefill-kernel", "tiles", _PREFILL),
+        ("prefill-mgpu", "prefill-kernel", "tiles_mgpu", _PREFILL),
+    )
+}
 # name -> (command, time limit s, what it is for)
 STEPS = {
-    "digests": (PY + ["benchmarks/gpu_digests.py"], 220, "engine bits vs the records (4 configs)"),
+    "digests": (_py("gpu_digests.py"), 220, "engine bits vs the records (4 configs)"),
     "digests-mgpu": (
-        PY + ["benchmarks/gpu_digests.py", "--prefill-kernel", "tiles_mgpu"],
+        _py("gpu_digests.py", "--prefill-kernel", "tiles_mgpu"),
         240,
         "the same with the Mosaic GPU prefill kernel under 'auto'",
     ),
-    "mgpu-bits": (
-        PY + ["benchmarks/attention_mgpu.py", "--child", "bits"],
-        270,
-        "Mosaic attention == Triton bits",
-    ),
+    "mgpu-bits": (_py("attention_mgpu.py", "--child", "bits"), 270, "Mosaic attention == Triton bits"),
     "mgpu-timing": (
-        PY + ["benchmarks/attention_mgpu.py", "--child", "timing:into+two"],
+        _py("attention_mgpu.py", "--child", "timing:into+two"),
         150,
         "Mosaic attention vs Triton vs cuDNN kernel time",
     ),
-    "attention": (PY + ["benchmarks/attention.py"], 400, "attention kernels: bits and time vs cuDNN"),
-    "kernels": (PY + ["benchmarks/kernels.py", "--skip-checks"], 200, "matmul / rows kernel time vs XLA"),
-    "decode-sweep": (PY + ["benchmarks/kernels.py", "--decode-sweep"], 150, "decode-row matmul launches"),
+    "attention": (_py("attention.py"), 400, "attention kernels: bits and time vs cuDNN"),
+    "kernels": (_py("kernels.py", "--skip-checks"), 200, "matmul / rows kernel time vs XLA"),
+    "decode-sweep": (_py("kernels.py", "--decode-sweep"), 150, "decode-row matmul launches"),
     "spec": (
-        PY + ["benchmarks/speculative.py", "--workloads", "repeat,random"],
+        _py("speculative.py", "--workloads", "repeat,random"),
         280,
         "speculation vs plain: repeat and random",
     ),
-    "spec-cycle": (PY + ["benchmarks/speculative.py", "--workloads", "cycle"], 200, "speculation: cycle"),
-    "async": (
-        PY
-        + ["benchmarks/async_scheduling.py", "--model", "llama3-8b", "--seqs", "1,64", "--output-len", "128"]
-        + ["--repeats", "3"],
-        200,
-        "engine decode tok/s, 1 and 64 sequences",
-    ),
-    "ab-decode-old": (PY + ["benchmarks/ab.py", "decode-launch", "old"], 200, "A/B decode launch: old"),
-    "ab-decode-new": (PY + ["benchmarks/ab.py", "decode-launch", "new"], 200, "A/B decode launch: new"),
-    "ab-prefill-tiles": (
-        PY
-        + ["benchmarks/ab.py", "prefill-kernel", "tiles", "--model", "llama3-8b", "--seqs", "8"]
-        + ["--input-len", "4096", "--output-len", "8", "--repeats", "3"],
-        200,
-        "A/B prefill kernel: Triton tiles, 8 x 4096 prompts",
-    ),
-    "ab-prefill-mgpu": (
-        PY
-        + ["benchmarks/ab.py", "prefill-kernel", "tiles_mgpu", "--model", "llama3-8b", "--seqs", "8"]
-        + ["--input-len", "4096", "--output-len", "8", "--repeats", "3"],
-        200,
-        "A/B prefill kernel: Mosaic GPU, 8 x 4096 prompts",
-    ),
-    "profile": (PY + ["benchmarks/profile_step.py"], 300, "where a step's time goes"),
+    "spec-cycle": (_py("speculative.py", "--workloads", "cycle"), 200, "speculation: cycle"),
+    **_AB,
+    "profile": (_py("profile_step.py"), 300, "where a step's time goes"),
     "bench": (
-        PY + ["benchmarks/baseline.py", "--part", "bench"],
+        _py("baseline.py", "--part", "bench"),
         450,
         "bijax bench llama3-8b 64 x (256 + 128), invariant vs the XLA baseline",
     ),
     "bench-single": (
-        PY + ["benchmarks/baseline.py", "--part", "bench", "--single"],
+        _py("baseline.py", "--part", "bench", "--single"),
         300,
         "bijax bench llama3-8b, one stream 64 + 256, invariant vs the XLA baseline",
     ),
-    "startup": (PY + ["benchmarks/startup.py"], 450, "cold / warm start-up (fresh processes)"),
-    "long": (PY + ["benchmarks/long_context.py"], 500, "a 32k-token prompt through the engine"),
+    "startup": (_py("startup.py"), 450, "cold / warm start-up (fresh processes)"),
+    "long": (_py("long_context.py"), 500, "a 32k-token prompt through the engine"),
 }
-
 
 # Steps that time compiles: each runs on an empty compilation cache of its own.
 FRESH_CACHE = {"long"}

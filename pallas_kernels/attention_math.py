@@ -193,7 +193,13 @@ def fold_step(carry, state, use, mul_add=None, mul=None):
     whether each row uses this split. A row's first used split starts its fold as it is; a
     later one is merged by the usual rescale. The one definition of the fold: the XLA fold
     (``fold_splits``), the GPU split combiner and the GPU tile kernel all call it.
+
+    Hooks (the Mosaic GPU kernel's roundings): the merge ``x * a + y * b`` is computed as
+    ``mul_add(x, a, mul(y, b))`` when ``mul_add`` is given (``mul`` defaults to ``*``); without
+    ``mul_add`` it is written as is and ``mul`` must be None.
     """
+    if mul_add is None and mul is not None:
+        raise ValueError("fold_step: mul is used only with mul_add")
     fm, fl, facc, started = carry
     sm, sl, sacc = state
     mx = jnp.maximum(fm, sm)
