@@ -24,7 +24,7 @@ def test_key_follows_the_kernel_choices_tracing_reads(monkeypatch):
 
     a = step_cache.key("step", (2, 16))
     assert a == step_cache.key("step", (2, 16))
-    monkeypatch.setattr(attention_triton, "PREFILL_KERNEL", "tiles_mgpu")
+    monkeypatch.setattr(attention_triton, "PREFILL_KERNEL", "tiles")
     b = step_cache.key("step", (2, 16))
     monkeypatch.setattr(matmul_triton, "DECODE_WIDE_PROGRAMS", 1 << 30)
     assert len({a, b, step_cache.key("step", (2, 16))}) == 3

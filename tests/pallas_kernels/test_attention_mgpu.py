@@ -171,9 +171,10 @@ def test_overlapped_scores_are_a_launch_choice():
 
 
 def test_auto_picks_the_mosaic_kernel_only_where_it_runs(monkeypatch):
-    """attention_triton.PREFILL_KERNEL = "tiles_mgpu" makes "auto" run the Mosaic GPU kernel for
-    prefill on a Hopper GPU and for calls it supports; every other call keeps Triton's tiles
-    (same bits). Control: the committed setting and a non-Hopper device pick tiles."""
+    """attention_triton.PREFILL_KERNEL = "tiles_mgpu" (committed) makes "auto" run the Mosaic GPU
+    kernel for prefill on a Hopper GPU and for calls it supports; every other call keeps
+    Triton's tiles (same bits). Control: PREFILL_KERNEL "tiles" and a non-Hopper device pick
+    tiles."""
     from pallas_kernels import attention_mgpu, attention_triton
 
     class Device:
@@ -183,9 +184,11 @@ def test_auto_picks_the_mosaic_kernel_only_where_it_runs(monkeypatch):
     spec = AttentionSpec.create(128)
     q, kc = jnp.zeros((64, 8, 4, 128), BF16), jnp.zeros((8, 16, 8, 128), BF16)
     pick = attention_triton._prefill_kernel
-    assert pick(q, kc, spec) == "tiles"  # committed: Triton until an engine-level run proves it
-    monkeypatch.setattr(attention_triton, "PREFILL_KERNEL", "tiles_mgpu")
+    assert attention_triton.PREFILL_KERNEL == "tiles_mgpu"
     assert pick(q, kc, spec) == "tiles_mgpu"
+    monkeypatch.setattr(attention_triton, "PREFILL_KERNEL", "tiles")
+    assert pick(q, kc, spec) == "tiles"
+    monkeypatch.setattr(attention_triton, "PREFILL_KERNEL", "tiles_mgpu")
     assert pick(q.astype(jnp.float32), kc.astype(jnp.float32), spec) == "tiles"
     assert pick(q, kc, AttentionSpec.create(128, logit_softcap=30.0)) == "tiles"
     assert pick(q, jnp.zeros((2, 256, 8, 128), BF16), spec) == "tiles"  # pages too big for SMEM
