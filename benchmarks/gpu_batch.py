@@ -71,6 +71,11 @@ STEPS = {
         "speculation vs plain: repeat and random",
     ),
     "spec-cycle": (_py("speculative.py", "--workloads", "cycle"), 200, "speculation: cycle"),
+    "spec-random": (
+        _py("speculative.py", "--workloads", "random", "--repeats", "5"),
+        200,
+        "speculation vs plain on random prompts, 5 runs each",
+    ),
     **_AB,
     "profile": (_py("profile_step.py"), 300, "where a step's time goes"),
     "bench": (
@@ -83,7 +88,11 @@ STEPS = {
         300,
         "bijax bench llama3-8b, one stream 64 + 256, invariant vs the XLA baseline",
     ),
-    "startup": (_py("startup.py"), 450, "cold / warm start-up (fresh processes)"),
+    "startup": (
+        _py("startup.py"),
+        450,
+        "cold / warm start-up (fresh processes; cold without and with helper processes lowering)",
+    ),
     "long": (_py("long_context.py"), 500, "a 32k-token prompt through the engine"),
 }
 

@@ -14,7 +14,7 @@ engine limits, both with the engine's default (async) scheduling:
   nothing by itself, and no real checkpoint of this size is on the machine.
 - "repeat": a random 32-token phrase repeated 8 times, greedy, the random weights;
 - "random": random prompts, temperature 1.0 sampling (drafts rarely accepted: the cost of trying).
-Every timed run (3 per engine, alternating; the median) follows an identical warm-up run (prefix cache emptied before each), and the
+Every timed run (3 per engine, alternating, or ``--repeats``; the median; each run's seconds printed) follows an identical warm-up run (prefix cache emptied before each), and the
 script fails if anything compiled inside a timed run. Token ids and float32 logprob bits of the
 two engines must be identical.
 """
@@ -110,6 +110,7 @@ def main():
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--workloads", default="cycle,repeat,random", help="comma-separated subset")
+    ap.add_argument("--repeats", type=int, default=REPEATS, help="timed runs per engine and workload")
     args = ap.parse_args()
     model = "tiny" if args.smoke else args.model
     out_len = 24 if args.smoke else args.output_len
@@ -146,7 +147,17 @@ def main():
             )
         for streams in (1, 16):
             prompts, params = workload(kind, streams, vocab, out_len, cycles)
-            runs = [(timed(plain, prompts, params), timed(fast, prompts, params)) for _ in range(REPEATS)]
+            runs = [
+                (timed(plain, prompts, params), timed(fast, prompts, params)) for _ in range(args.repeats)
+            ]
+            print(
+                f"{kind} x{streams}: runs plain "
+                + ", ".join(f"{r[0][1]:.3f}" for r in runs)
+                + " s; ngram "
+                + ", ".join(f"{r[1][1]:.3f}" for r in runs)
+                + " s",
+                flush=True,
+            )
             (a, _, ca, sa), (b, _, cb, sb) = runs[0]  # outputs and steps: the same every run
             ta = statistics.median(r[0][1] for r in runs)  # alternating runs, the median of each
             tb = statistics.median(r[1][1] for r in runs)

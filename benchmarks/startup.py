@@ -1,12 +1,16 @@
 """Start-up time on the GPU, each measure a fresh process (the start-up issue's targets):
 
   engine   ``LLM(model, max_num_seqs=64, max_num_batched_tokens=2048).warmup()`` on an empty
-           persistent compile cache, then again in a second process from the filled cache;
+           persistent compile cache without and with helper processes lowering the steps
+           (``bijax.parallel_lowering``; ``BIJAX_LOWERING_PROCESSES=0``, then the default), then
+           again in a third process from the filled cache;
   single   one request's first token - ``LLM`` sized as ``bijax generate`` sizes it for one
            prompt (1 sequence, 512 tokens per step), ``warmup(max_step_tokens=prompt)``, then
            ``generate`` of 1 token - on an empty cache, then from the filled cache, timed from
-           the process's start; each also checks that its warmed-up steps (exported, or read
-           back from the cache) give the bits of steps jitted as they come.
+           the process's start.
+Each also checks that its warmed-up steps (exported - by a helper or not - or read back from
+the cache) give the bits of steps jitted as they come (seeded sampling, 8 tokens; 4 prompts for
+the engine).
 
 Each child prints its phases (import, model build, warm-up with compiled / loaded counts, the
 first generate); the parent prints the wall time of each process and a table last.
@@ -51,23 +55,25 @@ def child(kind: str, model: str) -> None:
     t["generate"] = time.perf_counter() - t0
     assert len(out[0].outputs[0].token_ids) == 1
     t["total"] = time.perf_counter() - T_START
-    if kind == "single":
-        # Same bits from the warmed-up steps (exported, then compiled) as from steps lowered
-        # from tracing as they come: run 8 seeded tokens, then drop the compiled steps and turn
-        # exporting off (private doors, for this check only) and run them again.
-        import numpy as np
+    # Same bits from the warmed-up steps (exported, then compiled) as from steps lowered from
+    # tracing as they come: run 8 seeded tokens, then drop the compiled steps and turn exporting
+    # off (private doors, for this check only) and run them again.
+    import numpy as np
 
-        from bijax import model_runner, step_cache
+    from bijax import model_runner, step_cache
 
-        sp = bijax.SamplingParams(max_tokens=8, temperature=0.8, seed=1)
-        a = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0].outputs[0]
-        llm.engine.runner._aot.clear()
-        model_runner._shared.clear()
-        step_cache.directory = lambda: None
-        llm.reset_prefix_cache()
-        b = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0].outputs[0]
-        bits = lambda o: np.asarray(o.logprobs, np.float32).view(np.uint32)  # noqa: E731
-        t["aot_vs_jit_same_bits"] = a.token_ids == b.token_ids and np.array_equal(bits(a), bits(b))
+    sp = bijax.SamplingParams(max_tokens=8, temperature=0.8, seed=1)
+    prompts = [{"prompt_token_ids": prompt[: 64 - 7 * i]} for i in range(1 if kind == "single" else 4)]
+    a = [o.outputs[0] for o in llm.generate(prompts, sp, use_tqdm=False)]
+    llm.engine.runner._aot.clear()
+    model_runner._shared.clear()
+    step_cache.directory = lambda: None
+    llm.reset_prefix_cache()
+    b = [o.outputs[0] for o in llm.generate(prompts, sp, use_tqdm=False)]
+    bits = lambda o: np.asarray(o.logprobs, np.float32).view(np.uint32)  # noqa: E731
+    t["aot_vs_jit_same_bits"] = all(
+        x.token_ids == y.token_ids and np.array_equal(bits(x), bits(y)) for x, y in zip(a, b, strict=True)
+    )
     print(
         "RESULT "
         + json.dumps(
@@ -77,13 +83,16 @@ def child(kind: str, model: str) -> None:
                 "loaded": r.loaded_from_cache,
                 "buckets": r.num_programs,
                 "tracing": r.tracing_seconds,
+                "helpers": r.lowered_in_helpers,
             }
         )
     )
 
 
-def run_child(kind: str, model: str, cache: str) -> dict:
+def run_child(kind: str, model: str, cache: str, helpers: bool = True) -> dict:
     env = dict(os.environ, BIJAX_CACHE_DIR=cache, PYTHONUNBUFFERED="1")
+    if not helpers:
+        env["BIJAX_LOWERING_PROCESSES"] = "0"
     t0 = time.perf_counter()
     p = subprocess.run(
         [sys.executable, os.path.abspath(__file__), "--child", kind, "--model", model],
@@ -115,30 +124,35 @@ def main() -> int:
         flush=True,
     )
     rows = []
-    with tempfile.TemporaryDirectory() as c1, tempfile.TemporaryDirectory() as c2:
-        for name, kind, cache in (
-            ("64 seqs x 2048 tokens, empty cache", "engine", c1),
-            ("64 seqs x 2048 tokens, filled cache", "engine", c1),
-            ("one request, first token, empty cache", "single", c2),
-            ("one request, first token, filled cache", "single", c2),
+    with (
+        tempfile.TemporaryDirectory() as c0,
+        tempfile.TemporaryDirectory() as c1,
+        tempfile.TemporaryDirectory() as c2,
+    ):
+        for name, kind, cache, helpers in (
+            ("64 seqs x 2048 tokens, empty cache, no helper processes", "engine", c0, False),
+            ("64 seqs x 2048 tokens, empty cache", "engine", c1, True),
+            ("64 seqs x 2048 tokens, filled cache", "engine", c1, True),
+            ("one request, first token, empty cache", "single", c2, True),
+            ("one request, first token, filled cache", "single", c2, True),
         ):
-            r = run_child(kind, a.model, cache)
+            r = run_child(kind, a.model, cache, helpers)
             print(name, json.dumps(r), flush=True)
             rows.append((name, r))
-    for name, r in rows[2:]:
+    for name, r in rows:
         print(f"{name}: warmed-up vs jitted steps, same tokens and logprob bits:", r["aot_vs_jit_same_bits"])
     print(
-        "\n| start | process wall s | import s | model s | warm-up s (programs: compiled / loaded)"
-        " | of it tracing s | first generate s |"
+        "\n| start | process wall s | import s | model s | warm-up s (programs: compiled / loaded;"
+        " lowered by helpers) | of it tracing s | first generate s |"
     )
     print("|---|---|---|---|---|---|---|")
     for name, r in rows:
         print(
             f"| {name} | {r['wall']:.1f} | {r['import']:.1f} | {r['load']:.1f} | "
-            f"{r['warmup']:.1f} ({r['buckets']}: {r['compiled']} / {r['loaded']}) | {r['tracing']:.1f} | "
-            f"{r['generate']:.2f} |"
+            f"{r['warmup']:.1f} ({r['buckets']}: {r['compiled']} / {r['loaded']}; {r['helpers']}) "
+            f"| {r['tracing']:.1f} | {r['generate']:.2f} |"
         )
-    return 0
+    return 0 if all(r["aot_vs_jit_same_bits"] for _, r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -74,13 +74,16 @@ class WarmupReport:
     and sampling - per sampled-row count, with and without top-k / top-p), and of the programs XLA was
     asked for, how many came from the persistent cache and how many were compiled (both 0 when
     the cache is off); ``tracing_seconds``: the part of ``seconds`` spent tracing and lowering
-    the steps (or reading their exported programs) - the rest compiled or loaded them."""
+    the steps (or reading their exported programs, or waiting for helper processes that
+    lowered them) - the rest compiled or loaded them; ``lowered_in_helpers``: programs that
+    helper processes lowered (``bijax.parallel_lowering``)."""
 
     seconds: float
     num_programs: int
     loaded_from_cache: int
     compiled: int
     tracing_seconds: float
+    lowered_in_helpers: int = 0
 
 
 class LLM:
@@ -304,7 +307,7 @@ class LLM:
 
         pairs = self.engine.pending_buckets(logprobs=logprobs, max_step_tokens=max_step_tokens)
         hits = compile_cache.counts()[0]
-        made = self.engine.programs_made()
+        made, helped = self.engine.programs_made(), self.engine.programs_lowered_elsewhere()
         t0 = time.perf_counter()
         bar = None
         if progress and pairs:
@@ -329,7 +332,8 @@ class LLM:
         # Compiled = the rest (a program that compiles faster than the cache's threshold is
         # compiled but not written, so the cache's own miss count would leave it out).
         compiled = made - loaded if compile_cache.directory() is not None else 0
-        self.last_warmup = WarmupReport(took, made, loaded, compiled, tracing_seconds=tracing)
+        helped = self.engine.programs_lowered_elsewhere() - helped
+        self.last_warmup = WarmupReport(took, made, loaded, compiled, tracing, helped)
         return took
 
     def reset_prefix_cache(self) -> None:

@@ -227,6 +227,13 @@ class Engine:
             n += self.speculator.draft.programs_made
         return n
 
+    def programs_lowered_elsewhere(self) -> int:
+        """Of ``programs_made``, those lowered by helper processes (``parallel_lowering``)."""
+        n = self.runner.programs_lowered_elsewhere
+        if self.speculator is not None and self.speculator.draft is not None:
+            n += self.speculator.draft.programs_lowered_elsewhere
+        return n
+
     def stats(self) -> EngineStats:
         return EngineStats(
             prefix_cache_hit_blocks=self.blocks.hit_blocks,

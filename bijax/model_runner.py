@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels as pk
-from bijax import step_cache
+from bijax import parallel_lowering, step_cache
 from bijax.config import EngineConfig, bucket
 from bijax.sampler import SamplingRows, sample_rows, target_logprobs, uses_filters
 from bijax.sequence import PENDING, Sequence
@@ -181,6 +181,7 @@ class ModelRunner:
         self._aot: dict = {}
         self._names: dict = {}  # ``step_cache.step_key`` by program key (``_shared_name``)
         self.programs_made = 0  # by ``warmup``, all calls together
+        self.programs_lowered_elsewhere = 0  # of them, lowered by ``parallel_lowering``'s helpers
         if config.invariant and jax.default_backend() == "cpu":
             pk.require_consistent_cpu_math()  # CPU bits must not depend on the CPU model
         size = config.tensor_parallel_size
@@ -191,6 +192,19 @@ class ModelRunner:
         self.set_model(model)
         kv = None if self.mesh is None else NamedSharding(self.mesh, sharding.kv_spec())
         self.cache = init_kv_cache(model.config, config.num_kv_blocks, config.block_size, model.dtype, kv)
+
+    @classmethod
+    def abstract(cls, graphdef, params, cache, config: EngineConfig, model_config) -> ModelRunner:
+        """A runner of ``graphdef`` whose weights and KV cache are ``params`` and ``cache`` as
+        given - ShapeDtypeStructs in ``parallel_lowering``'s helpers, which only lower its
+        programs (no tensor parallelism)."""
+        self = cls.__new__(cls)
+        self.config, self.model_config, self.mesh = config, model_config, None
+        self.compiled_buckets, self._aot, self._names, self.programs_made = set(), {}, {}, 0
+        self.programs_lowered_elsewhere = 0
+        self.graphdef, self.params, self.cache = graphdef, params, cache
+        self._param_leaves, self._param_tree = jax.tree_util.tree_flatten(params)
+        return self
 
     def set_model(self, model: Llama) -> None:
         """Takes the model's weights (placed on the mesh under tensor parallelism)."""
@@ -390,7 +404,14 @@ class ModelRunner:
             texts.append(sample_program.lower(*args, **kw).compile().as_text())
         return "\n".join(texts)
 
-    def warmup(self, pairs, num_logprobs: int = 0, progress=None, workers: int | None = None) -> float:
+    def warmup(
+        self,
+        pairs,
+        num_logprobs: int = 0,
+        progress=None,
+        workers: int | None = None,
+        processes: int | None = None,
+    ) -> float:
         """Compiles the step for each (sequences, tokens) bucket - or (sequences, tokens,
         sampled rows) for steps that sample more rows than sequences (speculative decoding) -
         ahead of time, ``workers`` at once (default: one per CPU core, at most 8): its forward,
@@ -400,9 +421,11 @@ class ModelRunner:
         and a fixed order keeps the lowered text (Mosaic GPU numbers its kernels as it lowers
         them) and so JAX's persistent cache keys the same from start to start. XLA's compile,
         most of the time, releases the lock: it runs in worker threads while the next program
-        lowers. ``progress(s, t)`` after each bucket's forward, in the order they finish.
-        Returns the seconds spent tracing and lowering (or reading exported programs), in this
-        thread; ``programs_made`` counts the programs made ready."""
+        lowers. Forward programs the step cache lacks are first lowered in up to ``processes``
+        helper processes at once (``parallel_lowering``; default ``default_processes()``), then
+        read back here. ``progress(s, t)`` after each bucket's forward, in the order they finish.
+        Returns the seconds spent tracing and lowering (or reading exported programs, or waiting
+        for the helpers), in this thread; ``programs_made`` counts the programs made ready."""
         forwards, samples, ready = [], [], []
         for b in pairs:
             s, t, r = b if len(b) == 3 else (*b, b[0])
@@ -420,7 +443,11 @@ class ModelRunner:
         if not forwards and not samples:
             return 0.0
         workers = workers or min(8, os.cpu_count() or 1)
-        tracing = 0.0
+        t0 = time.perf_counter()
+        self.programs_lowered_elsewhere += parallel_lowering.lower_elsewhere(
+            self, [("forward", *f) for f in forwards], processes
+        )
+        tracing = time.perf_counter() - t0
         with concurrent.futures.ThreadPoolExecutor(
             max_workers=min(workers, len(forwards) + len(samples))
         ) as pool:

@@ -76,6 +76,13 @@ def _settings() -> tuple:
     return (attention_triton.PREFILL_KERNEL, matmul_triton.DECODE_WIDE_PROGRAMS)
 
 
+def _apply_settings(values: tuple) -> None:
+    """Sets ``_settings()`` to ``values`` (another process's: ``parallel_lowering``'s helpers)."""
+    from pallas_kernels import attention_triton, matmul_triton
+
+    attention_triton.PREFILL_KERNEL, matmul_triton.DECODE_WIDE_PROGRAMS = values
+
+
 def key(*parts) -> str:
     """A file name for the program described by ``parts`` (static arguments, input avals and
     shardings, ...; each by its repr) built by this process's code, libraries and devices."""
@@ -239,6 +246,16 @@ def lower(fn, args: tuple, kw: dict, *, donate: int | None, name: str) -> FlatSt
             return via(exported)
         except Exception:  # noqa: BLE001 - a program that read back but does not lower: rebuild it
             pass
+    # Compiled as read back (when it could be written), so this start and the next compile the
+    # same text and the persistent cache answers the next one.
+    return via(export_step(fn, args, kw, donate=donate, name=name))
+
+
+def export_step(fn, args: tuple, kw: dict, *, donate: int | None, name: str) -> export.Exported:
+    """Exports ``fn(*args, **kw)`` as ``lower`` runs it (a function of the flat leaves of
+    ``args``, returning the donated argument's leaves) and saves it under ``name``; returns it
+    as read back. ``args`` may be ShapeDtypeStructs (``parallel_lowering``'s helpers)."""
+    leaves, tree = jax.tree_util.tree_flatten(args)
 
     def flat(*leaves):
         result = fn(*jax.tree_util.tree_unflatten(tree, leaves), **kw)
@@ -247,9 +264,7 @@ def lower(fn, args: tuple, kw: dict, *, donate: int | None, name: str) -> FlatSt
         out, donated = result
         return out, jax.tree_util.tree_leaves(donated)
 
-    # Compiled as read back (when it could be written), so this start and the next compile the
-    # same text and the persistent cache answers the next one.
-    return via(save(name, export_fn(jax.jit(flat), *leaves)))
+    return save(name, export_fn(jax.jit(flat), *leaves))
 
 
 def step_key(label: str, args: tuple, kw: dict) -> str:

@@ -6,8 +6,10 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from bijax import compile_cache, step_cache
+from tests.conftest import bits
 
 
 def test_key_names_what_the_program_depends_on():
@@ -42,3 +44,37 @@ def test_saved_programs_read_back_and_the_oldest_are_pruned(tmp_path, monkeypatc
     np.testing.assert_array_equal(step_cache.load("p2").call(jnp.asarray(x)), x * 4.0)
     monkeypatch.setattr(compile_cache, "directory", lambda: None)  # cache off: nothing kept
     assert step_cache.directory() is None and step_cache.load("p2") is None
+
+
+def test_warmup_lowers_missing_steps_in_helper_processes(tmp_path, monkeypatch):
+    """Forward programs the step cache lacks are exported by helper processes (shapes only)
+    and read back by the warm-up: the same bits as an engine that traced and compiled its own
+    steps. Control: a program whose name the helper computes differently from the parent's
+    (the parent's made wrong here) is not saved by the helper - it says so, the warm-up warns
+    and lowers that one itself."""
+    from bijax import LLM, SamplingParams, model_runner, parallel_lowering
+    from bijax.model_runner import num_compiled_steps
+
+    monkeypatch.setattr(compile_cache, "directory", lambda: str(tmp_path))  # empty: every step missing
+    monkeypatch.setattr(parallel_lowering, "MIN_PER_PROCESS", 1)
+    make = lambda: LLM("tiny", max_model_len=64, max_num_seqs=1, max_num_batched_tokens=64, num_kv_blocks=10)
+    llm = make()
+    runner = llm.engine.runner
+    wrong = ("forward", 1, 32, 1)
+    runner._names[wrong] = "0" * 64
+    with pytest.warns(RuntimeWarning, match="MISMATCH"):
+        tracing = runner.warmup(runner.bucket_pairs(), processes=2)
+    assert runner.programs_lowered_elsewhere == 2  # (1, 16) and (1, 64); (1, 32) by the parent
+    assert 0 < tracing
+    steps = sorted(os.listdir(tmp_path / "bijax-steps"))
+    assert "0" * 64 in steps and len(steps) == 3 + 2  # 3 forwards, sampling with and without filters
+    prompts, sp = [[5] * 40, [7] * 3], SamplingParams(temperature=0.8, seed=3, max_tokens=6)
+    before = num_compiled_steps()
+    out = llm.generate(prompts, sp, use_tqdm=False)
+    assert num_compiled_steps() == before  # every step warmed up
+    monkeypatch.setattr(model_runner, "_shared", {})
+    monkeypatch.setattr(step_cache, "directory", lambda: None)  # traced here, not exported
+    ref = make().generate(prompts, sp, use_tqdm=False)
+    for a, b in zip(out, ref, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert np.array_equal(bits(a.outputs[0].logprobs), bits(b.outputs[0].logprobs))
