@@ -444,25 +444,26 @@ class ModelRunner:
             return 0.0
         workers = workers or min(8, os.cpu_count() or 1)
         t0 = time.perf_counter()
-        self.programs_lowered_elsewhere += parallel_lowering.lower_elsewhere(
-            self, [("forward", *f) for f in forwards], processes
-        )
-        tracing = time.perf_counter() - t0
+        fkeys = [("forward", *f) for f in forwards]
+        helpers = parallel_lowering.start(self, fkeys, processes)
+        own = samples + (fkeys if helpers is None else [k for k in fkeys if k not in helpers.keys])
         with concurrent.futures.ThreadPoolExecutor(
             max_workers=min(workers, len(forwards) + len(samples))
         ) as pool:
             futures = {}
-            for key in [("forward", *f) for f in forwards] + samples:
-                t0 = time.perf_counter()
-                lowered = self._lowered(key)
-                tracing += time.perf_counter() - t0
-                futures[pool.submit(lowered.compile)] = key
+            # This process's own programs first, then each helper's as it is saved (compiled in
+            # the pool while the helpers lower the next ones), then what the helpers left.
+            for key in itertools.chain(own, () if helpers is None else helpers.as_ready()):
+                futures[pool.submit(self._lowered(key).compile)] = key
+            tracing = time.perf_counter() - t0
             for future in concurrent.futures.as_completed(futures):
                 key = futures[future]
                 self._keep(key, future.result())
                 self.programs_made += 1
                 if key[0] == "forward" and progress is not None:
                     progress(*key[1:3])
+        if helpers is not None:
+            self.programs_lowered_elsewhere += helpers.exported
         return tracing
 
     def _reuse(self, key) -> bool:

@@ -8,7 +8,8 @@ programs that ``step_cache`` does not hold yet are split among helper processes.
 imports bijax, rebuilds the runner's inputs as shapes only (the weights and the KV cache never
 leave the parent: a helper sees ``ShapeDtypeStruct``s placed like them), exports its share
 with ``step_cache.export_step`` - the same function the parent uses - and exits. The parent's
-warm-up then reads them back as it reads a second start's programs, and compiles them.
+warm-up reads each program back as soon as a helper has saved it (as it reads a second start's
+programs) and compiles it in its thread pool while the helpers lower the next ones.
 
 A helper exports a program only under the name the parent computed for it (``step_cache.step_key``
 of the same label, avals, shardings and static arguments, with the parent's JAX configuration
@@ -28,9 +29,12 @@ from __future__ import annotations
 
 import os
 import pickle
+import queue
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 import warnings
 
 import jax
@@ -69,14 +73,74 @@ def _spec_of(x) -> dict:
     )
 
 
-def lower_elsewhere(runner, keys, processes: int | None = None) -> int:
-    """Exports ``runner``'s programs ``keys`` (``ModelRunner._lowered``'s keys) that the step
-    cache lacks, in helper processes; returns how many the helpers saved. Does nothing (0) where
-    helpers do not apply (see top) or for fewer than 2 * ``MIN_PER_PROCESS`` programs."""
+class Helpers:
+    """Helper processes exporting programs (``start``). ``as_ready()`` yields each program's key
+    as soon as a helper has saved it in the step cache, then the keys they did not save (the
+    caller lowers those itself), and warns about helpers that failed; ``exported`` counts the
+    saved ones."""
+
+    def __init__(self, keys, procs, tmp):
+        self.keys, self.procs, self._tmp, self.exported = keys, procs, tmp, 0
+        self._lines = queue.Queue()
+        for part, proc in enumerate(procs):
+            threading.Thread(target=self._read, args=(part, proc), daemon=True).start()
+
+    def _read(self, part: int, proc) -> None:
+        for line in proc.stdout:
+            self._lines.put((part, line.rstrip("\n")))
+        self._lines.put((part, None))  # end of output: the helper exited
+
+    def as_ready(self):
+        done, tails, problems = set(), {p: [] for p in range(len(self.procs))}, []
+        running, deadline = len(self.procs), time.monotonic() + TIMEOUT_S
+        try:
+            while running:
+                try:
+                    part, line = self._lines.get(timeout=max(0.1, deadline - time.monotonic()))
+                except queue.Empty:
+                    problems.append(f"helpers stopped after {TIMEOUT_S} s")
+                    break
+                if line is None:
+                    running -= 1
+                    rc = self.procs[part].wait()
+                    if rc != 0:
+                        problems.append(f"helper {part} exited with {rc}: " + " | ".join(tails[part][-8:]))
+                elif line.startswith("EXPORTED "):
+                    i = int(line.split()[1])
+                    done.add(i)
+                    self.exported += 1
+                    yield self.keys[i]
+                else:
+                    tails[part].append(line)
+                    if line.startswith("MISMATCH ") and not any(p.startswith("MISMATCH") for p in problems):
+                        problems.append(line)
+        finally:
+            for proc in self.procs:
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait()
+                proc.stdout.close()
+            self._tmp.cleanup()
+        if problems:
+            warnings.warn(
+                "bijax: lowering step programs in helper processes fell short (this process "
+                "lowers the rest; outputs are unaffected): " + "; ".join(problems),
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        for i, key in enumerate(self.keys):
+            if i not in done:
+                yield key
+
+
+def start(runner, keys, processes: int | None = None) -> Helpers | None:
+    """Starts helper processes exporting ``runner``'s programs ``keys`` (``ModelRunner._lowered``'s
+    keys) that the step cache lacks; None where helpers do not apply (see top) or for fewer than
+    2 * ``MIN_PER_PROCESS`` such programs. The keys of ``Helpers`` are those programs."""
     where = step_cache.directory()
     processes = default_processes() if processes is None else processes
     if where is None or runner.mesh is not None or jax.process_count() > 1 or processes < 2:
-        return 0
+        return None
     todo = []
     for key in keys:
         name = runner._shared_name(key)[0]
@@ -84,14 +148,14 @@ def lower_elsewhere(runner, keys, processes: int | None = None) -> int:
             todo.append((key, name))
     processes = min(processes, len(todo) // MIN_PER_PROCESS)
     if processes < 2:
-        return 0
+        return None
     leaves = jax.tree_util.tree_leaves((runner.params, runner.cache))
     kinds = {getattr(x, "sharding", None) for x in leaves}
     if len(kinds) != 1 or not isinstance(next(iter(kinds)), SingleDeviceSharding):
-        return 0  # weights or cache not on one device as a whole: not a layout a helper rebuilds
+        return None  # weights or cache not on one device as a whole: not a layout a helper rebuilds
     sharding = next(iter(kinds))
     if sharding.device_set != {jax.devices()[0]}:
-        return 0
+        return None
     job = dict(
         directory=where,
         config_values=dict(jax.config.values),
@@ -107,40 +171,21 @@ def lower_elsewhere(runner, keys, processes: int | None = None) -> int:
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
-    with tempfile.TemporaryDirectory(prefix="bijax-lowering-") as tmp:
-        path = os.path.join(tmp, "job.pkl")
-        with open(path, "wb") as f:
-            pickle.dump(job, f)
-        procs = []
-        for part in range(processes):
-            log = open(os.path.join(tmp, f"{part}.log"), "w+")  # noqa: SIM115 - closed below
-            cmd = [sys.executable, "-m", "bijax.parallel_lowering", path, str(part), str(processes)]
-            procs.append((log, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)))
-        saved, problems = 0, []
-        for part, (log, proc) in enumerate(procs):
-            try:
-                rc = proc.wait(timeout=TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-                rc = None
-            log.seek(0)
-            lines = log.read().splitlines()
-            log.close()
-            saved += sum(line.startswith("EXPORTED ") for line in lines)
-            if rc is None:
-                problems.append(f"helper {part} stopped after {TIMEOUT_S} s")
-            elif rc != 0:
-                problems.append(f"helper {part} exited with {rc}: " + " | ".join(lines[-8:]))
-            problems += [line for line in lines if line.startswith("MISMATCH ")][:1]
-    if problems:
-        warnings.warn(
-            "bijax: lowering step programs in helper processes fell short (this process lowers the "
-            "rest; outputs are unaffected): " + "; ".join(problems),
-            RuntimeWarning,
-            stacklevel=3,
+    tmp = tempfile.TemporaryDirectory(prefix="bijax-lowering-")
+    path = os.path.join(tmp.name, "job.pkl")
+    with open(path, "wb") as f:
+        pickle.dump(job, f)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "bijax.parallel_lowering", path, str(part), str(processes)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            text=True,
         )
-    return saved
+        for part in range(processes)
+    ]
+    return Helpers([key for key, _ in todo], procs, tmp)
 
 
 def _child(path: str, part: int, parts: int) -> int:
@@ -187,7 +232,8 @@ def _child(path: str, part: int, parts: int) -> int:
         )
 
     naming, lowering = runner(True), runner(False)
-    for key, name in job["programs"][part::parts]:
+    for i in range(part, len(job["programs"]), parts):
+        key, name = job["programs"][i]
         mine = naming._shared_name(key)[0]
         if mine != name:
             print(f"MISMATCH {key}: this helper's key differs from the parent's", flush=True)
@@ -197,7 +243,7 @@ def _child(path: str, part: int, parts: int) -> int:
         fn, args, kw, donate, _ = lowering._spec(key)
         step_cache.export_step(fn, args, kw, donate=donate, name=name)
         if os.path.exists(os.path.join(step_cache.directory(), name)):  # (an unwritable cache: not)
-            print(f"EXPORTED {key}", flush=True)
+            print(f"EXPORTED {i} {key}", flush=True)
     return 0
 
 
