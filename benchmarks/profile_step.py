@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from bijax.config import EngineConfig, bucket
 from bijax.model_runner import forward_program, sample_program
 from bijax.sampler import SamplingRows, uses_filters
 from models.configs import preset
@@ -36,10 +37,17 @@ BS = 16
 
 def make_step(num_seqs: int, ctx: int, new_tokens: int, max_len: int, vocab: int):
     """A step of ``num_seqs`` sequences with ``ctx`` cached tokens, ``new_tokens`` new ones each,
-    laid out as the engine's runner would (one logits row per sequence)."""
+    laid out as the engine's runner would: padded to its (sequences, tokens) bucket - at least
+    16 of each, powers of two (``EngineConfig``'s buckets, with max_num_seqs and
+    max_num_batched_tokens of at least 16) - one logits row per sequence row. (Before
+    2026-12-02 the step was not padded: a single-stream decode ran its matmuls on 1 row, each
+    behind a pad to the kernel's 16-row tile, which the engine's 16-token bucket never needs.)"""
     per = -(-max_len // BS)
     t = num_seqs * new_tokens
-    b = PagedBatch.padding(num_seqs, t, per)
+    cfg = EngineConfig(
+        max_model_len=max_len, max_num_seqs=max(16, num_seqs), max_num_batched_tokens=max(16, t)
+    )
+    b = PagedBatch.padding(bucket(num_seqs, cfg.seq_buckets), bucket(t, cfg.token_buckets), per)
     rng = np.random.default_rng(0)
     for r in range(num_seqs):
         pos = np.arange(ctx, ctx + new_tokens)
@@ -52,9 +60,9 @@ def make_step(num_seqs: int, ctx: int, new_tokens: int, max_len: int, vocab: int
         b.block_tables[r] = table
         b.context_lens[r] = ctx + new_tokens
         b.logit_rows[r] = (r + 1) * new_tokens - 1
-    s = SamplingRows.greedy(num_seqs)
+    s = SamplingRows.greedy(len(b.logit_rows))
     s.temperature[:] = 0.8  # sampled rows: the whole sampling path runs
-    s.position[:] = ctx + new_tokens
+    s.position[:num_seqs] = ctx + new_tokens
     return b, s, num_seqs * per + 1
 
 
@@ -159,7 +167,7 @@ def profile(
     sampling = jax.tree_util.tree_map(jnp.asarray, sampling)
     t0 = time.perf_counter()
     fwd = forward_program.lower(params, cache, batch, graphdef=graphdef, invariant=invariant).compile()
-    logits = jax.ShapeDtypeStruct((num_seqs, c.vocab_size), jnp.float32)
+    logits = jax.ShapeDtypeStruct((len(batch.logit_rows), c.vocab_size), jnp.float32)
     smp = sample_program.lower(
         logits, sampling, invariant=invariant, num_logprobs=0, filters=filters
     ).compile()
@@ -218,7 +226,9 @@ def profile(
     if kernels is None and gaps is not None:
         kernels = gaps["kernels"]  # the trace's device events, when CUPTI was not asked
     return dict(
-        case=name + (f", top-p {top_p}" if top_p < 1 else ""),
+        case=name
+        + f" (bucket {len(batch.context_lens)} x {batch.num_tokens})"
+        + (f", top-p {top_p}" if top_p < 1 else ""),
         path="invariant" if invariant else "XLA",
         wall_ms=wall_ms,
         dispatch_ms=dispatch_ms,
