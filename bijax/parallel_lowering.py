@@ -173,18 +173,28 @@ def start(runner, keys, processes: int | None = None) -> Helpers | None:
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
     tmp = tempfile.TemporaryDirectory(prefix="bijax-lowering-")
     path = os.path.join(tmp.name, "job.pkl")
-    with open(path, "wb") as f:
-        pickle.dump(job, f)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "bijax.parallel_lowering", path, str(part), str(processes)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env=env,
-            text=True,
+    procs = []
+    try:
+        with open(path, "wb") as f:
+            pickle.dump(job, f)
+        for part in range(processes):
+            cmd = [sys.executable, "-m", "bijax.parallel_lowering", path, str(part), str(processes)]
+            procs.append(
+                subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+            )
+    except Exception as e:  # noqa: BLE001 - a model that does not pickle, no processes left, a full disk
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+            proc.stdout.close()
+        tmp.cleanup()
+        warnings.warn(
+            f"bijax: not lowering step programs in helper processes ({type(e).__name__}: {e}); "
+            "this process lowers them all (outputs are unaffected)",
+            RuntimeWarning,
+            stacklevel=3,
         )
-        for part in range(processes)
-    ]
+        return None
     return Helpers([key for key, _ in todo], procs, tmp)
 
 
