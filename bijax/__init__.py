@@ -34,3 +34,9 @@ __all__ = [
     "WarmupReport",
     "logprobs",
 ]
+
+# The sources' digest that names saved step programs (``step_cache``), taken now: it must
+# describe the code this process runs, not files changed on disk after it started.
+from bijax import step_cache as _step_cache  # noqa: E402
+
+_step_cache._source_digest()

@@ -446,24 +446,27 @@ class ModelRunner:
         t0 = time.perf_counter()
         fkeys = [("forward", *f) for f in forwards]
         helpers = parallel_lowering.start(self, fkeys, processes)
-        own = samples + (fkeys if helpers is None else [k for k in fkeys if k not in helpers.keys])
-        with concurrent.futures.ThreadPoolExecutor(
-            max_workers=min(workers, len(forwards) + len(samples))
-        ) as pool:
-            futures = {}
-            # This process's own programs first, then each helper's as it is saved (compiled in
-            # the pool while the helpers lower the next ones), then what the helpers left.
-            for key in itertools.chain(own, () if helpers is None else helpers.as_ready()):
-                futures[pool.submit(self._lowered(key).compile)] = key
-            tracing = time.perf_counter() - t0
-            for future in concurrent.futures.as_completed(futures):
-                key = futures[future]
-                self._keep(key, future.result())
-                self.programs_made += 1
-                if key[0] == "forward" and progress is not None:
-                    progress(*key[1:3])
-        if helpers is not None:
-            self.programs_lowered_elsewhere += helpers.exported
+        own = (fkeys if helpers is None else [k for k in fkeys if k not in helpers.keys]) + samples
+        try:
+            with concurrent.futures.ThreadPoolExecutor(
+                max_workers=min(workers, len(forwards) + len(samples))
+            ) as pool:
+                futures = {}
+                # This process's own programs first, then each helper's as it is saved (compiled
+                # in the pool while the helpers lower the next ones), and what they left.
+                for key in itertools.chain(own, () if helpers is None else helpers.as_ready()):
+                    futures[pool.submit(self._lowered(key).compile)] = key
+                tracing = time.perf_counter() - t0
+                for future in concurrent.futures.as_completed(futures):
+                    key = futures[future]
+                    self._keep(key, future.result())
+                    self.programs_made += 1
+                    if key[0] == "forward" and progress is not None:
+                        progress(*key[1:3])
+        finally:
+            if helpers is not None:
+                helpers.close()
+                self.programs_lowered_elsewhere += helpers.exported
         return tracing
 
     def _reuse(self, key) -> bool:

@@ -52,13 +52,21 @@ def default_processes() -> int:
     env = os.environ.get("BIJAX_LOWERING_PROCESSES")
     if env is not None:
         try:
-            n = int(env)
+            return max(0, int(env))
         except ValueError:
-            raise ValueError(f"BIJAX_LOWERING_PROCESSES must be an integer, got {env!r}") from None
-        return max(0, n)
+            warnings.warn(
+                f"bijax: BIJAX_LOWERING_PROCESSES must be an integer, got {env!r}: no helper processes",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return 0
     if jax.default_backend() != "gpu":
         return 0
-    return min(MAX_PROCESSES, (os.cpu_count() or 1) // 2)
+    try:
+        cores = len(os.sched_getaffinity(0))  # the cores this process may use (containers)
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return min(MAX_PROCESSES, cores // 2)
 
 
 _SPEC = {"shape", "dtype", "weak_type", "committed"}
@@ -74,53 +82,75 @@ def _spec_of(x) -> dict:
 
 
 class Helpers:
-    """Helper processes exporting programs (``start``). ``as_ready()`` yields each program's key
-    as soon as a helper has saved it in the step cache, then the keys they did not save (the
-    caller lowers those itself), and warns about helpers that failed; ``exported`` counts the
-    saved ones."""
+    """Helper processes exporting programs (``start``); helper ``p`` takes every
+    ``len(procs)``-th program from the p-th. ``as_ready()`` yields each program's key as soon as
+    a helper has saved it in the step cache, and the keys a helper did not save as soon as that
+    helper is done (the caller lowers those itself), warning about helpers that fell short;
+    ``exported`` counts the saved ones. ``close()`` (also at the end of ``as_ready``) stops the
+    helpers and removes the job."""
 
     def __init__(self, keys, procs, tmp):
         self.keys, self.procs, self._tmp, self.exported = keys, procs, tmp, 0
+        self._finished: set[int] = set()  # helpers that said DONE or exited
         self._lines = queue.Queue()
-        for part, proc in enumerate(procs):
-            threading.Thread(target=self._read, args=(part, proc), daemon=True).start()
+        self._readers = [
+            threading.Thread(target=self._read, args=(part, proc), daemon=True)
+            for part, proc in enumerate(procs)
+        ]
+        for t in self._readers:
+            t.start()
 
     def _read(self, part: int, proc) -> None:
-        for line in proc.stdout:
-            self._lines.put((part, line.rstrip("\n")))
-        self._lines.put((part, None))  # end of output: the helper exited
+        try:
+            for line in proc.stdout:
+                self._lines.put((part, line.rstrip("\n")))
+        except (OSError, ValueError):
+            pass  # the pipe closed under us (``close``)
+        finally:
+            self._lines.put((part, None))  # end of output: the helper exited
 
     def as_ready(self):
-        done, tails, problems = set(), {p: [] for p in range(len(self.procs))}, []
-        running, deadline = len(self.procs), time.monotonic() + TIMEOUT_S
+        parts = len(self.procs)
+        handed, tails, problems = set(), {p: [] for p in range(parts)}, []
+        running, deadline = set(range(parts)), time.monotonic() + TIMEOUT_S
+
+        def leftovers(part):  # a finished helper's programs it did not save, for the caller
+            for i in range(part, len(self.keys), parts):
+                if i not in handed:
+                    handed.add(i)
+                    yield self.keys[i]
+
         try:
             while running:
-                try:
-                    part, line = self._lines.get(timeout=max(0.1, deadline - time.monotonic()))
-                except queue.Empty:
+                left = deadline - time.monotonic()
+                if left <= 0:
                     problems.append(f"helpers stopped after {TIMEOUT_S} s")
                     break
-                if line is None:
-                    running -= 1
-                    rc = self.procs[part].wait()
-                    if rc != 0:
+                try:
+                    part, line = self._lines.get(timeout=left)
+                except queue.Empty:
+                    continue
+                if part not in running:
+                    continue  # output after its DONE (shutdown noise)
+                if line is None or line == "DONE":
+                    running.discard(part)
+                    self._finished.add(part)
+                    if line is None:
+                        rc = self.procs[part].wait()
                         problems.append(f"helper {part} exited with {rc}: " + " | ".join(tails[part][-8:]))
+                    yield from leftovers(part)
                 elif line.startswith("EXPORTED "):
                     i = int(line.split()[1])
-                    done.add(i)
-                    self.exported += 1
-                    yield self.keys[i]
+                    if i not in handed:
+                        handed.add(i)
+                        self.exported += 1
+                        yield self.keys[i]
                 else:
                     tails[part].append(line)
-                    if line.startswith("MISMATCH ") and not any(p.startswith("MISMATCH") for p in problems):
+                    if line.startswith(("MISMATCH ", "FAILED ")) and len(problems) < 3:
                         problems.append(line)
         finally:
-            for proc in self.procs:
-                if proc.poll() is None:
-                    proc.kill()
-                proc.wait()
-                proc.stdout.close()
-            self._tmp.cleanup()
+            self.close()
         if problems:
             warnings.warn(
                 "bijax: lowering step programs in helper processes fell short (this process "
@@ -128,9 +158,24 @@ class Helpers:
                 RuntimeWarning,
                 stacklevel=2,
             )
-        for i, key in enumerate(self.keys):
-            if i not in done:
-                yield key
+        for part in range(parts):
+            yield from leftovers(part)
+
+    def close(self) -> None:
+        """Stops the helpers (a helper that said DONE is let exit first), closes their pipes,
+        removes the job; idempotent."""
+        for part, proc in enumerate(self.procs):
+            if proc.poll() is None:
+                try:
+                    proc.wait(timeout=5 if part in self._finished else 0)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        for t in self._readers:
+            t.join(timeout=5)
+        for proc in self.procs:
+            proc.stdout.close()
+        self._tmp.cleanup()
 
 
 def start(runner, keys, processes: int | None = None) -> Helpers | None:
@@ -138,16 +183,16 @@ def start(runner, keys, processes: int | None = None) -> Helpers | None:
     keys) that the step cache lacks; None where helpers do not apply (see top) or for fewer than
     2 * ``MIN_PER_PROCESS`` such programs. The keys of ``Helpers`` are those programs."""
     where = step_cache.directory()
-    processes = default_processes() if processes is None else processes
-    if where is None or runner.mesh is not None or jax.process_count() > 1 or processes < 2:
+    if where is None or runner.mesh is not None or jax.process_count() > 1:
         return None
+    processes = default_processes() if processes is None else processes
     todo = []
     for key in keys:
         name = runner._shared_name(key)[0]
         if not os.path.exists(os.path.join(where, name)):
             todo.append((key, name))
     processes = min(processes, len(todo) // MIN_PER_PROCESS)
-    if processes < 2:
+    if processes < 1:
         return None
     leaves = jax.tree_util.tree_leaves((runner.params, runner.cache))
     kinds = {getattr(x, "sharding", None) for x in leaves}
@@ -171,23 +216,34 @@ def start(runner, keys, processes: int | None = None) -> Helpers | None:
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
-    tmp = tempfile.TemporaryDirectory(prefix="bijax-lowering-")
-    path = os.path.join(tmp.name, "job.pkl")
-    procs = []
+    tmp, procs = None, []
     try:
+        tmp = tempfile.TemporaryDirectory(prefix="bijax-lowering-")
+        path = os.path.join(tmp.name, "job.pkl")
         with open(path, "wb") as f:
             pickle.dump(job, f)
         for part in range(processes):
-            cmd = [sys.executable, "-m", "bijax.parallel_lowering", path, str(part), str(processes)]
+            # -P: not the working directory first on the path (another checkout there would
+            # make every name differ)
+            cmd = [sys.executable, "-P", "-m", "bijax.parallel_lowering", path, str(part), str(processes)]
             procs.append(
-                subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+                subprocess.Popen(
+                    cmd,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    text=True,
+                    errors="replace",
+                )
             )
+        return Helpers([key for key, _ in todo], procs, tmp)
     except Exception as e:  # noqa: BLE001 - a model that does not pickle, no processes left, a full disk
         for proc in procs:
             proc.kill()
             proc.wait()
             proc.stdout.close()
-        tmp.cleanup()
+        if tmp is not None:
+            tmp.cleanup()
         warnings.warn(
             f"bijax: not lowering step programs in helper processes ({type(e).__name__}: {e}); "
             "this process lowers them all (outputs are unaffected)",
@@ -195,7 +251,6 @@ def start(runner, keys, processes: int | None = None) -> Helpers | None:
             stacklevel=3,
         )
         return None
-    return Helpers([key for key, _ in todo], procs, tmp)
 
 
 def _child(path: str, part: int, parts: int) -> int:
@@ -204,12 +259,13 @@ def _child(path: str, part: int, parts: int) -> int:
 
     with open(path, "rb") as f:
         job = pickle.load(f)
+    refused = []  # settings this process cannot take (its names then differ: MISMATCH says why)
     for name, value in job["config_values"].items():
         if jax.config.values.get(name) != value:
             try:
                 jax.config.update(name, value)
-            except Exception:  # noqa: BLE001 - a setting this process cannot take: the key check catches it
-                pass
+            except Exception:  # noqa: BLE001 - reported with the mismatch it causes
+                refused.append(name)
     # The parent's step cache (the same as this process's unless the parent chose another) and
     # the kernel choices it set at run time (benchmarks' A/B switches).
     step_cache.directory = lambda: job["directory"]
@@ -244,18 +300,23 @@ def _child(path: str, part: int, parts: int) -> int:
     naming, lowering = runner(True), runner(False)
     for i in range(part, len(job["programs"]), parts):
         key, name = job["programs"][i]
-        mine = naming._shared_name(key)[0]
-        if mine != name:
-            print(f"MISMATCH {key}: this helper's key differs from the parent's", flush=True)
-            continue
-        if step_cache.load(name) is not None:
-            continue  # another process saved it meanwhile
-        fn, args, kw, donate, _ = lowering._spec(key)
-        step_cache.export_step(fn, args, kw, donate=donate, name=name)
-        if os.path.exists(os.path.join(step_cache.directory(), name)):  # (an unwritable cache: not)
-            print(f"EXPORTED {i} {key}", flush=True)
+        try:
+            mine = naming._shared_name(key)[0]
+            if mine != name:
+                why = f" (settings not taken: {refused})" if refused else ""
+                print(f"MISMATCH {key}: this helper's name for it differs from the parent's{why}", flush=True)
+                continue
+            if step_cache.load(name) is None:  # (else another process saved it meanwhile)
+                fn, args, kw, donate, _ = lowering._spec(key)
+                step_cache.export_step(fn, args, kw, donate=donate, name=name)
+            if os.path.exists(os.path.join(step_cache.directory(), name)):  # (an unwritable cache: not)
+                print(f"EXPORTED {i} {key}", flush=True)
+        except Exception as e:  # noqa: BLE001 - the parent lowers this one; the next may work
+            print(f"FAILED {key}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    print("DONE", flush=True)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(_child(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))
+    _child(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    os._exit(0)  # everything is saved: no runtime shutdown (nothing to wait for, nothing to hang on)

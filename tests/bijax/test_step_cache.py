@@ -54,9 +54,19 @@ def test_warmup_lowers_missing_steps_in_helper_processes(tmp_path, monkeypatch):
     and lowers that one itself."""
     from bijax import LLM, SamplingParams, model_runner, parallel_lowering
     from bijax.model_runner import num_compiled_steps
+    from pallas_kernels import matmul_triton
 
     monkeypatch.setattr(compile_cache, "directory", lambda: str(tmp_path))  # empty: every step missing
     monkeypatch.setattr(parallel_lowering, "MIN_PER_PROCESS", 1)
+    # a kernel choice set at run time (as benchmarks/ab.py does) reaches the helpers: else every
+    # name would differ
+    monkeypatch.setattr(matmul_triton, "DECODE_WIDE_PROGRAMS", 7)
+    exports = []  # programs this process exported itself
+    export_step = step_cache.export_step
+    monkeypatch.setattr(step_cache, "export_step", lambda *a, **k: exports.append(1) or export_step(*a, **k))
+    started = []
+    start = parallel_lowering.start
+    monkeypatch.setattr(parallel_lowering, "start", lambda *a: started.append(start(*a)) or started[-1])
     make = lambda: LLM("tiny", max_model_len=64, max_num_seqs=1, max_num_batched_tokens=64, num_kv_blocks=10)
     llm = make()
     runner = llm.engine.runner
@@ -65,7 +75,9 @@ def test_warmup_lowers_missing_steps_in_helper_processes(tmp_path, monkeypatch):
     with pytest.warns(RuntimeWarning, match="MISMATCH"):
         tracing = runner.warmup(runner.bucket_pairs(), processes=2)
     assert runner.programs_lowered_elsewhere == 2  # (1, 16) and (1, 64); (1, 32) by the parent
+    assert len(exports) == 1 + 2  # here: that forward and sampling with and without filters
     assert 0 < tracing
+    assert len(started) == 1 and not os.path.exists(started[0]._tmp.name)  # the job removed
     steps = sorted(os.listdir(tmp_path / "bijax-steps"))
     assert "0" * 64 in steps and len(steps) == 3 + 2  # 3 forwards, sampling with and without filters
     prompts, sp = [[5] * 40, [7] * 3], SamplingParams(temperature=0.8, seed=3, max_tokens=6)
