@@ -224,8 +224,8 @@ def start(runner, keys, processes: int | None = None) -> Helpers | None:
             pickle.dump(job, f)
         for part in range(processes):
             # -P: not the working directory first on the path (another checkout there would
-            # make every name differ)
-            cmd = [sys.executable, "-P", "-m", "bijax.parallel_lowering", path, str(part), str(processes)]
+            # make every name differ); -c, not -m: the module is imported once, as itself
+            cmd = [sys.executable, "-P", "-c", _HELPER, path, str(part), str(processes)]
             procs.append(
                 subprocess.Popen(
                     cmd,
@@ -317,6 +317,11 @@ def _child(path: str, part: int, parts: int) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    _child(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
-    os._exit(0)  # everything is saved: no runtime shutdown (nothing to wait for, nothing to hang on)
+# A helper's program (``python -P -c _HELPER job part parts``). It exits without the runtime's
+# shutdown: everything is saved by then, and nothing is left to wait for or hang on.
+_HELPER = (
+    "import os, sys\n"
+    "from bijax.parallel_lowering import _child\n"
+    "_child(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))\n"
+    "os._exit(0)\n"
+)
