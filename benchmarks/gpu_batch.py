@@ -90,8 +90,8 @@ STEPS = {
     ),
     "startup": (
         _py("startup.py"),
-        450,
-        "cold / warm start-up (fresh processes; cold without and with helper processes lowering)",
+        540,
+        "cold / warm start-up (fresh processes; cold without helper processes, with them, with them compiling)",
     ),
     "long": (_py("long_context.py"), 500, "a 32k-token prompt through the engine"),
 }

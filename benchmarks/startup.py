@@ -3,7 +3,8 @@
   engine   ``LLM(model, max_num_seqs=64, max_num_batched_tokens=2048).warmup()`` on an empty
            persistent compile cache without and with helper processes lowering the steps
            (``bijax.parallel_lowering``; ``BIJAX_LOWERING_PROCESSES=0``, then the default), then
-           again in a third process from the filled cache;
+           again in a third process from the filled cache, and on another empty cache with
+           the helpers also compiling (``BIJAX_LOWERING_COMPILE=1``);
   single   one request's first token - ``LLM`` sized as ``bijax generate`` sizes it for one
            prompt (1 sequence, 512 tokens per step), ``warmup(max_step_tokens=prompt)``, then
            ``generate`` of 1 token - on an empty cache, then from the filled cache, timed from
@@ -89,10 +90,13 @@ def child(kind: str, model: str) -> None:
     )
 
 
-def run_child(kind: str, model: str, cache: str, helpers: bool = True) -> dict:
+def run_child(kind: str, model: str, cache: str, helpers: str = "lower") -> dict:
+    """``helpers``: "off", "lower" (the default) or "compile" (BIJAX_LOWERING_COMPILE=1)."""
     env = dict(os.environ, BIJAX_CACHE_DIR=cache, PYTHONUNBUFFERED="1")
-    if not helpers:
+    if helpers == "off":
         env["BIJAX_LOWERING_PROCESSES"] = "0"
+    elif helpers == "compile":
+        env["BIJAX_LOWERING_COMPILE"] = "1"
     t0 = time.perf_counter()
     p = subprocess.run(
         [sys.executable, os.path.abspath(__file__), "--child", kind, "--model", model],
@@ -128,13 +132,15 @@ def main() -> int:
         tempfile.TemporaryDirectory() as c0,
         tempfile.TemporaryDirectory() as c1,
         tempfile.TemporaryDirectory() as c2,
+        tempfile.TemporaryDirectory() as c3,
     ):
         for name, kind, cache, helpers in (
-            ("64 seqs x 2048 tokens, empty cache, no helper processes", "engine", c0, False),
-            ("64 seqs x 2048 tokens, empty cache", "engine", c1, True),
-            ("64 seqs x 2048 tokens, filled cache", "engine", c1, True),
-            ("one request, first token, empty cache", "single", c2, True),
-            ("one request, first token, filled cache", "single", c2, True),
+            ("64 seqs x 2048 tokens, empty cache, no helper processes", "engine", c0, "off"),
+            ("64 seqs x 2048 tokens, empty cache", "engine", c1, "lower"),
+            ("64 seqs x 2048 tokens, filled cache", "engine", c1, "lower"),
+            ("64 seqs x 2048 tokens, empty cache, helpers also compile", "engine", c3, "compile"),
+            ("one request, first token, empty cache", "single", c2, "lower"),
+            ("one request, first token, filled cache", "single", c2, "lower"),
         ):
             r = run_child(kind, a.model, cache, helpers)
             print(name, json.dumps(r), flush=True)

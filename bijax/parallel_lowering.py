@@ -23,6 +23,12 @@ run; how many: ``BIJAX_LOWERING_PROCESSES`` (0 turns them off), by default one p
 cores, at most 8, on GPUs, and none on CPU (compiling dominates there, and a 2-core machine
 gains nothing from more processes). Each helper takes at least ``MIN_PER_PROCESS`` programs
 (starting one costs a few seconds).
+
+``BIJAX_LOWERING_COMPILE=1`` (off by default; a measurement switch, ``benchmarks/startup.py``):
+a helper also compiles each program it exported, as the parent would compile it read back, so
+that JAX's persistent cache holds the executable and the parent's compile becomes a load -
+compiling then runs in the helpers' processes instead of the parent's threads. Only where the
+persistent cache keeps programs (each must take at least its minimum compile time).
 """
 
 from __future__ import annotations
@@ -212,6 +218,7 @@ def start(runner, keys, processes: int | None = None) -> Helpers | None:
         config=runner.config,
         model_config=runner.model_config,
         programs=todo,
+        compile=os.environ.get("BIJAX_LOWERING_COMPILE", "0").strip() not in ("", "0"),
     )
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -306,9 +313,11 @@ def _child(path: str, part: int, parts: int) -> int:
                 why = f" (settings not taken: {refused})" if refused else ""
                 print(f"MISMATCH {key}: this helper's name for it differs from the parent's{why}", flush=True)
                 continue
+            fn, args, kw, donate, _ = lowering._spec(key)
             if step_cache.load(name) is None:  # (else another process saved it meanwhile)
-                fn, args, kw, donate, _ = lowering._spec(key)
                 step_cache.export_step(fn, args, kw, donate=donate, name=name)
+            if job["compile"]:  # the parent's compile of it, read back, then loads this executable
+                step_cache.lower(fn, args, kw, donate=donate, name=name).compile()
             if os.path.exists(os.path.join(step_cache.directory(), name)):  # (an unwritable cache: not)
                 print(f"EXPORTED {i} {key}", flush=True)
         except Exception as e:  # noqa: BLE001 - the parent lowers this one; the next may work

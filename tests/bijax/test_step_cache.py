@@ -90,3 +90,38 @@ def test_warmup_lowers_missing_steps_in_helper_processes(tmp_path, monkeypatch):
     for a, b in zip(out, ref, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert np.array_equal(bits(a.outputs[0].logprobs), bits(b.outputs[0].logprobs))
+
+
+_HELPERS_COMPILE = """
+import bijax
+llm = bijax.LLM("tiny", max_model_len=64, max_num_seqs=1, max_num_batched_tokens=64, num_kv_blocks=10)
+llm.warmup(progress=False)
+r = llm.last_warmup
+print("REPORT", r.num_programs, r.loaded_from_cache, r.compiled, r.lowered_in_helpers)
+"""
+
+
+@pytest.mark.parametrize("compile_in_helpers", ["1", "0"])
+def test_helpers_that_compile_fill_the_persistent_cache(tmp_path, compile_in_helpers):
+    """BIJAX_LOWERING_COMPILE=1: the helpers compile what they export, so the warm-up (on an
+    empty cache) loads those executables instead of compiling them - the helpers' programs key
+    the persistent cache as the parent's do. Control: without it the warm-up compiles all."""
+    import subprocess
+    import sys
+
+    env = dict(
+        os.environ,
+        BIJAX_CACHE_DIR=str(tmp_path),
+        JAX_PLATFORMS="cpu",
+        BIJAX_LOWERING_PROCESSES="1",
+        BIJAX_LOWERING_COMPILE=compile_in_helpers,
+    )
+    env.pop("BIJAX_COMPILATION_CACHE", None)
+    r = subprocess.run([sys.executable, "-c", _HELPERS_COMPILE], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    n, loaded, compiled, helped = (int(x) for x in r.stdout.split("REPORT")[1].split()[:4])
+    assert helped == 3 and n == 5  # 3 forwards by the helper, sampling with and without filters here
+    if compile_in_helpers == "1":
+        assert loaded == 3 and compiled == 2
+    else:
+        assert loaded == 0 and compiled == 5
