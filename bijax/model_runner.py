@@ -174,14 +174,7 @@ class ModelRunner:
     weights are moved onto a mesh of that many devices (the model then holds the shards)."""
 
     def __init__(self, model: Llama, config: EngineConfig):
-        self.config = config
-        self.model_config = model.config
-        self.compiled_buckets: set = set()  # (seqs, tokens) buckets whose step is compiled
-        # Programs compiled ahead of time by ``warmup`` (in parallel), by ``_lowered``'s keys.
-        self._aot: dict = {}
-        self._names: dict = {}  # ``step_cache.step_key`` by program key (``_shared_name``)
-        self.programs_made = 0  # by ``warmup``, all calls together
-        self.programs_lowered_elsewhere = 0  # of them, lowered by ``parallel_lowering``'s helpers
+        self._start(config, model.config)
         if config.invariant and jax.default_backend() == "cpu":
             pk.require_consistent_cpu_math()  # CPU bits must not depend on the CPU model
         size = config.tensor_parallel_size
@@ -199,12 +192,21 @@ class ModelRunner:
         given - ShapeDtypeStructs in ``parallel_lowering``'s helpers, which only lower its
         programs (no tensor parallelism)."""
         self = cls.__new__(cls)
-        self.config, self.model_config, self.mesh = config, model_config, None
-        self.compiled_buckets, self._aot, self._names, self.programs_made = set(), {}, {}, 0
-        self.programs_lowered_elsewhere = 0
-        self.graphdef, self.params, self.cache = graphdef, params, cache
+        self._start(config, model_config)
+        self.mesh, self.graphdef, self.params, self.cache = None, graphdef, params, cache
         self._param_leaves, self._param_tree = jax.tree_util.tree_flatten(params)
         return self
+
+    def _start(self, config: EngineConfig, model_config) -> None:
+        """What every runner starts with: its configs and no programs yet."""
+        self.config = config
+        self.model_config = model_config
+        self.compiled_buckets: set = set()  # (seqs, tokens) buckets whose step is compiled
+        # Programs compiled ahead of time by ``warmup`` (in parallel), by ``_lowered``'s keys.
+        self._aot: dict = {}
+        self._names: dict = {}  # ``step_cache.step_key`` by program key (``_shared_name``)
+        self.programs_made = 0  # by ``warmup``, all calls together
+        self.programs_lowered_elsewhere = 0  # of them, lowered by ``parallel_lowering``'s helpers
 
     def set_model(self, model: Llama) -> None:
         """Takes the model's weights (placed on the mesh under tensor parallelism)."""
