@@ -72,9 +72,9 @@ STEPS = {
     ),
     "spec-cycle": (_py("speculative.py", "--workloads", "cycle"), 200, "speculation: cycle"),
     "spec-random": (
-        _py("speculative.py", "--workloads", "random", "--repeats", "5"),
-        200,
-        "speculation vs plain on random prompts, 5 runs each",
+        _py("speculative.py", "--workloads", "random", "--repeats", "9"),
+        280,
+        "speculation vs plain on random prompts, 9 runs each",
     ),
     **_AB,
     "profile": (_py("profile_step.py"), 300, "where a step's time goes"),

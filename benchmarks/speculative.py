@@ -16,7 +16,10 @@ engine limits, both with the engine's default (async) scheduling:
 - "random": random prompts, temperature 1.0 sampling (drafts rarely accepted: the cost of trying).
 Every timed run (3 per engine, alternating, or ``--repeats``; the median; each run's seconds printed) follows an identical warm-up run (prefix cache emptied before each), and the
 script fails if anything compiled inside a timed run. Token ids and float32 logprob bits of the
-two engines must be identical.
+two engines must be identical. Next to the ratio of the medians: the range of the pairs' ratios,
+the ratio of the best runs, and what speculation cost on the host (``EngineStats``): steps the
+async queue was drained for (and of them those that carried no drafts after all) and the
+speculator's host time per step - where no drafts are accepted, these are what it costs.
 """
 
 from __future__ import annotations
@@ -84,11 +87,13 @@ def workload(kind: str, streams: int, vocab: int, out_len: int, cycles=None):
 
 
 def timed(llm, prompts, params):
-    """(outputs, seconds, compiles, engine steps) of a run after an identical warm-up run."""
+    """(outputs, seconds, compiles, engine steps, speculation counters) of a run after an
+    identical warm-up run; the counters: drained steps, drained steps that carried no drafts
+    (async scheduling), host seconds in the speculator."""
     llm.reset_prefix_cache()
     llm.generate(prompts, params, use_tqdm=False)  # warm-up: the same run
     llm.reset_prefix_cache()
-    compiled = llm.engine.stats().num_compiled_steps
+    before = llm.engine.stats()
     steps = [0]
     step = llm.engine.step
 
@@ -101,7 +106,13 @@ def timed(llm, prompts, params):
     outs = llm.generate(prompts, params, use_tqdm=False)
     secs = time.perf_counter() - t0
     del llm.engine.step
-    return outs, secs, llm.engine.stats().num_compiled_steps - compiled, steps[0]
+    after = llm.engine.stats()
+    spec = (
+        after.num_drained_steps - before.num_drained_steps,
+        after.num_drained_steps_without_drafts - before.num_drained_steps_without_drafts,
+        after.speculation_host_seconds - before.speculation_host_seconds,
+    )
+    return outs, secs, after.num_compiled_steps - before.num_compiled_steps, steps[0], spec
 
 
 def main():
@@ -158,10 +169,15 @@ def main():
                 + " s",
                 flush=True,
             )
-            (a, _, ca, sa), (b, _, cb, sb) = runs[0]  # outputs and steps: the same every run
+            (a, _, ca, sa, _), (b, _, cb, sb, _) = runs[0]  # outputs and steps: the same every run
             ta = statistics.median(r[0][1] for r in runs)  # alternating runs, the median of each
             tb = statistics.median(r[1][1] for r in runs)
+            pairs = sorted(r[0][1] / r[1][1] for r in runs)  # each pair's plain / ngram seconds
+            best = min(r[0][1] for r in runs) / min(r[1][1] for r in runs)
             ca, cb = sum(r[0][2] for r in runs), sum(r[1][2] for r in runs)
+            drains = sum(r[1][4][0] for r in runs) / len(runs)
+            empty = sum(r[1][4][1] for r in runs) / len(runs)
+            host = sum(r[1][4][2] / r[1][3] for r in runs) / len(runs)  # speculator seconds per step
             same = all(
                 x.token_ids == y.token_ids and np.array_equal(bits(x.logprobs), bits(y.logprobs))
                 for x, y in zip(a, b, strict=True)
@@ -172,9 +188,11 @@ def main():
             toks = streams * out_len
             rows.append(
                 dict(kind=kind, streams=streams, plain=toks / ta / streams, ngram=toks / tb / streams,
-                     speedup=ta / tb, acceptance=accepted / drafted if drafted else 0.0,
+                     speedup=ta / tb, pairs=f"{pairs[0]:.2f}-{pairs[-1]:.2f}", best=best,
+                     acceptance=accepted / drafted if drafted else 0.0,
                      per_verify=accepted / verify if verify else 0.0, same=same, compiles=ca + cb,
-                     steps=f"{sa} / {sb} ({verify} verify rows)", ms=f"{1e3 * ta / sa:.2f} / {1e3 * tb / sb:.2f}")
+                     steps=f"{sa} / {sb} ({verify} verify rows)", ms=f"{1e3 * ta / sa:.2f} / {1e3 * tb / sb:.2f}",
+                     drains=f"{drains:.1f} ({empty:.1f} without drafts)", host_us=1e6 * host)
             )  # fmt: skip
             print(rows[-1], flush=True)
             if not same:
@@ -182,16 +200,17 @@ def main():
             if ca or cb:
                 failures.append(f"{kind} x{streams}: {ca + cb} compiles inside timed runs")
     print(
-        "\n| workload | streams | plain tok/s per stream | ngram k=4 tok/s per stream | speed-up | acceptance "
-        "| accepted per verify row | bits identical | compiles in timed runs | steps plain / ngram "
-        "| ms per step plain / ngram |"
+        "\n| workload | streams | plain tok/s per stream | ngram k=4 tok/s per stream | speed-up (medians) "
+        "| pairs' range | best / best | acceptance | accepted per verify row | bits identical "
+        "| compiles in timed runs | steps plain / ngram | ms per step plain / ngram "
+        "| drained steps per run | speculator host us per step |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['kind']} | {r['streams']} | {r['plain']:.1f} | {r['ngram']:.1f} | {r['speedup']:.2f}x "
-            f"| {r['acceptance']:.2f} | {r['per_verify']:.2f} | {r['same']} | {r['compiles']} | {r['steps']} "
-            f"| {r['ms']} |"
+            f"| {r['pairs']} | {r['best']:.2f}x | {r['acceptance']:.2f} | {r['per_verify']:.2f} | {r['same']} "
+            f"| {r['compiles']} | {r['steps']} | {r['ms']} | {r['drains']} | {r['host_us']:.0f} |"
         )
     print(f"\nfailures: {failures}")
     sys.exit(1 if failures else 0)

@@ -42,6 +42,13 @@ class EngineStats:
     num_kv_blocks_in_use: int  # KV blocks held by sequences (block 0, the null block, not counted)
     num_draft_tokens: int = 0  # speculative decoding: drafts proposed and accepted
     num_accepted_tokens: int = 0
+    num_drafted_steps: int = 0  # steps that carried drafts
+    # async scheduling: steps the queue of enqueued steps was emptied for (a sequence looked
+    # like it would draft), and of them those that in the end carried no drafts (the guess
+    # from the host's tokens missed: a drained pipeline for nothing)
+    num_drained_steps: int = 0
+    num_drained_steps_without_drafts: int = 0
+    speculation_host_seconds: float = 0.0  # host time spent deciding on and proposing drafts
 
 
 @dataclasses.dataclass
@@ -77,7 +84,9 @@ class Engine:
                     f"is not the model's ({model.config.vocab_size}): it must use the same tokenizer"
                 )
         self.speculator = None if spec is None else Speculator(spec, config, draft_model)
-        self._spec_totals = [0, 0]
+        # drafts, accepted drafts, drafted steps, drained steps, drained steps without drafts
+        self._spec_totals = [0, 0, 0, 0, 0]
+        self._spec_seconds = 0.0  # host time in the speculator's decisions and proposals
         self.model_config = model.config
         self.tokenizer = tokenizer
         self._token = object()  # marks the ValidPrompts this engine checked
@@ -247,6 +256,10 @@ class Engine:
             num_kv_blocks_in_use=self.blocks.num_blocks - 1 - self.blocks.num_free,
             num_draft_tokens=self._spec_totals[0],
             num_accepted_tokens=self._spec_totals[1],
+            num_drafted_steps=self._spec_totals[2],
+            num_drained_steps=self._spec_totals[3],
+            num_drained_steps_without_drafts=self._spec_totals[4],
+            speculation_host_seconds=self._spec_seconds,
         )
 
     def reset_prefix_cache(self) -> None:
@@ -320,12 +333,14 @@ class Engine:
         running = self.scheduler.running
         # (the rule first: it is one decision per step, as in synchronous mode, and the scan
         # of the sequences runs only where drafting would pay)
+        t0 = time.perf_counter()
         if (
             not self._drain
             and self.speculator.worth_it(len(running))
             and self.speculator.has_candidates(running)
         ):
             self._drain = True
+        self._spec_seconds += time.perf_counter() - t0
         return self._drain
 
     def _interval(self, num_seqs: int, decode_only: bool, drafted: bool, emitted: int) -> None:
@@ -343,10 +358,15 @@ class Engine:
         self.check_weights()  # before scheduling: a failure leaves every request as it was
         chunks = self.scheduler.schedule()
         drafts = {}
+        t0 = time.perf_counter()
         if self.speculator is not None and (self._drain or self.speculator.worth_it(len(chunks))):
             left = self.config.max_num_batched_tokens - sum(n for _, n in chunks)
             drafts = self.speculator.propose(chunks, self.blocks, left)
+        self._spec_seconds += time.perf_counter() - t0
         drained, self._drain = self._drain, False
+        self._spec_totals[2] += bool(drafts)
+        self._spec_totals[3] += drained
+        self._spec_totals[4] += drained and not drafts
         run = [Chunk.pending(seq, n, drafts.get(seq.seq_id, ())) for seq, n in chunks]
         num_logprobs = MAX_LOGPROBS if any(s.params.logprobs for s, _ in chunks) else 0
         tok, lp, top = self.runner.step(run, num_logprobs)

@@ -176,6 +176,12 @@ def test_output_that_repeats_its_prompt_accepts_drafts_in_fewer_steps(async_sche
     # 40 tokens at up to 5 a step (1 + 4 drafts), plus the prompt's step (and, async, the steps
     # enqueued before the first drafted one): far fewer than plain decoding's 40
     assert steps <= 40 // 5 + (4 if async_scheduling else 2)
+    st = eng.stats()  # the counters of the speculator's work (``benchmarks/speculative.py``)
+    assert 0 < st.num_drafted_steps <= out.metrics.num_verify_steps
+    assert st.num_drafted_steps + st.num_drained_steps_without_drafts == st.num_drained_steps or (
+        not async_scheduling and st.num_drained_steps == 0
+    )
+    assert st.speculation_host_seconds > 0
 
 
 def test_has_candidates_guesses_from_host_tokens_of_decoding_sequences():
@@ -218,6 +224,8 @@ def test_nothing_to_draft_keeps_steps_enqueued_ahead():
         outs += eng.step()
         ahead += len(eng._in_flight) > 0
     assert outs[-1].metrics.num_draft_tokens == 0 and ahead >= 20
+    st = eng.stats()
+    assert st.num_drafted_steps == st.num_drained_steps == 0  # never emptied the queue
     assert same(outs[-1:], llm("plain").generate(prompts[2:3], sp, use_tqdm=False))
 
 
