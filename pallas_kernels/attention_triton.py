@@ -141,13 +141,21 @@ def _tokens_kernel(
         m, l, acc = walk_tiles(first, full, num_tiles, masked, unmasked, _empty_state(rows, d))
     else:
         m, l, acc = lax.fori_loop(first, num_tiles, masked, _empty_state(rows, d))
-    m_out[...] = m
-    l_out[...] = l
-    acc_out[...] = acc
+
+    # Only the splits the combine folds are stored: a split the token sees nothing of (padding
+    # tokens, splits past the token, before its window) is never read. With a long
+    # max_model_len most of the grid is such splits, and their stores were most of the traffic.
+    @pl.when(split_used(split, pos, spec))
+    def _():
+        m_out[...] = m
+        l_out[...] = l
+        acc_out[...] = acc
 
 
 def _combine_kernel(pos_ref, m_ref, l_ref, acc_ref, o_ref, *, spec: AttentionSpec):
-    """One (token, KV head): the left fold of its split states."""
+    """One (token, KV head): the left fold of its split states. It reads only the splits the
+    token uses (``split_used``: a contiguous range; the others were not stored, and folding
+    them would leave the state unchanged - ``fold_step`` with ``use`` False)."""
     pos = pos_ref[pl.program_id(0)]
     splits, rows, d = acc_ref.shape
 
@@ -156,7 +164,11 @@ def _combine_kernel(pos_ref, m_ref, l_ref, acc_ref, o_ref, *, spec: AttentionSpe
         return fold_step(carry, (m_ref[s], l_ref[s], acc_ref[s]), use)
 
     init = _empty_state(rows, d) + (jnp.zeros((rows,), bool),)
-    o_ref[...] = fold_finish(lax.fori_loop(0, splits, body, init)).astype(o_ref.dtype)
+    last = jnp.where(pos >= 0, jnp.minimum(pos // spec.split_size + 1, splits), 0)
+    first = 0
+    if spec.window is not None:  # split s is used iff (s + 1) * split_size > pos - window + 1
+        first = jnp.clip((pos - spec.window + 1) // spec.split_size, 0, last)
+    o_ref[...] = fold_finish(lax.fori_loop(first, last, body, init)).astype(o_ref.dtype)
 
 
 def token_states(

@@ -360,6 +360,40 @@ def test_cuda_lowering_has_the_kernel_and_cpu_does_not():
     assert TRITON_CUSTOM_CALL not in cpu and "bijax_attention" not in cpu
 
 
+@pytest.mark.parametrize("kw", [{}, {"sliding_window": 100}])
+def test_decode_combine_reads_only_the_splits_a_token_uses(kw):
+    """The ``tokens`` kernel stores only the splits a token uses, so the combine must read only
+    those: NaN in every other split's state (padding tokens, splits past the token, splits
+    before its window) leaves the output's bits as they are. Control: NaN in a used split
+    reaches the output."""
+    from pallas_kernels import attention_triton
+    from pallas_kernels.attention_math import AttentionSpec, split_used
+
+    paged = Paged([300, 70], hq=4, hkv=2, max_blocks=24)  # room for 6 splits of 64 keys
+    tokens = [(0, 299), (0, 130), (1, 69), (1, 3), (0, -1)]  # the last one: padding
+    pos = jnp.asarray([p for _, p in tokens], jnp.int32)
+    seq = jnp.asarray([s for s, _ in tokens], jnp.int32)
+    q = jnp.stack([paged.q[s][max(p, 0)] for s, p in tokens]).reshape(len(tokens), 2, 2, paged.d)
+    index = (jnp.asarray(paged.bt), jnp.asarray(paged.lens, jnp.int32), seq, pos)
+    spec = AttentionSpec.create(paged.d, split_size=64, **kw)
+    m, l, acc = attention_triton.token_states(q, paged.kc, paged.vc, index, spec=spec, interpret=True)
+    splits = m.shape[2]
+    used = np.array([[bool(split_used(x, p, spec)) for x in range(splits)] for _, p in tokens])
+    assert used.any(axis=1)[:-1].all() and not used.all() and not used[-1].any()
+
+    def out(keep):
+        k = jnp.asarray(keep)[:, None, :, None]
+        nan = lambda a: jnp.where(k.reshape(k.shape + (1,) * (a.ndim - 4)), a, jnp.nan)  # noqa: E731
+        o = attention_triton.combine(nan(m), nan(l), nan(acc), pos, spec=spec, interpret=True, dtype=q.dtype)
+        return bits(o[:-1])  # (the padding token's output is not used)
+
+    full = out(np.ones_like(used))
+    np.testing.assert_array_equal(out(used), full)
+    poisoned = used.copy()
+    poisoned[0, np.flatnonzero(used[0])[-1]] = False  # control: a used split's state is NaN
+    assert not np.array_equal(out(poisoned), full)
+
+
 @pytest.mark.parametrize("gpu_kernel", ["tokens", "tiles"])
 @pytest.mark.parametrize("kw", [{}, {"sliding_window": 100}])
 def test_unmasked_full_tiles_and_row_loads_keep_the_bits(gpu_kernel, kw):
