@@ -3,10 +3,13 @@ running ``benchmarks/async_scheduling.py`` with the arguments after the side.
 
     PYTHONPATH=. python3 benchmarks/ab.py decode-launch old|new [async_scheduling.py args]
     PYTHONPATH=. python3 benchmarks/ab.py prefill-kernel tiles|tiles_mgpu [async_scheduling.py args]
+    PYTHONPATH=. python3 benchmarks/ab.py decode-splits all|used [async_scheduling.py args]
 
 ``decode-launch``: ``matmul_triton.gpu_tiles``'s 16-row launch (64 columns, 4 warps, 8 stages)
 off (``old``: 32 columns, 2 warps, 4 stages) or on (``new``, committed). ``prefill-kernel``:
 ``attention_triton.PREFILL_KERNEL`` (the kernel attention's "auto" runs for prefill steps).
+``decode-splits``: ``attention_triton.STORE_USED_SPLITS_ONLY`` off (``all``: the decode kernel
+stores every split of its grid and the combine folds them all) or on (``used``, committed).
 Default arguments: llama3-8b, 1 and 64 sequences x (64 + 128) tokens, 3 timed runs; for a
 prefill-bound run e.g. ``--seqs 8 --input-len 4096 --output-len 8``. Alternate the sides.
 """
@@ -14,7 +17,11 @@ prefill-bound run e.g. ``--seqs 8 --input-len 4096 --output-len 8``. Alternate t
 import runpy
 import sys
 
-SWITCHES = {"decode-launch": ("old", "new"), "prefill-kernel": ("tiles", "tiles_mgpu")}
+SWITCHES = {
+    "decode-launch": ("old", "new"),
+    "prefill-kernel": ("tiles", "tiles_mgpu"),
+    "decode-splits": ("all", "used"),
+}
 
 if __name__ == "__main__":
     if len(sys.argv) < 3 or sys.argv[1] not in SWITCHES or sys.argv[2] not in SWITCHES[sys.argv[1]]:
@@ -24,6 +31,10 @@ if __name__ == "__main__":
         import pallas_kernels.matmul_triton as matmul_triton
 
         matmul_triton.DECODE_WIDE_PROGRAMS = 1 << 30  # no weight has this many programs: rule off
+    if switch == "decode-splits":
+        import pallas_kernels.attention_triton as attention_triton
+
+        attention_triton.STORE_USED_SPLITS_ONLY = side == "used"
     if switch == "prefill-kernel":
         import pallas_kernels.attention_triton as attention_triton
 

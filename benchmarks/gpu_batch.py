@@ -46,6 +46,8 @@ _AB = {
         ("decode-new", "decode-launch", "new", ()),
         ("prefill-tiles", "prefill-kernel", "tiles", _PREFILL),
         ("prefill-mgpu", "prefill-kernel", "tiles_mgpu", _PREFILL),
+        ("splits-all", "decode-splits", "all", ()),
+        ("splits-used", "decode-splits", "used", ()),
     )
 }
 # name -> (command, time limit s, what it is for)

@@ -73,14 +73,22 @@ def _settings() -> tuple:
     value must not be read back under another."""
     from pallas_kernels import attention_triton, matmul_triton
 
-    return (attention_triton.PREFILL_KERNEL, matmul_triton.DECODE_WIDE_PROGRAMS)
+    return (
+        attention_triton.PREFILL_KERNEL,
+        matmul_triton.DECODE_WIDE_PROGRAMS,
+        attention_triton.STORE_USED_SPLITS_ONLY,
+    )
 
 
 def _apply_settings(values: tuple) -> None:
     """Sets ``_settings()`` to ``values`` (another process's: ``parallel_lowering``'s helpers)."""
     from pallas_kernels import attention_triton, matmul_triton
 
-    attention_triton.PREFILL_KERNEL, matmul_triton.DECODE_WIDE_PROGRAMS = values
+    (
+        attention_triton.PREFILL_KERNEL,
+        matmul_triton.DECODE_WIDE_PROGRAMS,
+        attention_triton.STORE_USED_SPLITS_ONLY,
+    ) = values
 
 
 def key(*parts) -> str:

@@ -54,6 +54,10 @@ GPU_KERNELS = ("auto", "tokens", "tiles", "tiles_mgpu")
 # tiles_mgpu``, 2026-12-02); 8 x 4096-token prompts prefill ~10% faster (benchmarks/ab.py).
 # "tiles" here makes "auto" run Triton everywhere (the A/B switch).
 PREFILL_KERNEL = "tiles_mgpu"
+# The decode kernel stores, and its combine folds, only the splits a token uses (same bits:
+# the others leave the fold unchanged). False: every split of the grid, as before 2026-12-02
+# (the A/B switch of benchmarks/ab.py).
+STORE_USED_SPLITS_ONLY = True
 _BIG = 2**30
 
 
@@ -145,11 +149,15 @@ def _tokens_kernel(
     # Only the splits the combine folds are stored: a split the token sees nothing of (padding
     # tokens, splits past the token, before its window) is never read. With a long
     # max_model_len most of the grid is such splits, and their stores were most of the traffic.
-    @pl.when(split_used(split, pos, spec))
-    def _():
+    def store():
         m_out[...] = m
         l_out[...] = l
         acc_out[...] = acc
+
+    if STORE_USED_SPLITS_ONLY:
+        pl.when(split_used(split, pos, spec))(store)
+    else:
+        store()
 
 
 def _combine_kernel(pos_ref, m_ref, l_ref, acc_ref, o_ref, *, spec: AttentionSpec):
@@ -164,6 +172,9 @@ def _combine_kernel(pos_ref, m_ref, l_ref, acc_ref, o_ref, *, spec: AttentionSpe
         return fold_step(carry, (m_ref[s], l_ref[s], acc_ref[s]), use)
 
     init = _empty_state(rows, d) + (jnp.zeros((rows,), bool),)
+    if not STORE_USED_SPLITS_ONLY:
+        o_ref[...] = fold_finish(lax.fori_loop(0, splits, body, init)).astype(o_ref.dtype)
+        return
     last = jnp.where(pos >= 0, jnp.minimum(pos // spec.split_size + 1, splits), 0)
     first = 0
     if spec.window is not None:  # split s is used iff (s + 1) * split_size > pos - window + 1

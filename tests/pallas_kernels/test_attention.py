@@ -361,7 +361,7 @@ def test_cuda_lowering_has_the_kernel_and_cpu_does_not():
 
 
 @pytest.mark.parametrize("kw", [{}, {"sliding_window": 100}])
-def test_decode_combine_reads_only_the_splits_a_token_uses(kw):
+def test_decode_combine_reads_only_the_splits_a_token_uses(kw, monkeypatch):
     """The ``tokens`` kernel stores only the splits a token uses, so the combine must read only
     those: NaN in every other split's state (padding tokens, splits past the token, splits
     before its window) leaves the output's bits as they are. Control: NaN in a used split
@@ -392,6 +392,11 @@ def test_decode_combine_reads_only_the_splits_a_token_uses(kw):
     poisoned = used.copy()
     poisoned[0, np.flatnonzero(used[0])[-1]] = False  # control: a used split's state is NaN
     assert not np.array_equal(out(poisoned), full)
+    # the A/B switch's other side (every split stored and folded, as before): the same bits
+    monkeypatch.setattr(attention_triton, "STORE_USED_SPLITS_ONLY", False)
+    states = attention_triton.token_states(q, paged.kc, paged.vc, index, spec=spec, interpret=True)
+    o = attention_triton.combine(*states, pos, spec=spec, interpret=True, dtype=q.dtype)
+    np.testing.assert_array_equal(bits(o[:-1]), full)
 
 
 @pytest.mark.parametrize("gpu_kernel", ["tokens", "tiles"])
