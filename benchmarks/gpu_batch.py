@@ -39,6 +39,8 @@ _PREFILL = (
     "--repeats",
     "3",
 )
+# ... and decode at the engine's default max_model_len (8192 on the GPU: 16 splits a token)
+_LONG = ("--max-model-len", "8192", "--modes", "async", "--repeats", "5")
 _AB = {
     f"ab-{name}": (_py("ab.py", switch, side, *extra), 200, f"A/B {switch}: {side}")
     for name, switch, side, extra in (
@@ -46,8 +48,8 @@ _AB = {
         ("decode-new", "decode-launch", "new", ()),
         ("prefill-tiles", "prefill-kernel", "tiles", _PREFILL),
         ("prefill-mgpu", "prefill-kernel", "tiles_mgpu", _PREFILL),
-        ("splits-all", "decode-splits", "all", ()),
-        ("splits-used", "decode-splits", "used", ()),
+        ("splits-all", "decode-splits", "all", _LONG),
+        ("splits-used", "decode-splits", "used", _LONG),
     )
 }
 # name -> (command, time limit s, what it is for)
@@ -94,6 +96,11 @@ STEPS = {
         _py("startup.py"),
         540,
         "cold / warm start-up (fresh processes; cold without helper processes, with them, with them compiling)",
+    ),
+    "startup-single": (
+        _py("startup.py", "--rows", "single"),
+        120,
+        "start-up: one request's first token, empty cache",
     ),
     "long": (_py("long_context.py"), 500, "a 32k-token prompt through the engine"),
 }

@@ -113,11 +113,35 @@ def run_child(kind: str, model: str, cache: str, helpers: str = "lower") -> dict
     return {**json.loads(line[len("RESULT ") :]), "wall": wall}
 
 
+# --rows name -> (label, child kind, compile cache, helpers); a filled row reuses its empty row's cache
+ROWS = {
+    "engine-no-helpers": ("64 seqs x 2048 tokens, empty cache, no helper processes", "engine", "c0", "off"),
+    "engine": ("64 seqs x 2048 tokens, empty cache", "engine", "c1", "lower"),
+    "engine-filled": ("64 seqs x 2048 tokens, filled cache", "engine", "c1", "lower"),
+    "engine-helpers-compile": (
+        "64 seqs x 2048 tokens, empty cache, helpers also compile",
+        "engine",
+        "c3",
+        "compile",
+    ),
+    "single": ("one request, first token, empty cache", "single", "c2", "lower"),
+    "single-filled": ("one request, first token, filled cache", "single", "c2", "lower"),
+}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llama3-8b")
     ap.add_argument("--child", choices=("engine", "single"))
+    ap.add_argument(
+        "--rows",
+        default=",".join(ROWS),
+        help=f"comma-separated subset of {', '.join(ROWS)} (a filled-cache row follows its empty one)",
+    )
     a = ap.parse_args()
+    rows_wanted = a.rows.split(",")
+    if any(r not in ROWS for r in rows_wanted):
+        ap.error(f"--rows takes {', '.join(ROWS)}")
     if a.child:
         child(a.child, a.model)
         return 0
@@ -134,15 +158,10 @@ def main() -> int:
         tempfile.TemporaryDirectory() as c2,
         tempfile.TemporaryDirectory() as c3,
     ):
-        for name, kind, cache, helpers in (
-            ("64 seqs x 2048 tokens, empty cache, no helper processes", "engine", c0, "off"),
-            ("64 seqs x 2048 tokens, empty cache", "engine", c1, "lower"),
-            ("64 seqs x 2048 tokens, filled cache", "engine", c1, "lower"),
-            ("64 seqs x 2048 tokens, empty cache, helpers also compile", "engine", c3, "compile"),
-            ("one request, first token, empty cache", "single", c2, "lower"),
-            ("one request, first token, filled cache", "single", c2, "lower"),
-        ):
-            r = run_child(kind, a.model, cache, helpers)
+        caches = {"c0": c0, "c1": c1, "c2": c2, "c3": c3}
+        for row in rows_wanted:
+            name, kind, cache, helpers = ROWS[row]
+            r = run_child(kind, a.model, caches[cache], helpers)
             print(name, json.dumps(r), flush=True)
             rows.append((name, r))
     for name, r in rows:

@@ -4,7 +4,8 @@ buckets at once.
 Tracing and lowering a step holds Python's lock: ``ModelRunner.warmup`` compiles in threads but
 lowers one program after another, and on the H200 host that was most of a cold start (llama3-8b,
 64 sequences x 2048 tokens: 54.5 of 61.6 s lowering 27 programs, 2026-12-02). Here the forward
-programs that ``step_cache`` does not hold yet are split among helper processes. Each helper
+programs that ``step_cache`` does not hold yet are split among helper processes and this one
+(which lowers its share while the helpers start). Each helper
 imports bijax, rebuilds the runner's inputs as shapes only (the weights and the KV cache never
 leave the parent: a helper sees ``ShapeDtypeStruct``s placed like them), exports its share
 with ``step_cache.export_step`` - the same function the parent uses - and exits. The parent's
@@ -21,8 +22,8 @@ helper is reported with a warning.
 Helpers run where the step cache is on, without tensor parallelism, in a single-process JAX
 run; how many: ``BIJAX_LOWERING_PROCESSES`` (0 turns them off), by default one per two CPU
 cores, at most 8, on GPUs, and none on CPU (compiling dominates there, and a 2-core machine
-gains nothing from more processes). Each helper takes at least ``MIN_PER_PROCESS`` programs
-(starting one costs a few seconds).
+gains nothing from more processes), and at most one per ``MIN_PER_PROCESS`` programs to make
+(starting one costs a few seconds, about what lowering one program takes).
 
 ``BIJAX_LOWERING_COMPILE=1`` (off by default; a measurement switch, ``benchmarks/startup.py``):
 a helper also compiles each program it exported, as the parent would compile it read back, so
@@ -185,9 +186,11 @@ class Helpers:
 
 
 def start(runner, keys, processes: int | None = None) -> Helpers | None:
-    """Starts helper processes exporting ``runner``'s programs ``keys`` (``ModelRunner._lowered``'s
-    keys) that the step cache lacks; None where helpers do not apply (see top) or for fewer than
-    2 * ``MIN_PER_PROCESS`` such programs. The keys of ``Helpers`` are those programs."""
+    """Starts helper processes exporting a share of ``runner``'s programs ``keys``
+    (``ModelRunner._lowered``'s keys) that the step cache lacks - the caller lowers the rest -
+    at most one per ``MIN_PER_PROCESS`` of them; None where helpers do not apply (see top) or
+    for fewer than 3 such programs (with 2, a helper's start-up costs what it saves). The keys
+    of ``Helpers`` are the helpers' programs."""
     where = step_cache.directory()
     if where is None or runner.mesh is not None or jax.process_count() > 1:
         return None
@@ -198,8 +201,14 @@ def start(runner, keys, processes: int | None = None) -> Helpers | None:
         if not os.path.exists(os.path.join(where, name)):
             todo.append((key, name))
     processes = min(processes, len(todo) // MIN_PER_PROCESS)
-    if processes < 1:
+    if processes < 1 or len(todo) < 3:
         return None
+    # This process lowers a share too (the last programs: the largest buckets, whose compiles
+    # take longest, start first) while the helpers start: as many as a helper lowers, plus
+    # about one for the helpers' start-up (measured on the H200, 2026-12-02: one helper
+    # lowering a single request's 3 programs left this process idle and lost 3 s).
+    own = min(len(todo) - processes, round((len(todo) + processes) / (processes + 1)))
+    todo = todo[: len(todo) - own]
     leaves = jax.tree_util.tree_leaves((runner.params, runner.cache))
     kinds = {getattr(x, "sharding", None) for x in leaves}
     if len(kinds) != 1 or not isinstance(next(iter(kinds)), SingleDeviceSharding):
