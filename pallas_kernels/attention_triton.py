@@ -6,8 +6,9 @@ split of ``split_size`` keys, splits combined by ``attention_math.fold_step`` - 
 in how rows are grouped into programs:
 
 * ``tokens`` (decode): one program per (token, KV head, split); the group of query heads that
-  share the KV head forms the rows of the dot (padded to 16). The split states go through HBM
-  to a small combine kernel that folds them (many splits in flight for few, long sequences).
+  share the KV head forms the rows of the dot (padded to 16). The states of the splits a
+  token uses go through HBM to a small combine kernel that folds them (many splits in flight
+  for few, long sequences); the grid's other programs store nothing.
 * ``tiles`` (prefill chunks, mixed steps): one program per (tile of consecutive flat tokens,
   KV head) whose rows are the tile's tokens times their query heads. It walks every split
   its rows need and folds them in registers (no HBM round trip), and for each sequence in
