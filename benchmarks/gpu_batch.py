@@ -102,6 +102,11 @@ STEPS = {
         120,
         "start-up: one request's first token, empty cache",
     ),
+    "compile-scaling": (
+        _py("compile_scaling.py"),
+        300,
+        "one forward program's lower / compile time at 1, 4, 16, 32 layers (per layer or per program?)",
+    ),
     "long": (_py("long_context.py"), 500, "a 32k-token prompt through the engine"),
 }
 

@@ -142,6 +142,9 @@ def main() -> int:
     rows_wanted = a.rows.split(",")
     if any(r not in ROWS for r in rows_wanted):
         ap.error(f"--rows takes {', '.join(ROWS)}")
+    for i, r in enumerate(rows_wanted):  # a filled-cache row reads what its empty row compiled
+        if r.endswith("-filled") and r[: -len("-filled")] not in rows_wanted[:i]:
+            ap.error(f"--rows: {r} needs {r[: -len('-filled')]} before it")
     if a.child:
         child(a.child, a.model)
         return 0

@@ -358,11 +358,12 @@ class Engine:
         self.check_weights()  # before scheduling: a failure leaves every request as it was
         chunks = self.scheduler.schedule()
         drafts = {}
-        t0 = time.perf_counter()
-        if self.speculator is not None and (self._drain or self.speculator.worth_it(len(chunks))):
-            left = self.config.max_num_batched_tokens - sum(n for _, n in chunks)
-            drafts = self.speculator.propose(chunks, self.blocks, left)
-        self._spec_seconds += time.perf_counter() - t0
+        if self.speculator is not None:
+            t0 = time.perf_counter()
+            if self._drain or self.speculator.worth_it(len(chunks)):
+                left = self.config.max_num_batched_tokens - sum(n for _, n in chunks)
+                drafts = self.speculator.propose(chunks, self.blocks, left)
+            self._spec_seconds += time.perf_counter() - t0
         drained, self._drain = self._drain, False
         self._spec_totals[2] += bool(drafts)
         self._spec_totals[3] += drained

@@ -203,10 +203,11 @@ def start(runner, keys, processes: int | None = None) -> Helpers | None:
     processes = min(processes, len(todo) // MIN_PER_PROCESS)
     if processes < 1 or len(todo) < 3:
         return None
-    # This process lowers a share too (the last programs: the largest buckets, whose compiles
-    # take longest, start first) while the helpers start: as many as a helper lowers, plus
-    # about one for the helpers' start-up (measured on the H200, 2026-12-02: one helper
-    # lowering a single request's 3 programs left this process idle and lost 3 s).
+    # This process lowers a share too while the helpers start - the last programs in bucket
+    # order (most sequences, then most tokens: big compiles, started first) - as many as a
+    # helper lowers plus about one for the helpers' start-up (so a helper may get a single
+    # program: with 3, 1 there and 2 here was 15.4 s of warm-up on the H200, 2026-12-02, where
+    # one helper lowering all 3 left this process idle: 21.6 s).
     own = min(len(todo) - processes, round((len(todo) + processes) / (processes + 1)))
     todo = todo[: len(todo) - own]
     leaves = jax.tree_util.tree_leaves((runner.params, runner.cache))

@@ -362,15 +362,17 @@ def test_cuda_lowering_has_the_kernel_and_cpu_does_not():
 
 @pytest.mark.parametrize("kw", [{}, {"sliding_window": 100}])
 def test_decode_combine_reads_only_the_splits_a_token_uses(kw, monkeypatch):
-    """The ``tokens`` kernel stores only the splits a token uses, so the combine must read only
-    those: NaN in every other split's state (padding tokens, splits past the token, splits
-    before its window) leaves the output's bits as they are. Control: NaN in a used split
-    reaches the output."""
+    """The ``tokens`` kernel stores only the splits a token uses and the combine folds only
+    those: the same bits as storing and folding every split (the switch's other side), at
+    positions on split boundaries and window edges too. And no unused split's state reaches
+    the output (NaN there leaves the bits as they are; a sanity check - the fold masks them
+    either way). Control: NaN in a used split reaches the output."""
     from pallas_kernels import attention_triton
     from pallas_kernels.attention_math import AttentionSpec, split_used
 
     paged = Paged([300, 70], hq=4, hkv=2, max_blocks=24)  # room for 6 splits of 64 keys
-    tokens = [(0, 299), (0, 130), (1, 69), (1, 3), (0, -1)]  # the last one: padding
+    # split boundaries (0, 64, 128), a window edge on one (291 - 100 + 1 = 192), the last one: padding
+    tokens = [(0, 299), (0, 130), (0, 128), (0, 291), (0, 64), (1, 69), (1, 3), (1, 0), (0, -1)]
     pos = jnp.asarray([p for _, p in tokens], jnp.int32)
     seq = jnp.asarray([s for s, _ in tokens], jnp.int32)
     q = jnp.stack([paged.q[s][max(p, 0)] for s, p in tokens]).reshape(len(tokens), 2, 2, paged.d)
