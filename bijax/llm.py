@@ -289,7 +289,12 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def warmup(
-        self, *, logprobs: bool = False, progress: bool = True, max_step_tokens: int | None = None
+        self,
+        *,
+        logprobs: bool = False,
+        progress: bool = True,
+        max_step_tokens: int | None = None,
+        step_tokens=None,
     ) -> float:
         """Compiles the engine step for every (sequences, tokens) bucket now - ahead of time,
         several buckets at once in threads (one per CPU core, at most 8) - with a progress
@@ -300,12 +305,17 @@ class LLM:
         how many step programs were loaded from the persistent cache and how many compiled.
         ``max_step_tokens``: compile only the token buckets a step of that many tokens needs
         (e.g. the prompts' total when they are known: fewer compiles; a step that needs a
-        larger bucket compiles it when it comes - outputs are the same either way)."""
+        larger bucket compiles it when it comes - outputs are the same either way).
+        ``step_tokens``: instead, the token counts of the steps to expect - e.g. for one prompt
+        of P tokens, ``[P, 1]`` (its prefill chunk, then decoding one token a step): only their
+        buckets compile, not those in between."""
         import time
 
         from bijax import compile_cache
 
-        pairs = self.engine.pending_buckets(logprobs=logprobs, max_step_tokens=max_step_tokens)
+        pairs = self.engine.pending_buckets(
+            logprobs=logprobs, max_step_tokens=max_step_tokens, step_tokens=step_tokens
+        )
         hits = compile_cache.counts()[0]
         made, helped = self.engine.programs_made(), self.engine.programs_lowered_elsewhere()
         t0 = time.perf_counter()
@@ -322,7 +332,9 @@ class LLM:
                 bar.update(1)
 
         try:
-            tracing = self.engine.warmup(logprobs=logprobs, on_bucket=tick, max_step_tokens=max_step_tokens)
+            tracing = self.engine.warmup(
+                logprobs=logprobs, on_bucket=tick, max_step_tokens=max_step_tokens, step_tokens=step_tokens
+            )
         finally:
             if bar is not None:
                 bar.close()

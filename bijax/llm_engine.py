@@ -198,26 +198,46 @@ class Engine:
         return len(self.runner.compiled_buckets)
 
     def pending_buckets(
-        self, *, logprobs: bool = False, max_step_tokens: int | None = None
+        self, *, logprobs: bool = False, max_step_tokens: int | None = None, step_tokens=None
     ) -> list[tuple[int, int]]:
         """The (sequences, tokens) step buckets ``warmup`` would compile (all of them with
         ``logprobs``: the top-logprobs variant is compiled separately); with
-        ``max_step_tokens``, only token buckets up to the one that holds that many tokens."""
+        ``max_step_tokens``, only token buckets up to the one that holds that many tokens;
+        with ``step_tokens`` (the token counts of the steps to expect, e.g. one prompt's
+        chunks and then decoding), only the token buckets of those steps."""
         pairs = self.runner.bucket_pairs()
+        buckets = self.config.token_buckets
+        if max_step_tokens is not None and step_tokens is not None:
+            raise ValueError("give max_step_tokens or step_tokens, not both")
         if max_step_tokens is not None:
             if max_step_tokens < 1:
                 raise ValueError(f"max_step_tokens must be >= 1, got {max_step_tokens}")
-            buckets = self.config.token_buckets
             cap = bucket(min(max_step_tokens, buckets[-1]), buckets)
             pairs = [(s, t) for s, t in pairs if t <= cap]
+        if step_tokens is not None:
+            counts = list(step_tokens)
+            if not counts or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in counts):
+                raise ValueError(f"step_tokens must be a non-empty list of ints >= 1, got {step_tokens!r}")
+            want = {bucket(min(n, buckets[-1]), buckets) for n in counts}
+            pairs = [(s, t) for s, t in pairs if t in want]
         return pairs if logprobs else [p for p in pairs if p not in self.runner.compiled_buckets]
 
-    def warmup(self, *, logprobs: bool = False, on_bucket=None, max_step_tokens: int | None = None) -> float:
+    def warmup(
+        self,
+        *,
+        logprobs: bool = False,
+        on_bucket=None,
+        max_step_tokens: int | None = None,
+        step_tokens=None,
+    ) -> float:
         """Compiles every pending step bucket (and with ``logprobs`` the top-logprobs variant);
-        ``on_bucket(num_seqs, num_tokens, with_logprobs)`` after each. ``max_step_tokens``: see
-        ``pending_buckets`` (a step that needs a larger bucket compiles it when it comes).
-        Returns the seconds spent tracing and lowering (the rest compiles or loads)."""
-        pairs = self.pending_buckets(logprobs=logprobs, max_step_tokens=max_step_tokens)
+        ``on_bucket(num_seqs, num_tokens, with_logprobs)`` after each. ``max_step_tokens``,
+        ``step_tokens``: see ``pending_buckets`` (a step that needs another bucket compiles it
+        when it comes). Returns the seconds spent tracing and lowering (the rest compiles or
+        loads)."""
+        pairs = self.pending_buckets(
+            logprobs=logprobs, max_step_tokens=max_step_tokens, step_tokens=step_tokens
+        )
         tracing = 0.0
         for num_logprobs in [0, MAX_LOGPROBS] if logprobs else [0]:
             tick = None if on_bucket is None else (lambda s, t, n=num_logprobs: on_bucket(s, t, bool(n)))

@@ -134,12 +134,12 @@ def sizes(args, num_seqs: int) -> tuple[int, int]:
     return s, t
 
 
-def warmup(llm, args, logprobs: bool, max_step_tokens: int | None = None) -> None:
+def warmup(llm, args, logprobs: bool, max_step_tokens: int | None = None, step_tokens=None) -> None:
     if args.no_warmup:
         return
     from bijax import compile_cache
 
-    took = llm.warmup(logprobs=logprobs, max_step_tokens=max_step_tokens)
+    took = llm.warmup(logprobs=logprobs, max_step_tokens=max_step_tokens, step_tokens=step_tokens)
     r = llm.last_warmup
     where = compile_cache.directory()
     how = f"{r.loaded_from_cache} loaded from the cache, {r.compiled} compiled, " if where else ""

@@ -142,13 +142,20 @@ def run(args: argparse.Namespace) -> int:
         inputs = prompts
     # Prompt tokens of every sequence: the most a step holds here, so the warm-up's bound (a
     # recompute after preemption or a verify step may need more: that bucket compiles then).
-    work = 0
+    work, lens = 0, []
     for i, p in enumerate(inputs):  # all checked before anything compiles or runs
         try:
-            work += len(llm.engine.validate(p, params).token_ids) * args.n
+            lens.append(len(llm.engine.validate(p, params).token_ids))
         except ValueError as e:
             raise ValueError(f"prompt {i}: {e}") from None
-    warmup(llm, args, logprobs=bool(args.logprobs), max_step_tokens=max(work, s))
+        work += lens[-1] * args.n
+    if len(lens) == 1 and args.n == 1:  # its steps are known: the prompt's chunks, then 1 token
+        chunk = llm.engine.config.max_num_batched_tokens
+        full, rest = divmod(lens[0], chunk)
+        steps = ([chunk] if full else []) + ([rest] if rest else []) + [1]
+        warmup(llm, args, logprobs=bool(args.logprobs), step_tokens=steps)
+    else:
+        warmup(llm, args, logprobs=bool(args.logprobs), max_step_tokens=max(work, s))
     holdback = max((len(x) for x in params.stop), default=1) - 1
     stream = None if args.json else _Streamer(prompts, holdback, headers=len(prompts) > 1)
 

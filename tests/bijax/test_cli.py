@@ -400,6 +400,29 @@ def test_warmup_bounded_by_the_work_compiles_only_what_it_needs():
     assert num_compiled_steps() == before
 
 
+def test_warmup_of_known_steps_skips_the_buckets_between():
+    """``step_tokens`` (the CLI passes one prompt's chunks and 1 for decoding): only those
+    steps' token buckets compile - for a 40-token prompt 64 and 16, not 32 - and that request
+    then compiles nothing. Control: a 20-token prompt needs the skipped bucket (32) and
+    compiles it; bad counts are a clear error."""
+    llm = small_llm(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=128)
+    assert llm.engine.pending_buckets(step_tokens=[40, 1]) == [(1, 16), (1, 64)]
+    assert llm.engine.pending_buckets(step_tokens=[64, 36, 1]) == [(1, 16), (1, 64)]
+    for bad in ([], [0], [True], [2.0]):
+        with pytest.raises(ValueError, match="step_tokens"):
+            llm.warmup(progress=False, step_tokens=bad)
+    with pytest.raises(ValueError, match="not both"):
+        llm.warmup(progress=False, step_tokens=[1], max_step_tokens=8)
+    llm.warmup(progress=False, step_tokens=[40, 1])
+    assert llm.engine.stats().num_compiled_buckets == 2
+    sp = SP(max_tokens=3, temperature=0.8, seed=1)
+    before = num_compiled_steps()
+    llm.generate([[7] * 40], sp, use_tqdm=False)
+    assert num_compiled_steps() == before
+    llm.generate([[9] * 20], sp, use_tqdm=False)  # control (no prefix-cache hit on the [7]s)
+    assert num_compiled_steps() > before
+
+
 def test_warm_steps_are_dropped_when_the_model_config_changes():
     """Ahead-of-time steps are compiled for one model structure and config; set_weights with
     another config (here rms_norm_eps) must not keep running them."""
