@@ -6,7 +6,8 @@
            again in a third process from the filled cache, and on another empty cache with
            the helpers also compiling (``BIJAX_LOWERING_COMPILE=1``);
   single   one request's first token - ``LLM`` sized as ``bijax generate`` sizes it for one
-           prompt (1 sequence, 512 tokens per step), ``warmup(max_step_tokens=prompt)``, then
+           prompt (1 sequence, 512 tokens per step), ``warmup(step_tokens=[prompt, 1])`` (since
+           2026-12-02 session 26; ``max_step_tokens=prompt`` before: one more bucket), then
            ``generate`` of 1 token - on an empty cache, then from the filled cache, timed from
            the process's start.
 Each also checks that its warmed-up steps (exported - by a helper or not - or read back from
@@ -48,7 +49,10 @@ def child(kind: str, model: str) -> None:
     t["load"] = time.perf_counter() - t0
     prompt = list(range(10, 74))  # 64 ids inside any vocabulary
     t0 = time.perf_counter()
-    llm.warmup(progress=False, max_step_tokens=None if kind == "engine" else len(prompt))
+    if kind == "engine":
+        llm.warmup(progress=False)
+    else:  # as ``bijax generate`` warms up for one prompt: its chunk's bucket and decoding's
+        llm.warmup(progress=False, step_tokens=[len(prompt), 1])
     t["warmup"] = time.perf_counter() - t0
     r = llm.last_warmup
     t0 = time.perf_counter()
