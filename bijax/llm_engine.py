@@ -51,6 +51,16 @@ class EngineStats:
     speculation_host_seconds: float = 0.0  # host time spent deciding on and proposing drafts
 
 
+# EngineStats' integer counters of speculative decoding (the engine keeps them by these names)
+_SPEC_COUNTERS = (
+    "num_draft_tokens",
+    "num_accepted_tokens",
+    "num_drafted_steps",
+    "num_drained_steps",
+    "num_drained_steps_without_drafts",
+)
+
+
 @dataclasses.dataclass
 class _InFlight:
     """An enqueued step (async scheduling): its chunks, which of them sample, the device handles."""
@@ -84,9 +94,9 @@ class Engine:
                     f"is not the model's ({model.config.vocab_size}): it must use the same tokenizer"
                 )
         self.speculator = None if spec is None else Speculator(spec, config, draft_model)
-        # drafts, accepted drafts, drafted steps, drained steps, drained steps without drafts
-        self._spec_totals = [0, 0, 0, 0, 0]
-        self._spec_seconds = 0.0  # host time in the speculator's decisions and proposals
+        # speculation's counters, by EngineStats field
+        self._spec_totals = dict.fromkeys(_SPEC_COUNTERS, 0)
+        self._spec_totals["speculation_host_seconds"] = 0.0
         self.model_config = model.config
         self.tokenizer = tokenizer
         self._token = object()  # marks the ValidPrompts this engine checked
@@ -274,12 +284,7 @@ class Engine:
             num_running_seqs=len(self.scheduler.running),
             num_waiting_seqs=len(self.scheduler.waiting),
             num_kv_blocks_in_use=self.blocks.num_blocks - 1 - self.blocks.num_free,
-            num_draft_tokens=self._spec_totals[0],
-            num_accepted_tokens=self._spec_totals[1],
-            num_drafted_steps=self._spec_totals[2],
-            num_drained_steps=self._spec_totals[3],
-            num_drained_steps_without_drafts=self._spec_totals[4],
-            speculation_host_seconds=self._spec_seconds,
+            **self._spec_totals,
         )
 
     def reset_prefix_cache(self) -> None:
@@ -360,7 +365,7 @@ class Engine:
             and self.speculator.has_candidates(running)
         ):
             self._drain = True
-        self._spec_seconds += time.perf_counter() - t0
+        self._spec_totals["speculation_host_seconds"] += time.perf_counter() - t0
         return self._drain
 
     def _interval(self, num_seqs: int, decode_only: bool, drafted: bool, emitted: int) -> None:
@@ -383,11 +388,11 @@ class Engine:
             if self._drain or self.speculator.worth_it(len(chunks)):
                 left = self.config.max_num_batched_tokens - sum(n for _, n in chunks)
                 drafts = self.speculator.propose(chunks, self.blocks, left)
-            self._spec_seconds += time.perf_counter() - t0
+            self._spec_totals["speculation_host_seconds"] += time.perf_counter() - t0
         drained, self._drain = self._drain, False
-        self._spec_totals[2] += bool(drafts)
-        self._spec_totals[3] += drained
-        self._spec_totals[4] += drained and not drafts
+        self._spec_totals["num_drafted_steps"] += bool(drafts)
+        self._spec_totals["num_drained_steps"] += drained
+        self._spec_totals["num_drained_steps_without_drafts"] += drained and not drafts
         run = [Chunk.pending(seq, n, drafts.get(seq.seq_id, ())) for seq, n in chunks]
         num_logprobs = MAX_LOGPROBS if any(s.params.logprobs for s, _ in chunks) else 0
         tok, lp, top = self.runner.step(run, num_logprobs)
@@ -520,8 +525,8 @@ class Engine:
             accepted += 1
         if drafts:
             self.speculator.record(seq, len(drafts), accepted)
-            self._spec_totals[0] += len(drafts)
-            self._spec_totals[1] += accepted
+            self._spec_totals["num_draft_tokens"] += len(drafts)
+            self._spec_totals["num_accepted_tokens"] += accepted
         return reason
 
     def _text(self, ids) -> str:

@@ -67,28 +67,25 @@ def _source_digest() -> str:
     return h.hexdigest()
 
 
-def _settings() -> tuple:
-    """Module-level choices that tracing reads and a process may set (the A/B switches of
-    ``benchmarks/ab.py`` and ``gpu_digests.py --prefill-kernel``): a program traced under one
-    value must not be read back under another."""
-    from pallas_kernels import attention_triton, matmul_triton
+# Module-level choices that tracing reads and a process may set (the A/B switches of
+# ``benchmarks/ab.py`` and ``gpu_digests.py --prefill-kernel``): a program traced under one
+# value must not be read back under another. (module, attribute)
+_SETTINGS = (
+    ("attention_triton", "PREFILL_KERNEL"),
+    ("matmul_triton", "DECODE_WIDE_PROGRAMS"),
+    ("attention_triton", "STORE_USED_SPLITS_ONLY"),
+)
 
-    return (
-        attention_triton.PREFILL_KERNEL,
-        matmul_triton.DECODE_WIDE_PROGRAMS,
-        attention_triton.STORE_USED_SPLITS_ONLY,
-    )
+
+def _settings() -> tuple:
+    """The values of ``_SETTINGS`` in this process."""
+    return tuple(getattr(importlib.import_module(f"pallas_kernels.{m}"), a) for m, a in _SETTINGS)
 
 
 def _apply_settings(values: tuple) -> None:
-    """Sets ``_settings()`` to ``values`` (another process's: ``parallel_lowering``'s helpers)."""
-    from pallas_kernels import attention_triton, matmul_triton
-
-    (
-        attention_triton.PREFILL_KERNEL,
-        matmul_triton.DECODE_WIDE_PROGRAMS,
-        attention_triton.STORE_USED_SPLITS_ONLY,
-    ) = values
+    """Sets ``_SETTINGS`` to ``values`` (another process's: ``parallel_lowering``'s helpers)."""
+    for (m, a), v in zip(_SETTINGS, values, strict=True):
+        setattr(importlib.import_module(f"pallas_kernels.{m}"), a, v)
 
 
 def key(*parts) -> str:

@@ -97,6 +97,17 @@ def split_used(split: int, pos, spec: AttentionSpec):
     return used
 
 
+def used_splits(pos, spec: AttentionSpec, num_splits: int):
+    """``split_used`` as a range: the splits ``[first, last)`` of ``num_splits`` that a token at
+    ``pos`` uses (empty for padding). Split s is used iff s * split_size <= pos and, with a
+    window, (s + 1) * split_size > pos - window + 1."""
+    last = jnp.where(pos >= 0, jnp.minimum(pos // spec.split_size + 1, num_splits), 0)
+    first = 0
+    if spec.window is not None:
+        first = jnp.clip((pos - spec.window + 1) // spec.split_size, 0, last)
+    return first, last
+
+
 def full_tiles(start, first, num_tiles, lo, hi, tile: int, window: int | None):
     """Of the KV tiles ``[first, num_tiles)`` of a split that starts at key ``start``, the range
     ``[a, b)`` whose every key is visible to every position in ``[lo, hi]`` (first <= a <= b <=

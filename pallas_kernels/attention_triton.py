@@ -42,6 +42,7 @@ from pallas_kernels.attention_math import (
     kv_tile_step,
     row_tiles,
     split_used,
+    used_splits,
     walk_tiles,
 )
 
@@ -163,8 +164,8 @@ def _tokens_kernel(
 
 def _combine_kernel(pos_ref, m_ref, l_ref, acc_ref, o_ref, *, spec: AttentionSpec):
     """One (token, KV head): the left fold of its split states. It reads only the splits the
-    token uses (``split_used``: a contiguous range; the others were not stored, and folding
-    them would leave the state unchanged - ``fold_step`` with ``use`` False)."""
+    token uses (``used_splits``; the others were not stored, and folding them would leave the
+    state unchanged - ``fold_step`` with ``use`` False)."""
     pos = pos_ref[pl.program_id(0)]
     splits, rows, d = acc_ref.shape
 
@@ -176,10 +177,7 @@ def _combine_kernel(pos_ref, m_ref, l_ref, acc_ref, o_ref, *, spec: AttentionSpe
     if not STORE_USED_SPLITS_ONLY:
         o_ref[...] = fold_finish(lax.fori_loop(0, splits, body, init)).astype(o_ref.dtype)
         return
-    last = jnp.where(pos >= 0, jnp.minimum(pos // spec.split_size + 1, splits), 0)
-    first = 0
-    if spec.window is not None:  # split s is used iff (s + 1) * split_size > pos - window + 1
-        first = jnp.clip((pos - spec.window + 1) // spec.split_size, 0, last)
+    first, last = used_splits(pos, spec, splits)
     o_ref[...] = fold_finish(lax.fori_loop(first, last, body, init)).astype(o_ref.dtype)
 
 

@@ -368,7 +368,7 @@ def test_decode_combine_reads_only_the_splits_a_token_uses(kw, monkeypatch):
     the output (NaN there leaves the bits as they are; a sanity check - the fold masks them
     either way). Control: NaN in a used split reaches the output."""
     from pallas_kernels import attention_triton
-    from pallas_kernels.attention_math import AttentionSpec, split_used
+    from pallas_kernels.attention_math import AttentionSpec, split_used, used_splits
 
     paged = Paged([300, 70], hq=4, hkv=2, max_blocks=24)  # room for 6 splits of 64 keys
     # split boundaries (0, 64, 128), a window edge on one (291 - 100 + 1 = 192), the last one: padding
@@ -382,6 +382,9 @@ def test_decode_combine_reads_only_the_splits_a_token_uses(kw, monkeypatch):
     splits = m.shape[2]
     used = np.array([[bool(split_used(x, p, spec)) for x in range(splits)] for _, p in tokens])
     assert used.any(axis=1)[:-1].all() and not used.all() and not used[-1].any()
+    for p in range(-1, 400):  # the range form is split_used, at every position (and past the table)
+        first, last = (int(x) for x in used_splits(jnp.int32(p), spec, splits))
+        assert list(range(first, last)) == [x for x in range(splits) if split_used(x, p, spec)], p
 
     def out(keep):
         k = jnp.asarray(keep)[:, None, :, None]
