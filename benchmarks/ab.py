@@ -4,12 +4,15 @@ running ``benchmarks/async_scheduling.py`` with the arguments after the side.
     PYTHONPATH=. python3 benchmarks/ab.py decode-launch old|new [async_scheduling.py args]
     PYTHONPATH=. python3 benchmarks/ab.py prefill-kernel tiles|tiles_mgpu [async_scheduling.py args]
     PYTHONPATH=. python3 benchmarks/ab.py decode-splits all|used [async_scheduling.py args]
+    PYTHONPATH=. python3 benchmarks/ab.py decode-rows hbm|registers [async_scheduling.py args]
 
 ``decode-launch``: ``matmul_triton.gpu_tiles``'s 16-row launch (64 columns, 4 warps, 8 stages)
 off (``old``: 32 columns, 2 warps, 4 stages) or on (``new``, committed). ``prefill-kernel``:
 ``attention_triton.PREFILL_KERNEL`` (the kernel attention's "auto" runs for prefill steps).
 ``decode-splits``: ``attention_triton.STORE_USED_SPLITS_ONLY`` off (``all``: the decode kernel
 stores every split of its grid and the combine folds them all) or on (``used``, committed).
+``decode-rows``: ``attention_triton.DECODE_ROWS_IN_REGISTERS`` off (``hbm``: q padded to 16 rows
+by an XLA pad, 16 rows stored and combined, the output sliced) or on (``registers``, committed).
 Default arguments: llama3-8b, 1 and 64 sequences x (64 + 128) tokens, 3 timed runs; for a
 prefill-bound run e.g. ``--seqs 8 --input-len 4096 --output-len 8``. Alternate the sides.
 """
@@ -21,6 +24,7 @@ SWITCHES = {
     "decode-launch": ("old", "new"),
     "prefill-kernel": ("tiles", "tiles_mgpu"),
     "decode-splits": ("all", "used"),
+    "decode-rows": ("hbm", "registers"),
 }
 
 if __name__ == "__main__":
@@ -35,6 +39,10 @@ if __name__ == "__main__":
         import pallas_kernels.attention_triton as attention_triton
 
         attention_triton.STORE_USED_SPLITS_ONLY = side == "used"
+    if switch == "decode-rows":
+        import pallas_kernels.attention_triton as attention_triton
+
+        attention_triton.DECODE_ROWS_IN_REGISTERS = side == "registers"
     if switch == "prefill-kernel":
         import pallas_kernels.attention_triton as attention_triton
 

@@ -50,6 +50,8 @@ _AB = {
         ("prefill-mgpu", "prefill-kernel", "tiles_mgpu", _PREFILL),
         ("splits-all", "decode-splits", "all", _LONG),
         ("splits-used", "decode-splits", "used", _LONG),
+        ("rows-hbm", "decode-rows", "hbm", _LONG),
+        ("rows-registers", "decode-rows", "registers", _LONG),
     )
 }
 # name -> (command, time limit s, what it is for)
@@ -106,6 +108,11 @@ STEPS = {
         _py("compile_scaling.py"),
         300,
         "one forward program's lower / compile time at 1, 4, 16, 32 layers (per layer or per program?)",
+    ),
+    "compile-flags": (
+        _py("compile_flags.py"),
+        300,
+        "where a 32-layer forward's compile goes; XLA options that might shorten it",
     ),
     "long": (_py("long_context.py"), 500, "a 32k-token prompt through the engine"),
 }

@@ -74,6 +74,7 @@ _SETTINGS = (
     ("attention_triton", "PREFILL_KERNEL"),
     ("matmul_triton", "DECODE_WIDE_PROGRAMS"),
     ("attention_triton", "STORE_USED_SPLITS_ONLY"),
+    ("attention_triton", "DECODE_ROWS_IN_REGISTERS"),
 )
 
 

@@ -6,9 +6,10 @@ split of ``split_size`` keys, splits combined by ``attention_math.fold_step`` - 
 in how rows are grouped into programs:
 
 * ``tokens`` (decode): one program per (token, KV head, split); the group of query heads that
-  share the KV head forms the rows of the dot (padded to 16). The states of the splits a
-  token uses go through HBM to a small combine kernel that folds them (many splits in flight
-  for few, long sequences); the grid's other programs store nothing.
+  share the KV head forms the rows of the dot (padded to 16 in registers: masked loads, and
+  only the group's rows are stored). The states of the splits a token uses go through HBM to
+  a small combine kernel that folds them (many splits in flight for few, long sequences); the
+  grid's other programs store nothing.
 * ``tiles`` (prefill chunks, mixed steps): one program per (tile of consecutive flat tokens,
   KV head) whose rows are the tile's tokens times their query heads. It walks every split
   its rows need and folds them in registers (no HBM round trip), and for each sequence in
@@ -60,7 +61,38 @@ PREFILL_KERNEL = "tiles_mgpu"
 # the others leave the fold unchanged). False: every split of the grid, as before 2026-12-02
 # (the A/B switch of benchmarks/ab.py).
 STORE_USED_SPLITS_ONLY = True
+# The decode kernel pads the query-head group to the dot's 16 rows in registers (masked loads)
+# and stores, combines and returns only the group's rows (same bits: a dot's rows do not depend
+# on the other rows, and the padding rows are zeros either way). False: q padded in HBM by an
+# XLA pad, 16 rows stored and combined, the output sliced by XLA, as before 2026-12-02 (the A/B
+# switch of benchmarks/ab.py).
+DECODE_ROWS_IN_REGISTERS = True
 _BIG = 2**30
+
+
+def _padded_rows(group: int) -> int:
+    """The rows of a decode program's dot: the query-head group padded to a power of two, at
+    least ``MIN_ROWS``."""
+    return max(MIN_ROWS, pl.next_power_of_2(group))
+
+
+def _row_load(ref, rows: int, *lead):
+    """``ref[*lead]``'s leading axis (a head group) read as ``rows`` rows, the rows past it
+    zeros: the dot's padding, made in registers (no padded copy of q in HBM)."""
+    r = jnp.arange(rows)
+    mask = r < ref.shape[len(lead)]
+    if len(ref.shape) - len(lead) == 2:
+        mask = mask[:, None]
+    return pltriton.load(ref.at[(*lead, pl.ds(0, rows))], mask=mask, other=0.0)
+
+
+def _row_store(ref, value):
+    """The leading ``ref.shape[0]`` rows of ``value`` (a padded group's real rows) into ``ref``."""
+    r = jnp.arange(value.shape[0])
+    mask = r < ref.shape[0]
+    if value.ndim == 2:
+        mask = mask[:, None]
+    pltriton.store(ref.at[pl.ds(0, value.shape[0])], value.astype(ref.dtype), mask=mask)
 
 
 def _empty_state(rows: int, d: int):
@@ -113,14 +145,15 @@ def _tokens_kernel(
     seq_ref, pos_ref, ctx_ref, bt_ref, q_ref, k_ref, v_ref, m_out, l_out, acc_out,
     *, spec: AttentionSpec, block_size: int, max_blocks: int, bulk: bool,
 ):  # fmt: skip
-    """One (token, KV head, split): the fp32 softmax state of the split."""
+    """One (token, KV head, split): the fp32 softmax state of the split, for the group's rows."""
     t, split = pl.program_id(0), pl.program_id(2)
     seq, pos = jnp.maximum(seq_ref[t], 0), pos_ref[t]
     ctx = ctx_ref[seq]
-    rows, d = q_ref.shape
+    group, d = q_ref.shape
+    rows = _padded_rows(group)
     tile = kv_tile(block_size)
     start = split * spec.split_size
-    q = q_ref[...]
+    q = _row_load(q_ref, rows)
     # Tiles of this split that hold keys the token may see (none for padding tokens).
     num_tiles = (jnp.clip(pos + 1 - start, 0, spec.split_size) + tile - 1) // tile
     first = 0
@@ -152,9 +185,9 @@ def _tokens_kernel(
     # tokens, splits past the token, before its window) is never read. With a long
     # max_model_len most of the grid is such splits, and their stores were most of the traffic.
     def store():
-        m_out[...] = m
-        l_out[...] = l
-        acc_out[...] = acc
+        _row_store(m_out, m)
+        _row_store(l_out, l)
+        _row_store(acc_out, acc)
 
     if STORE_USED_SPLITS_ONLY:
         pl.when(split_used(split, pos, spec))(store)
@@ -167,18 +200,17 @@ def _combine_kernel(pos_ref, m_ref, l_ref, acc_ref, o_ref, *, spec: AttentionSpe
     token uses (``used_splits``; the others were not stored, and folding them would leave the
     state unchanged - ``fold_step`` with ``use`` False)."""
     pos = pos_ref[pl.program_id(0)]
-    splits, rows, d = acc_ref.shape
+    splits, group, d = acc_ref.shape
+    rows = _padded_rows(group)  # the group's rows, padded in registers as the states were made
 
     def body(s, carry):
         use = jnp.broadcast_to(split_used(s, pos, spec), (rows,))
-        return fold_step(carry, (m_ref[s], l_ref[s], acc_ref[s]), use)
+        split = (_row_load(m_ref, rows, s), _row_load(l_ref, rows, s), _row_load(acc_ref, rows, s))
+        return fold_step(carry, split, use)
 
     init = _empty_state(rows, d) + (jnp.zeros((rows,), bool),)
-    if not STORE_USED_SPLITS_ONLY:
-        o_ref[...] = fold_finish(lax.fori_loop(0, splits, body, init)).astype(o_ref.dtype)
-        return
-    first, last = used_splits(pos, spec, splits)
-    o_ref[...] = fold_finish(lax.fori_loop(first, last, body, init)).astype(o_ref.dtype)
+    first, last = (0, splits) if not STORE_USED_SPLITS_ONLY else used_splits(pos, spec, splits)
+    _row_store(o_ref, fold_finish(lax.fori_loop(first, last, body, init)))
 
 
 def token_states(
@@ -194,11 +226,12 @@ def token_states(
     bulk: bool = True,
     row_loads: bool = True,
 ):
-    """The ``tokens`` kernel's per-split states m, l [T, Hkv, S, R], acc [T, Hkv, S, R, D]."""
+    """The ``tokens`` kernel's per-split states m, l [T, Hkv, S, G], acc [T, Hkv, S, G, D]."""
     block_tables, context_lens, token_seq, token_pos = index
+    if not DECODE_ROWS_IN_REGISTERS:  # the A/B switch's old side: the group padded in HBM
+        rows = _padded_rows(qg.shape[2])
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - qg.shape[2]), (0, 0)))
     t, hkv, group, d = qg.shape
-    rows = max(MIN_ROWS, pl.next_power_of_2(group))
-    q = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
     block_size = k_cache.shape[1]
     num_splits = spec.num_splits(block_tables.shape[1] * block_size)
     whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
@@ -217,26 +250,26 @@ def token_states(
             whole(token_pos),
             whole(context_lens),
             whole(block_tables),
-            pl.BlockSpec((pl.squeezed, pl.squeezed, rows, d), lambda i, h, s: (i, h, 0, 0)),
+            pl.BlockSpec((pl.squeezed, pl.squeezed, group, d), lambda i, h, s: (i, h, 0, 0)),
             cache,
             cache,
         ],
-        out_specs=[state(rows), state(rows), state(rows, d)],
+        out_specs=[state(group), state(group), state(group, d)],
         out_shape=[
-            jax.ShapeDtypeStruct((t, hkv, num_splits, rows), f32),
-            jax.ShapeDtypeStruct((t, hkv, num_splits, rows), f32),
-            jax.ShapeDtypeStruct((t, hkv, num_splits, rows, d), f32),
+            jax.ShapeDtypeStruct((t, hkv, num_splits, group), f32),
+            jax.ShapeDtypeStruct((t, hkv, num_splits, group), f32),
+            jax.ShapeDtypeStruct((t, hkv, num_splits, group, d), f32),
         ],
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="bijax_attention",
-    )(token_seq, token_pos, context_lens, block_tables, q, k_view, v_view)
+    )(token_seq, token_pos, context_lens, block_tables, qg, k_view, v_view)
     return m, l, acc
 
 
 def combine(m, l, acc, token_pos, *, spec: AttentionSpec, interpret: bool, dtype):
-    """The ``tokens`` kernel's split states -> normalised output [T, Hkv, R, D] in ``dtype``."""
-    t, hkv, num_splits, rows, d = acc.shape
+    """The ``tokens`` kernel's split states -> normalised output [T, Hkv, G, D] in ``dtype``."""
+    t, hkv, num_splits, group, d = acc.shape
     states = lambda *shape: pl.BlockSpec(
         (pl.squeezed, pl.squeezed) + shape, lambda i, h: (i, h) + (0,) * len(shape)
     )
@@ -245,12 +278,12 @@ def combine(m, l, acc, token_pos, *, spec: AttentionSpec, interpret: bool, dtype
         grid=(t, hkv),
         in_specs=[
             pl.BlockSpec(token_pos.shape, lambda i, h: (0,)),
-            states(num_splits, rows),
-            states(num_splits, rows),
-            states(num_splits, rows, d),
+            states(num_splits, group),
+            states(num_splits, group),
+            states(num_splits, group, d),
         ],
-        out_specs=states(rows, d),
-        out_shape=jax.ShapeDtypeStruct((t, hkv, rows, d), dtype),
+        out_specs=states(group, d),
+        out_shape=jax.ShapeDtypeStruct((t, hkv, group, d), dtype),
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="bijax_attention_combine",
@@ -431,7 +464,7 @@ def attend(
             row_loads=row_loads,
         )
         out = combine(*states, index[3], spec=spec, interpret=interpret, dtype=qg.dtype)
-        return out[:, :, : qg.shape[2]]
+        return out[:, :, : qg.shape[2]]  # (the A/B switch's old side: its padding rows)
     return _tiles(
         qg,
         k_cache,

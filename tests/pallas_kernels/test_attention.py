@@ -404,6 +404,48 @@ def test_decode_combine_reads_only_the_splits_a_token_uses(kw, monkeypatch):
     np.testing.assert_array_equal(bits(o[:-1]), full)
 
 
+@pytest.mark.parametrize("hq,hkv", [(4, 2), (6, 2), (7, 1)])  # groups of 2, 3 and 7 query heads
+def test_decode_rows_padded_in_registers_keep_the_bits(hq, hkv, monkeypatch):
+    """The ``tokens`` kernel pads the query-head group to the dot's 16 rows in registers and
+    stores, combines and returns only the group's rows: the same bits as padding q in HBM and
+    slicing the output (the switch's other side), for groups that are not powers of two too.
+    Control: the comparison sees a one-ulp change of one query head."""
+    from pallas_kernels import attention_triton
+    from pallas_kernels.attention_math import AttentionSpec
+
+    paged = Paged([150, 40], hq=hq, hkv=hkv, max_blocks=12)
+    tokens = [(0, 149), (0, 64), (1, 39), (1, 0), (0, -1)]
+    pos = jnp.asarray([p for _, p in tokens], jnp.int32)
+    seq = jnp.asarray([s for s, _ in tokens], jnp.int32)
+    q = jnp.stack([paged.q[s][max(p, 0)] for s, p in tokens]).reshape(len(tokens), hkv, hq // hkv, paged.d)
+    index = (jnp.asarray(paged.bt), jnp.asarray(paged.lens, jnp.int32), seq, pos)
+    spec = AttentionSpec.create(paged.d, split_size=64)
+
+    def run(q):
+        return attention_triton.attend(
+            q, paged.kc, paged.vc, index, spec=spec, interpret=True, kernel="tokens"
+        )
+
+    m, _, acc = attention_triton.token_states(q, paged.kc, paged.vc, index, spec=spec, interpret=True)
+    assert m.shape[3] == acc.shape[3] == hq // hkv  # only the group's rows are stored
+    new = bits(run(q))
+    monkeypatch.setattr(attention_triton, "DECODE_ROWS_IN_REGISTERS", False)
+    old = run(q)
+    assert old.shape == q.shape
+    np.testing.assert_array_equal(new, bits(old))
+    one_ulp = q.at[0, 0, -1, 0].set(jnp.nextafter(q[0, 0, -1, 0], jnp.float32(jnp.inf)))
+    assert not np.array_equal(bits(run(one_ulp)), new)
+    if hq == 7:  # the Triton lowering takes a group that is no power of two (masked 16-row loads)
+        monkeypatch.setattr(attention_triton, "DECODE_ROWS_IN_REGISTERS", True)
+        gpu = lambda q, k, v: attention_triton.attend(
+            q, k, v, index, spec=spec, interpret=False, kernel="tokens"
+        )  # noqa: E731
+        text = cuda_export(
+            gpu, q.astype(jnp.bfloat16), paged.kc.astype(jnp.bfloat16), paged.vc.astype(jnp.bfloat16)
+        )
+        assert text.count('name = "bijax_attention') == 2  # the kernel and its combine
+
+
 @pytest.mark.parametrize("gpu_kernel", ["tokens", "tiles"])
 @pytest.mark.parametrize("kw", [{}, {"sliding_window": 100}])
 def test_unmasked_full_tiles_and_row_loads_keep_the_bits(gpu_kernel, kw):
