@@ -431,8 +431,53 @@ def _quick_decode(n, ctx, hq, hkv, d):
     return rows
 
 
+def time_decode_rows():
+    """A/B of ``attention_triton.DECODE_ROWS_IN_REGISTERS`` (the decode kernel's head group padded
+    to 16 rows in registers, only its rows stored and combined; or padded by XLA in HBM and the
+    output sliced), alternating sides, with the output bits of the two compared."""
+    rows = []
+    for n, ctx, hq, hkv, d in (
+        (1, 1024, 32, 8, 128),
+        (64, 1024, 32, 8, 128),
+        (64, 4096, 32, 8, 128),
+        (32, 3000, 28, 4, 128),
+        (64, 2048, 9, 3, 64),
+        (1, 32768, 32, 8, 128),
+    ):
+        c = Case(n, ctx, hq, hkv, d, seed=1)
+        q, s, p = c.tokens(np.arange(n), np.full(n, ctx - 1))
+        q = jax.random.normal(jax.random.key(5), q.shape, jnp.float32).astype(q.dtype)
+        qg = q.reshape(n, hkv, hq // hkv, d)
+        name = f"decode {n} x {ctx}, {hq}/{hkv} heads, D {d}"
+        kv_bytes = 2 * n * ctx * hkv * d * 2
+        times, outs = {"hbm": [], "registers": []}, {}
+        for side in ("hbm", "registers", "hbm", "registers"):
+            attention_triton.DECODE_ROWS_IN_REGISTERS = side == "registers"
+            idx, spec = (c.bt, c.cl, s, p), AttentionSpec.create(d)
+            fn = lambda q, k, v, idx=idx, spec=spec: attention_triton.attend(  # noqa: E731 (traced anew: the switch is read then)
+                q, k, v, idx, spec=spec, interpret=False, kernel="tokens"
+            )
+            times[side].append(kernel_us(fn, qg, c.kc, c.vc))
+            outs.setdefault(side, bits(jax.jit(fn)(qg, c.kc, c.vc)))
+        attention_triton.DECODE_ROWS_IN_REGISTERS = True
+        check(
+            f"{name}: rows in registers == rows in HBM (bits)", np.array_equal(outs["hbm"], outs["registers"])
+        )
+        for side in ("hbm", "registers"):
+            us = statistics.median(times[side])
+            label = f"tokens + combine, rows in {side} ({', '.join(f'{t:.1f}' for t in times[side])})"
+            rows.append((name, label, us, us, f"{kv_bytes / us / 1e6:.2f} TB/s"))
+            print(rows[-1], flush=True)
+    print("\n| case | rows padded in | median us (runs) | TB/s |\n|---|---|---|---|")
+    for name, label, us, _, rate in rows:
+        print(f"| {name} | {label.split('rows in ')[1]} | {us:.1f} | {rate} |")
+
+
 def main():
     print(f"# {datetime.date.today()} {jax.devices()[0].device_kind} jax {jax.__version__}", flush=True)
+    if "--decode-rows" in sys.argv:  # the decode kernel's row padding, A/B (bits and time)
+        time_decode_rows()
+        sys.exit(1 if FAILURES else 0)
     if "--quick" in sys.argv:  # the layout checks and the launch-choice table only
         check_layouts()
         table(time_quick(prefill="--decode" not in sys.argv))

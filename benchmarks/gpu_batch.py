@@ -69,6 +69,11 @@ STEPS = {
         "Mosaic attention vs Triton vs cuDNN kernel time",
     ),
     "attention": (_py("attention.py"), 400, "attention kernels: bits and time vs cuDNN"),
+    "attention-rows": (
+        _py("attention.py", "--decode-rows"),
+        200,
+        "decode kernel: head group padded in registers vs in HBM (bits, CUPTI time)",
+    ),
     "kernels": (_py("kernels.py", "--skip-checks"), 200, "matmul / rows kernel time vs XLA"),
     "decode-sweep": (_py("kernels.py", "--decode-sweep"), 150, "decode-row matmul launches"),
     "spec": (
