@@ -109,6 +109,11 @@ STEPS = {
         120,
         "start-up: one request's first token, empty cache",
     ),
+    "startup-single-ab": (
+        _py("startup.py", "--rows", "single,single-helper,single,single-helper"),
+        240,
+        "start-up: one request's first token, empty cache, without / with a helper for its 2 programs",
+    ),
     "compile-scaling": (
         _py("compile_scaling.py"),
         300,

@@ -95,12 +95,15 @@ def child(kind: str, model: str) -> None:
 
 
 def run_child(kind: str, model: str, cache: str, helpers: str = "lower") -> dict:
-    """``helpers``: "off", "lower" (the default) or "compile" (BIJAX_LOWERING_COMPILE=1)."""
+    """``helpers``: "off", "lower" (the default), "compile" (BIJAX_LOWERING_COMPILE=1) or "two"
+    (BIJAX_LOWERING_MIN_PROGRAMS=2)."""
     env = dict(os.environ, BIJAX_CACHE_DIR=cache, PYTHONUNBUFFERED="1")
     if helpers == "off":
         env["BIJAX_LOWERING_PROCESSES"] = "0"
     elif helpers == "compile":
         env["BIJAX_LOWERING_COMPILE"] = "1"
+    elif helpers == "two":  # a helper for 2 programs too (one request's prefill and decode steps)
+        env["BIJAX_LOWERING_MIN_PROGRAMS"] = "2"
     t0 = time.perf_counter()
     p = subprocess.run(
         [sys.executable, os.path.abspath(__file__), "--child", kind, "--model", model],
@@ -117,19 +120,20 @@ def run_child(kind: str, model: str, cache: str, helpers: str = "lower") -> dict
     return {**json.loads(line[len("RESULT ") :]), "wall": wall}
 
 
-# --rows name -> (label, child kind, compile cache, helpers); a filled row reuses its empty row's cache
+# --rows name -> (label, child kind, helpers). Each row runs on an empty compile cache of its own;
+# a filled row reuses the cache of its empty row's last run.
 ROWS = {
-    "engine-no-helpers": ("64 seqs x 2048 tokens, empty cache, no helper processes", "engine", "c0", "off"),
-    "engine": ("64 seqs x 2048 tokens, empty cache", "engine", "c1", "lower"),
-    "engine-filled": ("64 seqs x 2048 tokens, filled cache", "engine", "c1", "lower"),
+    "engine-no-helpers": ("64 seqs x 2048 tokens, empty cache, no helper processes", "engine", "off"),
+    "engine": ("64 seqs x 2048 tokens, empty cache", "engine", "lower"),
+    "engine-filled": ("64 seqs x 2048 tokens, filled cache", "engine", "lower"),
     "engine-helpers-compile": (
         "64 seqs x 2048 tokens, empty cache, helpers also compile",
         "engine",
-        "c3",
         "compile",
     ),
-    "single": ("one request, first token, empty cache", "single", "c2", "lower"),
-    "single-filled": ("one request, first token, filled cache", "single", "c2", "lower"),
+    "single": ("one request, first token, empty cache", "single", "lower"),
+    "single-filled": ("one request, first token, filled cache", "single", "lower"),
+    "single-helper": ("one request, first token, empty cache, a helper for its 2 programs", "single", "two"),
 }
 
 
@@ -159,16 +163,16 @@ def main() -> int:
         flush=True,
     )
     rows = []
-    with (
-        tempfile.TemporaryDirectory() as c0,
-        tempfile.TemporaryDirectory() as c1,
-        tempfile.TemporaryDirectory() as c2,
-        tempfile.TemporaryDirectory() as c3,
-    ):
-        caches = {"c0": c0, "c1": c1, "c2": c2, "c3": c3}
-        for row in rows_wanted:
-            name, kind, cache, helpers = ROWS[row]
-            r = run_child(kind, a.model, caches[cache], helpers)
+    with tempfile.TemporaryDirectory() as base:
+        last = {}  # row -> the cache of its last run
+        for i, row in enumerate(rows_wanted):
+            name, kind, helpers = ROWS[row]
+            if row.endswith("-filled"):
+                cache = last[row[: -len("-filled")]]
+            else:
+                cache = last[row] = os.path.join(base, f"{i}-{row}")
+                os.makedirs(cache)
+            r = run_child(kind, a.model, cache, helpers)
             print(name, json.dumps(r), flush=True)
             rows.append((name, r))
     for name, r in rows:

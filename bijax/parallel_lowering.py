@@ -30,6 +30,9 @@ a helper also compiles each program it exported, as the parent would compile it 
 that JAX's persistent cache holds the executable and the parent's compile becomes a load -
 compiling then runs in the helpers' processes instead of the parent's threads. Only where the
 persistent cache keeps programs (each must take at least its minimum compile time).
+
+``BIJAX_LOWERING_MIN_PROGRAMS`` (default 3; a measurement switch, ``benchmarks/startup.py``):
+the fewest programs to make for which helpers start.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from jax.sharding import SingleDeviceSharding
 from bijax import step_cache
 
 MIN_PER_PROCESS = 2
+MIN_PROGRAMS = 3  # fewer programs to make: no helpers (BIJAX_LOWERING_MIN_PROGRAMS overrides)
 MAX_PROCESSES = 8
 TIMEOUT_S = 900  # a helper that takes longer is stopped; the parent lowers what is left
 
@@ -189,8 +193,9 @@ def start(runner, keys, processes: int | None = None) -> Helpers | None:
     """Starts helper processes exporting a share of ``runner``'s programs ``keys``
     (``ModelRunner._lowered``'s keys) that the step cache lacks - the caller lowers the rest -
     at most one per ``MIN_PER_PROCESS`` of them; None where helpers do not apply (see top) or
-    for fewer than 3 such programs (with 2, a helper's start-up costs what it saves). The keys
-    of ``Helpers`` are the helpers' programs."""
+    for fewer than ``MIN_PROGRAMS`` such programs (with 2, a helper's start-up was thought to
+    cost what it saves; ``benchmarks/startup.py``'s single rows measure it). The keys of
+    ``Helpers`` are the helpers' programs."""
     where = step_cache.directory()
     if where is None or runner.mesh is not None or jax.process_count() > 1:
         return None
@@ -201,7 +206,8 @@ def start(runner, keys, processes: int | None = None) -> Helpers | None:
         if not os.path.exists(os.path.join(where, name)):
             todo.append((key, name))
     processes = min(processes, len(todo) // MIN_PER_PROCESS)
-    if processes < 1 or len(todo) < 3:
+    fewest = int(os.environ.get("BIJAX_LOWERING_MIN_PROGRAMS", MIN_PROGRAMS))
+    if processes < 1 or len(todo) < max(2, fewest):
         return None
     # This process lowers a share too while the helpers start - the last programs in bucket
     # order (most sequences, then most tokens: big compiles, started first) - as many as a
