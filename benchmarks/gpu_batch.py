@@ -110,8 +110,8 @@ STEPS = {
         "start-up: one request's first token, empty cache",
     ),
     "startup-single-ab": (
-        _py("startup.py", "--rows", "single,single-helper,single,single-helper"),
-        240,
+        _py("startup.py", "--rows", "single-helper,single"),
+        150,
         "start-up: one request's first token, empty cache, without / with a helper for its 2 programs",
     ),
     "compile-scaling": (
