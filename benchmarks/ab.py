@@ -12,7 +12,8 @@ off (``old``: 32 columns, 2 warps, 4 stages) or on (``new``, committed). ``prefi
 ``decode-splits``: ``attention_triton.STORE_USED_SPLITS_ONLY`` off (``all``: the decode kernel
 stores every split of its grid and the combine folds them all) or on (``used``, committed).
 ``decode-rows``: ``attention_triton.DECODE_ROWS_IN_REGISTERS`` off (``hbm``: q padded to 16 rows
-by an XLA pad, 16 rows stored and combined, the output sliced) or on (``registers``, committed).
+by an XLA pad, 16 rows stored and combined, the output sliced; the default) or on
+(``registers``).
 Default arguments: llama3-8b, 1 and 64 sequences x (64 + 128) tokens, 3 timed runs; for a
 prefill-bound run e.g. ``--seqs 8 --input-len 4096 --output-len 8``. Alternate the sides.
 """

@@ -435,7 +435,7 @@ def time_decode_rows():
     """A/B of ``attention_triton.DECODE_ROWS_IN_REGISTERS`` (the decode kernel's head group padded
     to 16 rows in registers, only its rows stored and combined; or padded by XLA in HBM and the
     output sliced), alternating sides, with the output bits of the two compared."""
-    rows = []
+    rows, default = [], attention_triton.DECODE_ROWS_IN_REGISTERS
     for n, ctx, hq, hkv, d in (
         (1, 1024, 32, 8, 128),
         (64, 1024, 32, 8, 128),
@@ -459,7 +459,7 @@ def time_decode_rows():
             )
             times[side].append(kernel_us(fn, qg, c.kc, c.vc))
             outs.setdefault(side, bits(jax.jit(fn)(qg, c.kc, c.vc)))
-        attention_triton.DECODE_ROWS_IN_REGISTERS = True
+        attention_triton.DECODE_ROWS_IN_REGISTERS = default
         check(
             f"{name}: rows in registers == rows in HBM (bits)", np.array_equal(outs["hbm"], outs["registers"])
         )

@@ -6,8 +6,8 @@ split of ``split_size`` keys, splits combined by ``attention_math.fold_step`` - 
 in how rows are grouped into programs:
 
 * ``tokens`` (decode): one program per (token, KV head, split); the group of query heads that
-  share the KV head forms the rows of the dot (padded to 16 in registers: masked loads, and
-  only the group's rows are stored). The states of the splits a token uses go through HBM to
+  share the KV head forms the rows of the dot (padded to 16: by XLA in HBM, or in registers
+  with ``DECODE_ROWS_IN_REGISTERS``). The states of the splits a token uses go through HBM to
   a small combine kernel that folds them (many splits in flight for few, long sequences); the
   grid's other programs store nothing.
 * ``tiles`` (prefill chunks, mixed steps): one program per (tile of consecutive flat tokens,
@@ -61,12 +61,16 @@ PREFILL_KERNEL = "tiles_mgpu"
 # the others leave the fold unchanged). False: every split of the grid, as before 2026-12-02
 # (the A/B switch of benchmarks/ab.py).
 STORE_USED_SPLITS_ONLY = True
-# The decode kernel pads the query-head group to the dot's 16 rows in registers (masked loads)
-# and stores, combines and returns only the group's rows (same bits: a dot's rows do not depend
-# on the other rows, and the padding rows are zeros either way). False: q padded in HBM by an
-# XLA pad, 16 rows stored and combined, the output sliced by XLA, as before 2026-12-02 (the A/B
-# switch of benchmarks/ab.py).
-DECODE_ROWS_IN_REGISTERS = True
+# True: the decode kernel pads the query-head group to the dot's 16 rows in registers (masked
+# loads) and stores, combines and returns only the group's rows. False (the default): q padded
+# in HBM by an XLA pad, 16 rows stored and combined, the output sliced by XLA. The same bits
+# either way (a dot's rows do not depend on the other rows, and the padding rows are zeros
+# either way; digests MATCH on the H200 with True). Not the default: on the H200 (2026-12-02,
+# RESULTS.md session 27) True made the kernel 8-40% faster where a token's splits are all used
+# and the profiled forward faster, but the engine at max_model_len 8192 (16 splits a token, most
+# of the grid idle) 0.1-0.8 ms a step slower at 64 sequences in 4 of 4 A/B pairs - not yet
+# understood (the A/B switch of benchmarks/ab.py decode-rows).
+DECODE_ROWS_IN_REGISTERS = False
 _BIG = 2**30
 
 

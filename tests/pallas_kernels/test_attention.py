@@ -426,6 +426,7 @@ def test_decode_rows_padded_in_registers_keep_the_bits(hq, hkv, monkeypatch):
             q, paged.kc, paged.vc, index, spec=spec, interpret=True, kernel="tokens"
         )
 
+    monkeypatch.setattr(attention_triton, "DECODE_ROWS_IN_REGISTERS", True)
     m, _, acc = attention_triton.token_states(q, paged.kc, paged.vc, index, spec=spec, interpret=True)
     assert m.shape[3] == acc.shape[3] == hq // hkv  # only the group's rows are stored
     new = bits(run(q))
