@@ -436,24 +436,35 @@ def time_decode_rows():
     to 16 rows in registers, only its rows stored and combined; or padded by XLA in HBM and the
     output sliced), alternating sides, with the output bits of the two compared."""
     rows, default = [], attention_triton.DECODE_ROWS_IN_REGISTERS
-    for n, ctx, hq, hkv, d in (
-        (1, 1024, 32, 8, 128),
-        (64, 1024, 32, 8, 128),
-        (64, 4096, 32, 8, 128),
-        (32, 3000, 28, 4, 128),
-        (64, 2048, 9, 3, 64),
-        (1, 32768, 32, 8, 128),
+    # (sequences, context, q heads, KV heads, D, block-table length in tokens (None: the
+    # context's), tokens in the step (None: one per sequence; more: padding tokens, as the
+    # engine's 16-token bucket has)). The last two are the engine's decode at its default
+    # max_model_len 8192 on the GPU: 16 splits a token, most of the grid with nothing to do.
+    for n, ctx, hq, hkv, d, table, bucket in (
+        (1, 1024, 32, 8, 128, None, None),
+        (64, 1024, 32, 8, 128, None, None),
+        (64, 4096, 32, 8, 128, None, None),
+        (32, 3000, 28, 4, 128, None, None),
+        (64, 2048, 9, 3, 64, None, None),
+        (1, 32768, 32, 8, 128, None, None),
+        (64, 160, 32, 8, 128, 8192, None),
+        (1, 160, 32, 8, 128, 8192, 16),
     ):
         c = Case(n, ctx, hq, hkv, d, seed=1)
-        q, s, p = c.tokens(np.arange(n), np.full(n, ctx - 1))
+        t = bucket or n
+        seq = np.concatenate([np.arange(n), np.zeros(t - n, np.int64)])
+        q, s, p = c.tokens(seq, np.concatenate([np.full(n, ctx - 1), np.full(t - n, -1)]))
         q = jax.random.normal(jax.random.key(5), q.shape, jnp.float32).astype(q.dtype)
-        qg = q.reshape(n, hkv, hq // hkv, d)
-        name = f"decode {n} x {ctx}, {hq}/{hkv} heads, D {d}"
+        qg = q.reshape(t, hkv, hq // hkv, d)
+        bt = c.bt if table is None else jnp.pad(c.bt, ((0, 0), (0, table // BS - c.bt.shape[1])))
+        name = f"decode {n} x {ctx}, {hq}/{hkv} heads, D {d}" + (
+            f", table {table} ({t} tokens)" if table else ""
+        )
         kv_bytes = 2 * n * ctx * hkv * d * 2
         times, outs = {"hbm": [], "registers": []}, {}
         for side in ("hbm", "registers", "hbm", "registers"):
             attention_triton.DECODE_ROWS_IN_REGISTERS = side == "registers"
-            idx, spec = (c.bt, c.cl, s, p), AttentionSpec.create(d)
+            idx, spec = (bt, c.cl, s, p), AttentionSpec.create(d)
             fn = lambda q, k, v, idx=idx, spec=spec: attention_triton.attend(  # noqa: E731 (traced anew: the switch is read then)
                 q, k, v, idx, spec=spec, interpret=False, kernel="tokens"
             )
@@ -465,7 +476,7 @@ def time_decode_rows():
         )
         for side in ("hbm", "registers"):
             us = statistics.median(times[side])
-            label = f"tokens + combine, rows in {side} ({', '.join(f'{t:.1f}' for t in times[side])})"
+            label = f"tokens + combine, rows in {side} ({', '.join(f'{x:.1f}' for x in times[side])})"
             rows.append((name, label, us, us, f"{kv_bytes / us / 1e6:.2f} TB/s"))
             print(rows[-1], flush=True)
     print("\n| case | rows padded in | median us (runs) | TB/s |\n|---|---|---|---|")
