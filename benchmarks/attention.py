@@ -469,7 +469,8 @@ def time_decode_rows():
                 q, k, v, idx, spec=spec, interpret=False, kernel="tokens"
             )
             times[side].append(kernel_us(fn, qg, c.kc, c.vc))
-            outs.setdefault(side, bits(jax.jit(fn)(qg, c.kc, c.vc)))
+            if side not in outs:
+                outs[side] = bits(jax.jit(fn)(qg, c.kc, c.vc))
         attention_triton.DECODE_ROWS_IN_REGISTERS = default
         check(
             f"{name}: rows in registers == rows in HBM (bits)", np.array_equal(outs["hbm"], outs["registers"])

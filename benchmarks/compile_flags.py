@@ -61,10 +61,10 @@ _TIMER = re.compile(r"\] (.*?): ([0-9.]+) (s|ms|us)\b")
 
 
 def _log_since(offset: int) -> tuple[str, int]:
-    with open(_LOG.name, errors="replace") as f:
+    with open(_LOG.name, "rb") as f:
         f.seek(offset)
-        text = f.read()
-    return text, offset + len(text.encode(errors="replace"))
+        data = f.read()
+    return data.decode(errors="replace"), offset + len(data)
 
 
 def _slowest(text: str, n: int = 14) -> list[tuple[float, str]]:
@@ -125,9 +125,13 @@ def main() -> int:
     print("\n| bucket | options | compile s | status |\n|---|---|---|---|", file=out)
     for b, label, took, status in rows:
         print(f"| {b} | {label} | {took:.2f} | {status} |", file=out)
-    os.dup2(_saved_stderr, 2)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        code = main()
+    finally:  # stderr back (a traceback or argparse's error must be seen), the XLA log removed
+        os.dup2(_saved_stderr, 2)
+        os.unlink(_LOG.name)
+    sys.exit(code)

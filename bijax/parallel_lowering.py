@@ -32,7 +32,8 @@ compiling then runs in the helpers' processes instead of the parent's threads. O
 persistent cache keeps programs (each must take at least its minimum compile time).
 
 ``BIJAX_LOWERING_MIN_PROGRAMS`` (default 3; a measurement switch, ``benchmarks/startup.py``):
-the fewest programs to make for which helpers start.
+the fewest programs to make for which helpers start (a helper needs ``MIN_PER_PROCESS`` programs
+anyway, so values below 2 act as 2).
 """
 
 from __future__ import annotations
@@ -189,6 +190,22 @@ class Helpers:
         self._tmp.cleanup()
 
 
+def _min_programs() -> int:
+    """``MIN_PROGRAMS``, or ``BIJAX_LOWERING_MIN_PROGRAMS`` where it is a whole number."""
+    raw = os.environ.get("BIJAX_LOWERING_MIN_PROGRAMS", "").strip()
+    if not raw:
+        return MIN_PROGRAMS
+    try:
+        return int(raw)
+    except ValueError:
+        warnings.warn(
+            f"bijax: BIJAX_LOWERING_MIN_PROGRAMS={raw!r} is not a whole number; using {MIN_PROGRAMS}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return MIN_PROGRAMS
+
+
 def start(runner, keys, processes: int | None = None) -> Helpers | None:
     """Starts helper processes exporting a share of ``runner``'s programs ``keys``
     (``ModelRunner._lowered``'s keys) that the step cache lacks - the caller lowers the rest -
@@ -206,8 +223,7 @@ def start(runner, keys, processes: int | None = None) -> Helpers | None:
         if not os.path.exists(os.path.join(where, name)):
             todo.append((key, name))
     processes = min(processes, len(todo) // MIN_PER_PROCESS)
-    fewest = int(os.environ.get("BIJAX_LOWERING_MIN_PROGRAMS", MIN_PROGRAMS))
-    if processes < 1 or len(todo) < max(2, fewest):
+    if processes < 1 or len(todo) < _min_programs():
         return None
     # This process lowers a share too while the helpers start - the last programs in bucket
     # order (most sequences, then most tokens: big compiles, started first) - as many as a

@@ -63,9 +63,10 @@ PREFILL_KERNEL = "tiles_mgpu"
 STORE_USED_SPLITS_ONLY = True
 # True: the decode kernel pads the query-head group to the dot's 16 rows in registers (masked
 # loads) and stores, combines and returns only the group's rows. False (the default): q padded
-# in HBM by an XLA pad, 16 rows stored and combined, the output sliced by XLA. The same bits
-# either way (a dot's rows do not depend on the other rows, and the padding rows are zeros
-# either way; digests MATCH on the H200 with True). Not the default: on the H200 (2026-12-02,
+# in HBM by an XLA pad, 16 rows stored and combined, the output sliced by XLA - the kernels of
+# before 2026-12-02 op for op. The same bits either way (a dot's rows do not depend on the
+# other rows, and q's padding rows are zeros either way; the padding rows' states differ but
+# never reach the output; digests MATCH on the H200 with True). Not the default: on the H200 (2026-12-02,
 # RESULTS.md session 27) True made the kernel 8-40% faster where a token's splits are all used
 # and the profiled forward faster, but the engine at max_model_len 8192 (16 splits a token, most
 # of the grid idle) 0.1-0.8 ms a step slower at 64 sequences in 4 of 4 A/B pairs - not yet
@@ -80,23 +81,30 @@ def _padded_rows(group: int) -> int:
     return max(MIN_ROWS, pl.next_power_of_2(group))
 
 
+def _row_mask(rows: int, group: int, ndim: int):
+    """Which of ``rows`` padded rows are the group's: [rows] or [rows, 1] (for 2-D blocks)."""
+    mask = jnp.arange(rows) < group
+    return mask[:, None] if ndim == 2 else mask
+
+
 def _row_load(ref, rows: int, *lead):
     """``ref[*lead]``'s leading axis (a head group) read as ``rows`` rows, the rows past it
-    zeros: the dot's padding, made in registers (no padded copy of q in HBM)."""
-    r = jnp.arange(rows)
-    mask = r < ref.shape[len(lead)]
-    if len(ref.shape) - len(lead) == 2:
-        mask = mask[:, None]
-    return pltriton.load(ref.at[(*lead, pl.ds(0, rows))], mask=mask, other=0.0)
+    zeros: the dot's padding, made in registers (no padded copy of q in HBM). A block that
+    has the rows already (padded in HBM) is read as it is."""
+    group, ndim = ref.shape[len(lead)], len(ref.shape) - len(lead)
+    if group == rows:
+        return ref[lead] if lead else ref[...]
+    return pltriton.load(ref.at[(*lead, pl.ds(0, rows))], mask=_row_mask(rows, group, ndim), other=0.0)
 
 
 def _row_store(ref, value):
     """The leading ``ref.shape[0]`` rows of ``value`` (a padded group's real rows) into ``ref``."""
-    r = jnp.arange(value.shape[0])
-    mask = r < ref.shape[0]
-    if value.ndim == 2:
-        mask = mask[:, None]
-    pltriton.store(ref.at[pl.ds(0, value.shape[0])], value.astype(ref.dtype), mask=mask)
+    rows, group = value.shape[0], ref.shape[0]
+    if group == rows:
+        ref[...] = value.astype(ref.dtype)
+        return
+    mask = _row_mask(rows, group, value.ndim)
+    pltriton.store(ref.at[pl.ds(0, rows)], value.astype(ref.dtype), mask=mask)
 
 
 def _empty_state(rows: int, d: int):
@@ -205,7 +213,7 @@ def _combine_kernel(pos_ref, m_ref, l_ref, acc_ref, o_ref, *, spec: AttentionSpe
     state unchanged - ``fold_step`` with ``use`` False)."""
     pos = pos_ref[pl.program_id(0)]
     splits, group, d = acc_ref.shape
-    rows = _padded_rows(group)  # the group's rows, padded in registers as the states were made
+    rows = _padded_rows(group)  # (the states' rows already, where the group was padded in HBM)
 
     def body(s, carry):
         use = jnp.broadcast_to(split_used(s, pos, spec), (rows,))
@@ -230,7 +238,8 @@ def token_states(
     bulk: bool = True,
     row_loads: bool = True,
 ):
-    """The ``tokens`` kernel's per-split states m, l [T, Hkv, S, G], acc [T, Hkv, S, G, D]."""
+    """The ``tokens`` kernel's per-split states m, l [T, Hkv, S, G'], acc [T, Hkv, S, G', D]:
+    G' = the group G with ``DECODE_ROWS_IN_REGISTERS``, else G padded to the dot's rows."""
     block_tables, context_lens, token_seq, token_pos = index
     if not DECODE_ROWS_IN_REGISTERS:  # the A/B switch's old side: the group padded in HBM
         rows = _padded_rows(qg.shape[2])
@@ -272,7 +281,8 @@ def token_states(
 
 
 def combine(m, l, acc, token_pos, *, spec: AttentionSpec, interpret: bool, dtype):
-    """The ``tokens`` kernel's split states -> normalised output [T, Hkv, G, D] in ``dtype``."""
+    """The ``tokens`` kernel's split states -> normalised output [T, Hkv, G', D] in ``dtype``
+    (G' as in ``token_states``)."""
     t, hkv, num_splits, group, d = acc.shape
     states = lambda *shape: pl.BlockSpec(
         (pl.squeezed, pl.squeezed) + shape, lambda i, h: (i, h) + (0,) * len(shape)

@@ -404,12 +404,70 @@ def test_decode_combine_reads_only_the_splits_a_token_uses(kw, monkeypatch):
     np.testing.assert_array_equal(bits(o[:-1]), full)
 
 
-@pytest.mark.parametrize("hq,hkv", [(4, 2), (6, 2), (7, 1)])  # groups of 2, 3 and 7 query heads
+def _kernel_stores(fn, *args):
+    """(primitive name, whether it has a mask) of every ref store inside the Pallas kernels
+    that ``fn(*args)`` calls (Pallas's stores are "masked_swap", the mask None or not)."""
+    found = []
+
+    def walk(jaxpr, inside):
+        for e in jaxpr.eqns:
+            if inside and e.primitive.name == "masked_swap":
+                *_, mask = e.params["args_tree"].unflatten(e.invars)
+                found.append((e.primitive.name, mask is not None))
+            elif inside and e.primitive.name == "swap":
+                found.append((e.primitive.name, False))
+            for p in e.params.values():
+                for sub in p if isinstance(p, (tuple, list)) else (p,):
+                    sub = getattr(sub, "jaxpr", sub)
+                    if hasattr(sub, "eqns"):
+                        walk(sub, inside or e.primitive.name == "pallas_call")
+
+    walk(jax.make_jaxpr(lambda *a: fn(*a))(*args).jaxpr, False)  # (a new function: traced anew)
+    return found
+
+
+def test_decode_rows_in_registers_store_only_the_groups_rows(monkeypatch):
+    """With ``DECODE_ROWS_IN_REGISTERS`` every store of the decode kernel and its combine is
+    masked to the group's rows (a 3-head group in a 16-row dot): an unmasked store of the padded
+    rows would write past the group's block - into the next split's or head's state on the GPU,
+    which the interpreter (it pads every block) cannot show. Control: the HBM-padded side's
+    stores are plain."""
+    from pallas_kernels import attention_triton
+    from pallas_kernels.attention_math import AttentionSpec
+
+    np.testing.assert_array_equal(attention_triton._row_mask(16, 3, 1), np.arange(16) < 3)
+    assert attention_triton._row_mask(16, 3, 2).shape == (16, 1)
+    t, hkv, group, d = 3, 2, 3, 64
+    spec = AttentionSpec.create(d, split_size=64)
+    index = (
+        jnp.zeros((2, 8), jnp.int32),
+        jnp.ones(2, jnp.int32),
+        jnp.zeros(t, jnp.int32),
+        jnp.zeros(t, jnp.int32),
+    )
+    cache = jnp.zeros((9, 16, hkv, d))
+
+    def run(q):
+        return attention_triton.attend(q, cache, cache, index, spec=spec, interpret=False, kernel="tokens")
+
+    q = jnp.zeros((t, hkv, group, d))
+    for store_used_only in (True, False):
+        monkeypatch.setattr(attention_triton, "STORE_USED_SPLITS_ONLY", store_used_only)
+        monkeypatch.setattr(attention_triton, "DECODE_ROWS_IN_REGISTERS", True)
+        stores = _kernel_stores(run, q)
+        assert len(stores) == 4  # m, l, acc in the kernel, the output in the combine
+        assert stores == [("masked_swap", True)] * 4, stores
+        monkeypatch.setattr(attention_triton, "DECODE_ROWS_IN_REGISTERS", False)
+        plain = _kernel_stores(run, q)  # control: no mask there
+        assert len(plain) == 4 and not any(masked for _, masked in plain), plain
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 2), (6, 2), (7, 1), (1, 1), (16, 1)])  # groups of 2, 3, 7, 1, 16
 def test_decode_rows_padded_in_registers_keep_the_bits(hq, hkv, monkeypatch):
     """The ``tokens`` kernel pads the query-head group to the dot's 16 rows in registers and
     stores, combines and returns only the group's rows: the same bits as padding q in HBM and
     slicing the output (the switch's other side), for groups that are not powers of two too.
-    Control: the comparison sees a one-ulp change of one query head."""
+    Control: the comparison sees a change of one query head (doubled) of one token."""
     from pallas_kernels import attention_triton
     from pallas_kernels.attention_math import AttentionSpec
 
@@ -434,8 +492,8 @@ def test_decode_rows_padded_in_registers_keep_the_bits(hq, hkv, monkeypatch):
     old = run(q)
     assert old.shape == q.shape
     np.testing.assert_array_equal(new, bits(old))
-    one_ulp = q.at[0, 0, -1, 0].set(jnp.nextafter(q[0, 0, -1, 0], jnp.float32(jnp.inf)))
-    assert not np.array_equal(bits(run(one_ulp)), new)
+    one_head = q.at[0, 0, -1].multiply(2.0)
+    assert not np.array_equal(bits(run(one_head)), new)
     if hq == 7:  # the Triton lowering takes a group that is no power of two (masked 16-row loads)
         monkeypatch.setattr(attention_triton, "DECODE_ROWS_IN_REGISTERS", True)
         gpu = lambda q, k, v: attention_triton.attend(
