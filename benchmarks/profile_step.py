@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bijax.config import EngineConfig, bucket
+from bijax.config import EngineConfig
 from bijax.model_runner import forward_program, sample_program
 from bijax.sampler import SamplingRows, uses_filters
 from models.configs import preset
@@ -47,7 +47,7 @@ def make_step(num_seqs: int, ctx: int, new_tokens: int, max_len: int, vocab: int
     cfg = EngineConfig(
         max_model_len=max_len, max_num_seqs=max(16, num_seqs), max_num_batched_tokens=max(16, t)
     )
-    b = PagedBatch.padding(bucket(num_seqs, cfg.seq_buckets), bucket(t, cfg.token_buckets), per)
+    b = PagedBatch.padding(*cfg.step_bucket(num_seqs, t), per)
     rng = np.random.default_rng(0)
     for r in range(num_seqs):
         pos = np.arange(ctx, ctx + new_tokens)

@@ -243,8 +243,7 @@ class ModelRunner:
         cfg = self.config
         lens, starts, nrows = _chunk_arrays(chunks)
         total = int(lens.sum())
-        t = bucket(total, cfg.token_buckets)
-        s = bucket(len(chunks), cfg.seq_buckets)
+        s, t = cfg.step_bucket(len(chunks), total)
         bs = cfg.block_size
         b = PagedBatch.padding(s, t, cfg.max_blocks_per_seq, logit_rows=logit_rows)
         rows = int(nrows.sum())
@@ -385,9 +384,8 @@ class ModelRunner:
         return sharding.host(lp)[: len(targets)]
 
     def bucket_pairs(self) -> list[tuple[int, int]]:
-        """Every (sequences, tokens) bucket a step can use: token bucket >= sequence bucket."""
-        cfg = self.config
-        return [(s, t) for s in cfg.seq_buckets for t in cfg.token_buckets if t >= s]
+        """Every (sequences, tokens) bucket a step can use (``EngineConfig.step_bucket``)."""
+        return self.config.bucket_pairs()
 
     def padding_batch(self, s: int, t: int, r: int | None = None) -> PagedBatch:
         """A (sequences, tokens) bucket's inputs that are all padding: position -1, slot -1 (it

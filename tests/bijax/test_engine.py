@@ -167,3 +167,40 @@ def test_step_inputs_name_a_position_past_the_allocated_blocks():
     assert list(ok.slot_mapping[:32]) == [3 * 16 + p for p in range(16)] + [4 * 16 + p for p in range(16)]
     with pytest.raises(RuntimeError, match="past its sequence's allocated blocks"):
         runner._batch([Chunk(seq, 0, tuple(seq.prompt_token_ids))])
+
+
+def test_step_buckets_give_many_token_steps_the_larger_sequence_buckets():
+    """A step's sequence bucket holds at least a quarter of its token bucket (``step_bucket``):
+    a 64-sequence, 2048-token engine has 12 (sequences, tokens) buckets, not 21."""
+    from bijax.config import EngineConfig
+
+    cfg = EngineConfig(max_model_len=8192, max_num_seqs=64, max_num_batched_tokens=2048)
+    pairs = cfg.bucket_pairs()
+    assert len(pairs) == 12 and (64, 2048) in pairs and (16, 2048) not in pairs
+    assert all(t >= s >= min(t // 4, 64) for s, t in pairs)
+    assert cfg.step_bucket(1, 2000) == (64, 2048)
+    assert cfg.step_bucket(1, 1) == (16, 16) and cfg.step_bucket(3, 100) == (32, 128)
+    assert all(cfg.step_bucket(s, t) in pairs for s in range(1, 65) for t in range(s, 2049, 37))
+    small = EngineConfig(max_model_len=256, max_num_seqs=2, max_num_batched_tokens=64)
+    assert small.bucket_pairs() == [(2, 16), (2, 32), (2, 64)]  # one sequence bucket: as before
+
+
+def test_a_step_in_a_larger_sequence_bucket_gives_the_same_bits(monkeypatch):
+    """One 100-token prompt's prefill step runs in the (32, 128) bucket (a quarter of 128
+    tokens), not (16, 128): the same tokens and logprob bits as with the rule off. Control:
+    the rule off compiles the other bucket."""
+    from bijax import config
+
+    model, _ = shared_model("tiny")
+    prompt = list(map(int, np.random.default_rng(3).integers(3, 500, 100)))
+    sp = SP(temperature=0.9, max_tokens=3, seed=4)
+    runs = {}
+    for rule in (True, False):
+        monkeypatch.setattr(config, "TOKENS_PER_SEQ_ROW", 4 if rule else 10**9)
+        llm = bijax.LLM(
+            model, max_model_len=MAX_LEN, max_num_seqs=32, max_num_batched_tokens=128, num_kv_blocks=40
+        )
+        runs[rule] = (_gen(llm, [prompt], sp)[0], set(llm.engine.runner.compiled_buckets))
+    assert (32, 128) in runs[True][1] and (16, 128) not in runs[True][1]
+    assert (16, 128) in runs[False][1]  # control: the rule is what moved the step
+    assert _same(runs[True][0], runs[False][0])
