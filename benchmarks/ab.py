@@ -5,6 +5,7 @@ running ``benchmarks/async_scheduling.py`` with the arguments after the side.
     PYTHONPATH=. python3 benchmarks/ab.py prefill-kernel tiles|tiles_mgpu [async_scheduling.py args]
     PYTHONPATH=. python3 benchmarks/ab.py decode-splits all|used [async_scheduling.py args]
     PYTHONPATH=. python3 benchmarks/ab.py decode-rows hbm|registers [async_scheduling.py args]
+    PYTHONPATH=. python3 benchmarks/ab.py decode-lanes splits|lanes [async_scheduling.py args]
 
 ``decode-launch``: ``matmul_triton.gpu_tiles``'s 16-row launch (64 columns, 4 warps, 8 stages)
 off (``old``: 32 columns, 2 warps, 4 stages) or on (``new``, committed). ``prefill-kernel``:
@@ -13,7 +14,8 @@ off (``old``: 32 columns, 2 warps, 4 stages) or on (``new``, committed). ``prefi
 stores every split of its grid and the combine folds them all) or on (``used``, committed).
 ``decode-rows``: ``attention_triton.DECODE_ROWS_IN_REGISTERS`` off (``hbm``: q padded to 16 rows
 by an XLA pad, 16 rows stored and combined, the output sliced; the default) or on
-(``registers``).
+(``registers``). ``decode-lanes``: ``attention_triton.DECODE_PROGRAMS`` None (``splits``: a
+program per split, the default) or 1024 (``lanes``: ~1024 programs walking their splits).
 Default arguments: llama3-8b, 1 and 64 sequences x (64 + 128) tokens, 3 timed runs; for a
 prefill-bound run e.g. ``--seqs 8 --input-len 4096 --output-len 8``. Alternate the sides.
 """
@@ -26,6 +28,7 @@ SWITCHES = {
     "prefill-kernel": ("tiles", "tiles_mgpu"),
     "decode-splits": ("all", "used"),
     "decode-rows": ("hbm", "registers"),
+    "decode-lanes": ("splits", "lanes"),
 }
 
 if __name__ == "__main__":
@@ -44,6 +47,10 @@ if __name__ == "__main__":
         import pallas_kernels.attention_triton as attention_triton
 
         attention_triton.DECODE_ROWS_IN_REGISTERS = side == "registers"
+    if switch == "decode-lanes":
+        import pallas_kernels.attention_triton as attention_triton
+
+        attention_triton.DECODE_PROGRAMS = 1024 if side == "lanes" else None
     if switch == "prefill-kernel":
         import pallas_kernels.attention_triton as attention_triton
 

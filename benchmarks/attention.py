@@ -431,11 +431,21 @@ def _quick_decode(n, ctx, hq, hkv, d):
     return rows
 
 
+# The decode kernel's launch variants (same bits): name -> (DECODE_ROWS_IN_REGISTERS, DECODE_PROGRAMS)
+DECODE_VARIANTS = {
+    "hbm": (False, None),
+    "registers": (True, None),
+    "lanes 1024": (False, 1024),
+    "lanes 1024, registers": (True, 1024),
+}
+
+
 def time_decode_rows():
-    """A/B of ``attention_triton.DECODE_ROWS_IN_REGISTERS`` (the decode kernel's head group padded
-    to 16 rows in registers, only its rows stored and combined; or padded by XLA in HBM and the
-    output sliced), alternating sides, with the output bits of the two compared."""
-    rows, default = [], attention_triton.DECODE_ROWS_IN_REGISTERS
+    """A/B of the decode kernel's launch variants (``DECODE_VARIANTS``): the head group padded
+    to 16 rows by XLA in HBM or in registers (``DECODE_ROWS_IN_REGISTERS``), a program per split
+    or ~1024 programs walking their splits (``DECODE_PROGRAMS``) - two alternating rounds, the
+    output bits of every variant compared with the first's."""
+    rows, default = [], (attention_triton.DECODE_ROWS_IN_REGISTERS, attention_triton.DECODE_PROGRAMS)
     # (sequences, context, q heads, KV heads, D, block-table length in tokens (None: the
     # context's), tokens in the step (None: one per sequence; more: padding tokens, as the
     # engine's 16-token bucket has)). The last two are the engine's decode at its default
@@ -461,33 +471,35 @@ def time_decode_rows():
             f", table {table} ({t} tokens)" if table else ""
         )
         kv_bytes = 2 * n * ctx * hkv * d * 2
-        times, outs = {"hbm": [], "registers": []}, {}
-        for side in ("hbm", "registers", "hbm", "registers"):
-            attention_triton.DECODE_ROWS_IN_REGISTERS = side == "registers"
+        times, outs = {v: [] for v in DECODE_VARIANTS}, {}
+        for variant in list(DECODE_VARIANTS) * 2:
+            rows_in_registers, programs = DECODE_VARIANTS[variant]
+            attention_triton.DECODE_ROWS_IN_REGISTERS = rows_in_registers
+            attention_triton.DECODE_PROGRAMS = programs
             idx, spec = (bt, c.cl, s, p), AttentionSpec.create(d)
-            fn = lambda q, k, v, idx=idx, spec=spec: attention_triton.attend(  # noqa: E731 (traced anew: the switch is read then)
+            fn = lambda q, k, v, idx=idx, spec=spec: attention_triton.attend(  # noqa: E731 (traced anew: the switches are read then)
                 q, k, v, idx, spec=spec, interpret=False, kernel="tokens"
             )
-            times[side].append(kernel_us(fn, qg, c.kc, c.vc))
-            if side not in outs:
-                outs[side] = bits(jax.jit(fn)(qg, c.kc, c.vc))
-        attention_triton.DECODE_ROWS_IN_REGISTERS = default
-        check(
-            f"{name}: rows in registers == rows in HBM (bits)", np.array_equal(outs["hbm"], outs["registers"])
-        )
-        for side in ("hbm", "registers"):
-            us = statistics.median(times[side])
-            label = f"tokens + combine, rows in {side} ({', '.join(f'{x:.1f}' for x in times[side])})"
+            times[variant].append(kernel_us(fn, qg, c.kc, c.vc))
+            if variant not in outs:
+                outs[variant] = bits(jax.jit(fn)(qg, c.kc, c.vc))
+        attention_triton.DECODE_ROWS_IN_REGISTERS, attention_triton.DECODE_PROGRAMS = default
+        first = next(iter(DECODE_VARIANTS))
+        for variant in list(DECODE_VARIANTS)[1:]:
+            check(f"{name}: {variant} == {first} (bits)", np.array_equal(outs[first], outs[variant]))
+        for variant, runs in times.items():
+            us = statistics.median(runs)
+            label = f"tokens + combine, {variant} ({', '.join(f'{x:.1f}' for x in runs)})"
             rows.append((name, label, us, us, f"{kv_bytes / us / 1e6:.2f} TB/s"))
             print(rows[-1], flush=True)
-    print("\n| case | rows padded in | median us (runs) | TB/s |\n|---|---|---|---|")
+    print("\n| case | variant (runs us) | median us | TB/s |\n|---|---|---|---|")
     for name, label, us, _, rate in rows:
-        print(f"| {name} | {label.split('rows in ')[1]} | {us:.1f} | {rate} |")
+        print(f"| {name} | {label.split('combine, ')[1]} | {us:.1f} | {rate} |")
 
 
 def main():
     print(f"# {datetime.date.today()} {jax.devices()[0].device_kind} jax {jax.__version__}", flush=True)
-    if "--decode-rows" in sys.argv:  # the decode kernel's row padding, A/B (bits and time)
+    if "--decode-rows" in sys.argv:  # the decode kernel's launch variants, A/B (bits and time)
         time_decode_rows()
         sys.exit(1 if FAILURES else 0)
     if "--quick" in sys.argv:  # the layout checks and the launch-choice table only

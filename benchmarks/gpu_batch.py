@@ -52,6 +52,8 @@ _AB = {
         ("splits-used", "decode-splits", "used", _LONG),
         ("rows-hbm", "decode-rows", "hbm", _LONG),
         ("rows-registers", "decode-rows", "registers", _LONG),
+        ("lanes-splits", "decode-lanes", "splits", _LONG),
+        ("lanes-on", "decode-lanes", "lanes", _LONG),
     )
 }
 # name -> (command, time limit s, what it is for)
@@ -72,7 +74,7 @@ STEPS = {
     "attention-rows": (
         _py("attention.py", "--decode-rows"),
         200,
-        "decode kernel: head group padded in registers vs in HBM (bits, CUPTI time)",
+        "decode kernel launch variants: rows padded in HBM / registers, a program per split / lanes (bits, CUPTI time)",
     ),
     "kernels": (_py("kernels.py", "--skip-checks"), 200, "matmul / rows kernel time vs XLA"),
     "decode-sweep": (_py("kernels.py", "--decode-sweep"), 150, "decode-row matmul launches"),

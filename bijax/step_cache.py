@@ -75,6 +75,7 @@ _SETTINGS = (
     ("matmul_triton", "DECODE_WIDE_PROGRAMS"),
     ("attention_triton", "STORE_USED_SPLITS_ONLY"),
     ("attention_triton", "DECODE_ROWS_IN_REGISTERS"),
+    ("attention_triton", "DECODE_PROGRAMS"),
 )
 
 

@@ -72,6 +72,13 @@ STORE_USED_SPLITS_ONLY = True
 # of the grid idle) 0.1-0.8 ms a step slower at 64 sequences in 4 of 4 A/B pairs - not yet
 # understood (the A/B switch of benchmarks/ab.py decode-rows).
 DECODE_ROWS_IN_REGISTERS = False
+# None (the default): the decode grid has one program per split of the block table's capacity
+# (16 a token at max_model_len 8192, most with nothing to do). An int: about that many programs
+# in all - (token, KV head, lane) with ``decode_lanes`` lanes a (token, head), each walking its
+# used splits lane, lane + lanes, ... one after another. Each split is reduced by the same code
+# and stored at its own index, so the states are the same either way (checked on CPU; on the
+# H200 not yet run: the A/B of benchmarks/ab.py decode-lanes).
+DECODE_PROGRAMS = None
 _BIG = 2**30
 
 
@@ -97,14 +104,26 @@ def _row_load(ref, rows: int, *lead):
     return pltriton.load(ref.at[(*lead, pl.ds(0, rows))], mask=_row_mask(rows, group, ndim), other=0.0)
 
 
-def _row_store(ref, value):
-    """The leading ``ref.shape[0]`` rows of ``value`` (a padded group's real rows) into ``ref``."""
-    rows, group = value.shape[0], ref.shape[0]
+def _row_store(ref, value, *lead):
+    """The leading ``ref[*lead].shape[0]`` rows of ``value`` (a padded group's real rows) into
+    ``ref[*lead]``."""
+    rows, group = value.shape[0], ref.shape[len(lead)]
     if group == rows:
-        ref[...] = value.astype(ref.dtype)
+        if lead:
+            ref[lead] = value.astype(ref.dtype)
+        else:
+            ref[...] = value.astype(ref.dtype)
         return
     mask = _row_mask(rows, group, value.ndim)
-    pltriton.store(ref.at[pl.ds(0, rows)], value.astype(ref.dtype), mask=mask)
+    pltriton.store(ref.at[(*lead, pl.ds(0, rows))], value.astype(ref.dtype), mask=mask)
+
+
+def decode_lanes(num_tokens: int, hkv: int, num_splits: int, programs: int | None) -> int:
+    """Programs a (token, KV head) gets in the decode grid: one per split (``programs`` None), or
+    enough that the grid has about ``programs`` programs, at most one per split."""
+    if programs is None:
+        return num_splits
+    return max(1, min(num_splits, -(-programs // (num_tokens * hkv))))
 
 
 def _empty_state(rows: int, d: int):
@@ -155,17 +174,47 @@ def _cache_view(k_cache, v_cache, row_loads: bool):
 
 def _tokens_kernel(
     seq_ref, pos_ref, ctx_ref, bt_ref, q_ref, k_ref, v_ref, m_out, l_out, acc_out,
-    *, spec: AttentionSpec, block_size: int, max_blocks: int, bulk: bool,
+    *, spec: AttentionSpec, block_size: int, max_blocks: int, bulk: bool, lanes: int | None = None,
 ):  # fmt: skip
-    """One (token, KV head, split): the fp32 softmax state of the split, for the group's rows."""
-    t, split = pl.program_id(0), pl.program_id(2)
+    """One (token, KV head, split): the fp32 softmax state of the split, for the group's rows.
+    With ``lanes``: one (token, KV head, lane), each of its splits in turn (``DECODE_PROGRAMS``)."""
+    t, split_or_lane = pl.program_id(0), pl.program_id(2)
     seq, pos = jnp.maximum(seq_ref[t], 0), pos_ref[t]
     ctx = ctx_ref[seq]
+    kw = dict(spec=spec, block_size=block_size, max_blocks=max_blocks, bulk=bulk)
+    if lanes is None:
+        _one_split(
+            split_or_lane, (), seq, pos, ctx, q_ref, None, bt_ref, k_ref, v_ref, m_out, l_out, acc_out, **kw
+        )
+        return
+    q = _row_load(q_ref, _padded_rows(q_ref.shape[0]))  # once for all of the lane's splits
+    lane, num_splits = split_or_lane, m_out.shape[0]
+    first, last = used_splits(pos, spec, num_splits) if STORE_USED_SPLITS_ONLY else (0, num_splits)
+    # this lane's splits in [first, last): lane + i * lanes for i in [lo, hi)
+    lo, hi = (jnp.maximum(first - lane, 0) + lanes - 1) // lanes, (last - lane + lanes - 1) // lanes
+
+    def body(i, carry):
+        split = lane + i * lanes
+        _one_split(
+            split, (split,), seq, pos, ctx, q_ref, q, bt_ref, k_ref, v_ref, m_out, l_out, acc_out, **kw
+        )
+        return carry
+
+    lax.fori_loop(lo, jnp.maximum(hi, lo), body, 0)
+
+
+def _one_split(
+    split, lead, seq, pos, ctx, q_ref, q, bt_ref, k_ref, v_ref, m_out, l_out, acc_out,
+    *, spec: AttentionSpec, block_size: int, max_blocks: int, bulk: bool,
+):  # fmt: skip
+    """The state of one split of one (token, KV head), stored at ``m_out[*lead]`` etc. where the
+    combine reads it; ``q`` the group's rows padded (None: read here from ``q_ref``)."""
     group, d = q_ref.shape
     rows = _padded_rows(group)
     tile = kv_tile(block_size)
     start = split * spec.split_size
-    q = _row_load(q_ref, rows)
+    if q is None:
+        q = _row_load(q_ref, rows)
     # Tiles of this split that hold keys the token may see (none for padding tokens).
     num_tiles = (jnp.clip(pos + 1 - start, 0, spec.split_size) + tile - 1) // tile
     first = 0
@@ -197,11 +246,11 @@ def _tokens_kernel(
     # tokens, splits past the token, before its window) is never read. With a long
     # max_model_len most of the grid is such splits, and their stores were most of the traffic.
     def store():
-        _row_store(m_out, m)
-        _row_store(l_out, l)
-        _row_store(acc_out, acc)
+        _row_store(m_out, m, *lead)
+        _row_store(l_out, l, *lead)
+        _row_store(acc_out, acc, *lead)
 
-    if STORE_USED_SPLITS_ONLY:
+    if STORE_USED_SPLITS_ONLY and not lead:  # (a lane walks only used splits)
         pl.when(split_used(split, pos, spec))(store)
     else:
         store()
@@ -247,17 +296,28 @@ def token_states(
     t, hkv, group, d = qg.shape
     block_size = k_cache.shape[1]
     num_splits = spec.num_splits(block_tables.shape[1] * block_size)
+    lanes = decode_lanes(t, hkv, num_splits, DECODE_PROGRAMS)
     whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
     k_view, v_view, cache = _cache_view(k_cache, v_cache, row_loads)
-    state = lambda *shape: pl.BlockSpec(
-        (pl.squeezed, pl.squeezed, pl.squeezed) + shape, lambda i, h, s: (i, h, s) + (0,) * len(shape)
-    )
+    if DECODE_PROGRAMS is None:  # a program per split: its block of the states
+        state = lambda *shape: pl.BlockSpec(
+            (pl.squeezed, pl.squeezed, pl.squeezed) + shape, lambda i, h, s: (i, h, s) + (0,) * len(shape)
+        )
+    else:  # a program per lane: every split of its (token, KV head), stored at the split's index
+        state = lambda *shape: pl.BlockSpec(
+            (pl.squeezed, pl.squeezed, num_splits) + shape, lambda i, h, s: (i, h, 0) + (0,) * len(shape)
+        )
     f32 = jnp.float32
     m, l, acc = pl.pallas_call(
         functools.partial(
-            _tokens_kernel, spec=spec, block_size=block_size, max_blocks=block_tables.shape[1], bulk=bulk
+            _tokens_kernel,
+            spec=spec,
+            block_size=block_size,
+            max_blocks=block_tables.shape[1],
+            bulk=bulk,
+            lanes=None if DECODE_PROGRAMS is None else lanes,
         ),
-        grid=(t, hkv, num_splits),
+        grid=(t, hkv, lanes),
         in_specs=[
             whole(token_seq),
             whole(token_pos),

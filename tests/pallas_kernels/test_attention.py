@@ -505,6 +505,52 @@ def test_decode_rows_padded_in_registers_keep_the_bits(hq, hkv, monkeypatch):
         assert text.count('name = "bijax_attention') == 2  # the kernel and its combine
 
 
+@pytest.mark.parametrize("kw", [{}, {"sliding_window": 100}])
+def test_decode_lanes_walking_their_splits_keep_the_bits(kw, monkeypatch):
+    """``DECODE_PROGRAMS``: a decode grid of (token, KV head, lane) programs, each walking its
+    used splits one after another, stores the states a program per split stores - so the
+    output bits are the same, with either store rule and row padding. Control: the lane count
+    is below the split count (each lane walks several splits), and a doubled query head of one
+    token changes the bits."""
+    from pallas_kernels import attention_triton
+    from pallas_kernels.attention_math import AttentionSpec
+
+    paged = Paged([300, 70], hq=4, hkv=2, max_blocks=24)  # 6 splits of 64 keys
+    tokens = [(0, 299), (0, 130), (0, 291), (1, 69), (1, 3), (0, -1)]
+    pos = jnp.asarray([p for _, p in tokens], jnp.int32)
+    seq = jnp.asarray([s for s, _ in tokens], jnp.int32)
+    q = jnp.stack([paged.q[s][max(p, 0)] for s, p in tokens]).reshape(len(tokens), 2, 2, paged.d)
+    index = (jnp.asarray(paged.bt), jnp.asarray(paged.lens, jnp.int32), seq, pos)
+    spec = AttentionSpec.create(paged.d, split_size=64, **kw)
+    programs = 2 * len(tokens) * 2  # 2 lanes a (token, KV head)
+    assert attention_triton.decode_lanes(len(tokens), 2, spec.num_splits(24 * 16), programs) == 2
+    assert attention_triton.decode_lanes(len(tokens), 2, 6, None) == 6
+
+    def run(q):
+        return bits(
+            attention_triton.attend(q, paged.kc, paged.vc, index, spec=spec, interpret=True, kernel="tokens")
+        )
+
+    ref = run(q)
+    for used_only in (True, False):
+        for in_registers in (False, True):
+            monkeypatch.setattr(attention_triton, "STORE_USED_SPLITS_ONLY", used_only)
+            monkeypatch.setattr(attention_triton, "DECODE_ROWS_IN_REGISTERS", in_registers)
+            monkeypatch.setattr(attention_triton, "DECODE_PROGRAMS", programs)
+            np.testing.assert_array_equal(run(q), ref)
+            monkeypatch.setattr(attention_triton, "DECODE_PROGRAMS", None)
+    monkeypatch.setattr(attention_triton, "DECODE_PROGRAMS", programs)
+    assert not np.array_equal(run(q.at[0, 1, 0].multiply(2.0)), ref)
+    if not kw:  # the Triton lowering takes the lanes' loop and its stores at a split index
+        bf = lambda a: a.astype(jnp.bfloat16)  # noqa: E731
+        gpu = lambda q, k, v: attention_triton.attend(  # noqa: E731
+            q, k, v, index, spec=spec, interpret=False, kernel="tokens"
+        )
+        for in_registers in (False, True):
+            monkeypatch.setattr(attention_triton, "DECODE_ROWS_IN_REGISTERS", in_registers)
+            assert cuda_export(gpu, bf(q), bf(paged.kc), bf(paged.vc)).count('name = "bijax_attention') == 2
+
+
 @pytest.mark.parametrize("gpu_kernel", ["tokens", "tiles"])
 @pytest.mark.parametrize("kw", [{}, {"sliding_window": 100}])
 def test_unmasked_full_tiles_and_row_loads_keep_the_bits(gpu_kernel, kw):
