@@ -20,41 +20,30 @@ Default arguments: llama3-8b, 1 and 64 sequences x (64 + 128) tokens, 3 timed ru
 prefill-bound run e.g. ``--seqs 8 --input-len 4096 --output-len 8``. Alternate the sides.
 """
 
+import importlib
 import runpy
 import sys
 
+_AS_COMMITTED = object()  # a side that leaves the module's value as it is
+# switch -> (module under pallas_kernels, attribute, {side: value})
 SWITCHES = {
-    "decode-launch": ("old", "new"),
-    "prefill-kernel": ("tiles", "tiles_mgpu"),
-    "decode-splits": ("all", "used"),
-    "decode-rows": ("hbm", "registers"),
-    "decode-lanes": ("splits", "lanes"),
+    # 1 << 30: no weight has this many programs, so the wide-launch rule is off
+    "decode-launch": ("matmul_triton", "DECODE_WIDE_PROGRAMS", {"old": 1 << 30, "new": _AS_COMMITTED}),
+    "prefill-kernel": ("attention_triton", "PREFILL_KERNEL", {"tiles": "tiles", "tiles_mgpu": "tiles_mgpu"}),
+    "decode-splits": ("attention_triton", "STORE_USED_SPLITS_ONLY", {"all": False, "used": True}),
+    "decode-rows": ("attention_triton", "DECODE_ROWS_IN_REGISTERS", {"hbm": False, "registers": True}),
+    "decode-lanes": ("attention_triton", "DECODE_PROGRAMS", {"splits": None, "lanes": 1024}),
 }
 
 if __name__ == "__main__":
-    if len(sys.argv) < 3 or sys.argv[1] not in SWITCHES or sys.argv[2] not in SWITCHES[sys.argv[1]]:
-        sys.exit("usage: ab.py " + " | ".join(f"{k} {'|'.join(v)}" for k, v in SWITCHES.items()) + " [args]")
+    if len(sys.argv) < 3 or sys.argv[1] not in SWITCHES or sys.argv[2] not in SWITCHES[sys.argv[1]][2]:
+        sys.exit(
+            "usage: ab.py " + " | ".join(f"{k} {'|'.join(v[2])}" for k, v in SWITCHES.items()) + " [args]"
+        )
     switch, side, rest = sys.argv[1], sys.argv[2], sys.argv[3:]
-    if switch == "decode-launch" and side == "old":
-        import pallas_kernels.matmul_triton as matmul_triton
-
-        matmul_triton.DECODE_WIDE_PROGRAMS = 1 << 30  # no weight has this many programs: rule off
-    if switch == "decode-splits":
-        import pallas_kernels.attention_triton as attention_triton
-
-        attention_triton.STORE_USED_SPLITS_ONLY = side == "used"
-    if switch == "decode-rows":
-        import pallas_kernels.attention_triton as attention_triton
-
-        attention_triton.DECODE_ROWS_IN_REGISTERS = side == "registers"
-    if switch == "decode-lanes":
-        import pallas_kernels.attention_triton as attention_triton
-
-        attention_triton.DECODE_PROGRAMS = 1024 if side == "lanes" else None
-    if switch == "prefill-kernel":
-        import pallas_kernels.attention_triton as attention_triton
-
-        attention_triton.PREFILL_KERNEL = side
+    module, attribute, values = SWITCHES[switch]
+    if values[side] is not _AS_COMMITTED:
+        setattr(importlib.import_module(f"pallas_kernels.{module}"), attribute, values[side])
     print(f"# A/B {switch} = {side}", flush=True)
     default = ["--model", "llama3-8b", "--seqs", "1,64", "--output-len", "128", "--repeats", "3"]
     sys.argv = ["async_scheduling.py", *default, *rest]  # later arguments override the defaults

@@ -59,19 +59,26 @@ MAX_PROCESSES = 8
 TIMEOUT_S = 900  # a helper that takes longer is stopped; the parent lowers what is left
 
 
+def _env_int(name: str, fallback: int, meaning: str) -> int | None:
+    """The integer in environment variable ``name``; None where it is unset or empty; with a
+    warning, ``fallback`` where it is not an integer (``meaning`` says what that means)."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        warnings.warn(
+            f"bijax: {name} must be an integer, got {raw!r}: {meaning}", RuntimeWarning, stacklevel=4
+        )
+        return fallback
+
+
 def default_processes() -> int:
     """Helper processes a warm-up may start (see top)."""
-    env = os.environ.get("BIJAX_LOWERING_PROCESSES")
+    env = _env_int("BIJAX_LOWERING_PROCESSES", 0, "no helper processes")
     if env is not None:
-        try:
-            return max(0, int(env))
-        except ValueError:
-            warnings.warn(
-                f"bijax: BIJAX_LOWERING_PROCESSES must be an integer, got {env!r}: no helper processes",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            return 0
+        return max(0, env)
     if jax.default_backend() != "gpu":
         return 0
     try:
@@ -190,22 +197,6 @@ class Helpers:
         self._tmp.cleanup()
 
 
-def _min_programs() -> int:
-    """``MIN_PROGRAMS``, or ``BIJAX_LOWERING_MIN_PROGRAMS`` where it is a whole number."""
-    raw = os.environ.get("BIJAX_LOWERING_MIN_PROGRAMS", "").strip()
-    if not raw:
-        return MIN_PROGRAMS
-    try:
-        return int(raw)
-    except ValueError:
-        warnings.warn(
-            f"bijax: BIJAX_LOWERING_MIN_PROGRAMS={raw!r} is not a whole number; using {MIN_PROGRAMS}",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return MIN_PROGRAMS
-
-
 def start(runner, keys, processes: int | None = None) -> Helpers | None:
     """Starts helper processes exporting a share of ``runner``'s programs ``keys``
     (``ModelRunner._lowered``'s keys) that the step cache lacks - the caller lowers the rest -
@@ -223,7 +214,8 @@ def start(runner, keys, processes: int | None = None) -> Helpers | None:
         if not os.path.exists(os.path.join(where, name)):
             todo.append((key, name))
     processes = min(processes, len(todo) // MIN_PER_PROCESS)
-    if processes < 1 or len(todo) < _min_programs():
+    fewest = _env_int("BIJAX_LOWERING_MIN_PROGRAMS", MIN_PROGRAMS, f"using {MIN_PROGRAMS}")
+    if processes < 1 or len(todo) < (MIN_PROGRAMS if fewest is None else fewest):
         return None
     # This process lowers a share too while the helpers start - the last programs in bucket
     # order (most sequences, then most tokens: big compiles, started first) - as many as a

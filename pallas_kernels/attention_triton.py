@@ -200,7 +200,7 @@ def _tokens_kernel(
         )
         return carry
 
-    lax.fori_loop(lo, jnp.maximum(hi, lo), body, 0)
+    lax.fori_loop(lo, hi, body, 0)  # (none where hi <= lo: a lane with no used split)
 
 
 def _one_split(
@@ -297,15 +297,16 @@ def token_states(
     block_size = k_cache.shape[1]
     num_splits = spec.num_splits(block_tables.shape[1] * block_size)
     lanes = decode_lanes(t, hkv, num_splits, DECODE_PROGRAMS)
+    walk = DECODE_PROGRAMS is not None  # programs walk several splits (lanes), or one each
     whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
     k_view, v_view, cache = _cache_view(k_cache, v_cache, row_loads)
-    if DECODE_PROGRAMS is None:  # a program per split: its block of the states
-        state = lambda *shape: pl.BlockSpec(
-            (pl.squeezed, pl.squeezed, pl.squeezed) + shape, lambda i, h, s: (i, h, s) + (0,) * len(shape)
-        )
-    else:  # a program per lane: every split of its (token, KV head), stored at the split's index
+    if walk:  # a program per lane: every split of its (token, KV head), stored at the split's index
         state = lambda *shape: pl.BlockSpec(
             (pl.squeezed, pl.squeezed, num_splits) + shape, lambda i, h, s: (i, h, 0) + (0,) * len(shape)
+        )
+    else:  # a program per split: its block of the states
+        state = lambda *shape: pl.BlockSpec(
+            (pl.squeezed, pl.squeezed, pl.squeezed) + shape, lambda i, h, s: (i, h, s) + (0,) * len(shape)
         )
     f32 = jnp.float32
     m, l, acc = pl.pallas_call(
@@ -315,7 +316,7 @@ def token_states(
             block_size=block_size,
             max_blocks=block_tables.shape[1],
             bulk=bulk,
-            lanes=None if DECODE_PROGRAMS is None else lanes,
+            lanes=lanes if walk else None,
         ),
         grid=(t, hkv, lanes),
         in_specs=[

@@ -129,3 +129,15 @@ def test_helpers_that_compile_fill_the_persistent_cache(tmp_path, compile_in_hel
         assert loaded == 1 and compiled == 4
     else:
         assert loaded == 0 and compiled == 5
+
+
+def test_every_ab_switch_is_a_setting_the_helpers_receive():
+    """``benchmarks/ab.py`` sets module-level kernel choices; each must be among
+    ``step_cache._SETTINGS`` (the names programs are saved under, and what the helpers are
+    given), else a helper would lower under the committed value. Control: a made-up switch
+    is not."""
+    from benchmarks import ab
+
+    switches = {(m, a) for m, a, _ in ab.SWITCHES.values()}
+    assert switches <= set(step_cache._SETTINGS)
+    assert not switches | {("attention_triton", "NO_SUCH_SWITCH")} <= set(step_cache._SETTINGS)
