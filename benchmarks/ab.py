@@ -6,6 +6,7 @@ running ``benchmarks/async_scheduling.py`` with the arguments after the side.
     PYTHONPATH=. python3 benchmarks/ab.py decode-splits all|used [async_scheduling.py args]
     PYTHONPATH=. python3 benchmarks/ab.py decode-rows hbm|registers [async_scheduling.py args]
     PYTHONPATH=. python3 benchmarks/ab.py decode-lanes splits|lanes [async_scheduling.py args]
+    PYTHONPATH=. python3 benchmarks/ab.py decode-kernel old|new [async_scheduling.py args]
 
 ``decode-launch``: ``matmul_triton.gpu_tiles``'s 16-row launch (64 columns, 4 warps, 8 stages)
 off (``old``: 32 columns, 2 warps, 4 stages) or on (``new``, committed). ``prefill-kernel``:
@@ -16,6 +17,8 @@ stores every split of its grid and the combine folds them all) or on (``used``, 
 by an XLA pad, 16 rows stored and combined, the output sliced; the default) or on
 (``registers``). ``decode-lanes``: ``attention_triton.DECODE_PROGRAMS`` None (``splits``: a
 program per split, the default) or 1024 (``lanes``: ~1024 programs walking their splits).
+``decode-kernel``: both of the last two at once - ``old`` (rows in HBM, a program per split) or
+``new`` (rows in registers, lanes).
 Default arguments: llama3-8b, 1 and 64 sequences x (64 + 128) tokens, 3 timed runs; for a
 prefill-bound run e.g. ``--seqs 8 --input-len 4096 --output-len 8``. Alternate the sides.
 """
@@ -24,26 +27,42 @@ import importlib
 import runpy
 import sys
 
-_AS_COMMITTED = object()  # a side that leaves the module's value as it is
-# switch -> (module under pallas_kernels, attribute, {side: value})
+# switch -> {side: ((module under pallas_kernels, attribute, value), ...)}
 SWITCHES = {
     # 1 << 30: no weight has this many programs, so the wide-launch rule is off
-    "decode-launch": ("matmul_triton", "DECODE_WIDE_PROGRAMS", {"old": 1 << 30, "new": _AS_COMMITTED}),
-    "prefill-kernel": ("attention_triton", "PREFILL_KERNEL", {"tiles": "tiles", "tiles_mgpu": "tiles_mgpu"}),
-    "decode-splits": ("attention_triton", "STORE_USED_SPLITS_ONLY", {"all": False, "used": True}),
-    "decode-rows": ("attention_triton", "DECODE_ROWS_IN_REGISTERS", {"hbm": False, "registers": True}),
-    "decode-lanes": ("attention_triton", "DECODE_PROGRAMS", {"splits": None, "lanes": 1024}),
+    "decode-launch": {"old": (("matmul_triton", "DECODE_WIDE_PROGRAMS", 1 << 30),), "new": ()},
+    "prefill-kernel": {
+        side: (("attention_triton", "PREFILL_KERNEL", side),) for side in ("tiles", "tiles_mgpu")
+    },
+    "decode-splits": {
+        side: (("attention_triton", "STORE_USED_SPLITS_ONLY", value),)
+        for side, value in (("all", False), ("used", True))
+    },
+    "decode-rows": {
+        side: (("attention_triton", "DECODE_ROWS_IN_REGISTERS", value),)
+        for side, value in (("hbm", False), ("registers", True))
+    },
+    "decode-lanes": {
+        side: (("attention_triton", "DECODE_PROGRAMS", value),) for side, value in (("splits", None), ("lanes", 1024))
+    },
+    "decode-kernel": {
+        side: (("attention_triton", "DECODE_ROWS_IN_REGISTERS", rows), ("attention_triton", "DECODE_PROGRAMS", lanes))
+        for side, rows, lanes in (("old", False, None), ("new", True, 1024))
+    },
 }
 
+
+def settings_set() -> set:
+    """Every (module, attribute) some side of some switch sets."""
+    return {(m, a) for sides in SWITCHES.values() for changes in sides.values() for m, a, _ in changes}
+
+
 if __name__ == "__main__":
-    if len(sys.argv) < 3 or sys.argv[1] not in SWITCHES or sys.argv[2] not in SWITCHES[sys.argv[1]][2]:
-        sys.exit(
-            "usage: ab.py " + " | ".join(f"{k} {'|'.join(v[2])}" for k, v in SWITCHES.items()) + " [args]"
-        )
+    if len(sys.argv) < 3 or sys.argv[1] not in SWITCHES or sys.argv[2] not in SWITCHES[sys.argv[1]]:
+        sys.exit("usage: ab.py " + " | ".join(f"{k} {'|'.join(v)}" for k, v in SWITCHES.items()) + " [args]")
     switch, side, rest = sys.argv[1], sys.argv[2], sys.argv[3:]
-    module, attribute, values = SWITCHES[switch]
-    if values[side] is not _AS_COMMITTED:
-        setattr(importlib.import_module(f"pallas_kernels.{module}"), attribute, values[side])
+    for module, attribute, value in SWITCHES[switch][side]:  # an empty side: as committed
+        setattr(importlib.import_module(f"pallas_kernels.{module}"), attribute, value)
     print(f"# A/B {switch} = {side}", flush=True)
     default = ["--model", "llama3-8b", "--seqs", "1,64", "--output-len", "128", "--repeats", "3"]
     sys.argv = ["async_scheduling.py", *default, *rest]  # later arguments override the defaults

@@ -54,6 +54,8 @@ _AB = {
         ("rows-registers", "decode-rows", "registers", _LONG),
         ("lanes-splits", "decode-lanes", "splits", _LONG),
         ("lanes-on", "decode-lanes", "lanes", _LONG),
+        ("kernel-old", "decode-kernel", "old", _LONG),
+        ("kernel-new", "decode-kernel", "new", _LONG),
     )
 }
 # name -> (command, time limit s, what it is for)

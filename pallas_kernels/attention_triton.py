@@ -61,24 +61,25 @@ PREFILL_KERNEL = "tiles_mgpu"
 # the others leave the fold unchanged). False: every split of the grid, as before 2026-12-02
 # (the A/B switch of benchmarks/ab.py).
 STORE_USED_SPLITS_ONLY = True
-# True: the decode kernel pads the query-head group to the dot's 16 rows in registers (masked
-# loads) and stores, combines and returns only the group's rows. False (the default): q padded
-# in HBM by an XLA pad, 16 rows stored and combined, the output sliced by XLA - the kernels of
-# before 2026-12-02 op for op. The same bits either way (a dot's rows do not depend on the
-# other rows, and q's padding rows are zeros either way; the padding rows' states differ but
-# never reach the output; digests MATCH on the H200 with True). Not the default: on the H200 (2026-12-02,
-# RESULTS.md session 27) True made the kernel 8-40% faster where a token's splits are all used
-# and the profiled forward faster, but the engine at max_model_len 8192 (16 splits a token, most
-# of the grid idle) 0.1-0.8 ms a step slower at 64 sequences in 4 of 4 A/B pairs - not yet
-# understood (the A/B switch of benchmarks/ab.py decode-rows).
-DECODE_ROWS_IN_REGISTERS = False
-# None (the default): the decode grid has one program per split of the block table's capacity
-# (16 a token at max_model_len 8192, most with nothing to do). An int: about that many programs
-# in all - (token, KV head, lane) with ``decode_lanes`` lanes a (token, head), each walking its
-# used splits lane, lane + lanes, ... one after another. Each split is reduced by the same code
-# and stored at its own index, so the states are the same either way (checked on CPU; on the
-# H200 not yet run: the A/B of benchmarks/ab.py decode-lanes).
-DECODE_PROGRAMS = None
+# True (the default): the decode kernel pads the query-head group to the dot's 16 rows in
+# registers (masked loads) and stores, combines and returns only the group's rows. False: q
+# padded in HBM by an XLA pad, 16 rows stored and combined, the output sliced by XLA - the
+# kernels of before 2026-12-02 op for op. The same bits either way (a dot's rows do not depend
+# on the other rows, and q's padding rows are zeros either way; the padding rows' states differ
+# but never reach the output). Alone (a program per split) it was 8-40% faster where a token's
+# splits are all used, but slower in the engine at max_model_len 8192, where most of that grid
+# is idle (RESULTS.md session 27); with lanes (below) it is the fastest of the four variants in
+# every case (session 28: 1.1-2.5x the old kernel's speed, the engine-shaped 16-split cases
+# included). The A/B switch of benchmarks/ab.py decode-rows / decode-kernel.
+DECODE_ROWS_IN_REGISTERS = True
+# An int (the default 1024): about that many decode programs in all - (token, KV head, lane)
+# with ``decode_lanes`` lanes a (token, head), each walking its used splits lane, lane + lanes,
+# ... one after another. None: one program per split of the block table's capacity (16 a token
+# at max_model_len 8192, most with nothing to do). Each split is reduced by the same code and
+# stored at its own index, so the states are the same either way (CPU tests; on the H200 the
+# four variants' outputs are bit-identical, session 28). The A/B switch of benchmarks/ab.py
+# decode-lanes / decode-kernel.
+DECODE_PROGRAMS = 1024
 _BIG = 2**30
 
 

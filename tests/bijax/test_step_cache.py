@@ -138,6 +138,6 @@ def test_every_ab_switch_is_a_setting_the_helpers_receive():
     is not."""
     from benchmarks import ab
 
-    switches = {(m, a) for m, a, _ in ab.SWITCHES.values()}
+    switches = ab.settings_set()
     assert switches <= set(step_cache._SETTINGS)
     assert not switches | {("attention_triton", "NO_SUCH_SWITCH")} <= set(step_cache._SETTINGS)
