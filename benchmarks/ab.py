@@ -7,6 +7,7 @@ running ``benchmarks/async_scheduling.py`` with the arguments after the side.
     PYTHONPATH=. python3 benchmarks/ab.py decode-rows hbm|registers [async_scheduling.py args]
     PYTHONPATH=. python3 benchmarks/ab.py decode-lanes splits|lanes [async_scheduling.py args]
     PYTHONPATH=. python3 benchmarks/ab.py decode-kernel old|new [async_scheduling.py args]
+    PYTHONPATH=. python3 benchmarks/ab.py step-programs layers|whole [async_scheduling.py args]
 
 ``decode-launch``: ``matmul_triton.gpu_tiles``'s 16-row launch (64 columns, 4 warps, 8 stages)
 off (``old``: 32 columns, 2 warps, 4 stages) or on (``new``, committed). ``prefill-kernel``:
@@ -18,16 +19,20 @@ by an XLA pad, 16 rows stored and combined, the output sliced; the default) or o
 (``registers``). ``decode-lanes``: ``attention_triton.DECODE_PROGRAMS`` None (``splits``: a
 program per split, the default) or 1024 (``lanes``: ~1024 programs walking their splits).
 ``decode-kernel``: both of the last two at once - ``old`` (rows in HBM, a program per split) or
-``new`` (rows in registers, lanes).
+``new`` (rows in registers, lanes). ``step-programs``: a step's forward as a chain of programs
+(``layers``: the embedding, a program per layer, the LM head; the default) or one program
+(``whole``) - ``BIJAX_STEP_PROGRAMS`` (``bijax.step_programs``).
 Default arguments: llama3-8b, 1 and 64 sequences x (64 + 128) tokens, 3 timed runs; for a
 prefill-bound run e.g. ``--seqs 8 --input-len 4096 --output-len 8``. Alternate the sides.
 """
 
 import importlib
+import os
 import runpy
 import sys
 
-# switch -> {side: ((module under pallas_kernels, attribute, value), ...)}
+# switch -> {side: ((module under pallas_kernels, attribute, value), ...)}; module None: an
+# environment variable (read when the engine is made, which the helper processes inherit)
 SWITCHES = {
     # 1 << 30: no weight has this many programs, so the wide-launch rule is off
     "decode-launch": {"old": (("matmul_triton", "DECODE_WIDE_PROGRAMS", 1 << 30),), "new": ()},
@@ -43,18 +48,29 @@ SWITCHES = {
         for side, value in (("hbm", False), ("registers", True))
     },
     "decode-lanes": {
-        side: (("attention_triton", "DECODE_PROGRAMS", value),) for side, value in (("splits", None), ("lanes", 1024))
+        side: (("attention_triton", "DECODE_PROGRAMS", value),)
+        for side, value in (("splits", None), ("lanes", 1024))
     },
     "decode-kernel": {
-        side: (("attention_triton", "DECODE_ROWS_IN_REGISTERS", rows), ("attention_triton", "DECODE_PROGRAMS", lanes))
+        side: (
+            ("attention_triton", "DECODE_ROWS_IN_REGISTERS", rows),
+            ("attention_triton", "DECODE_PROGRAMS", lanes),
+        )
         for side, rows, lanes in (("old", False, None), ("new", True, 1024))
     },
+    "step-programs": {side: ((None, "BIJAX_STEP_PROGRAMS", side),) for side in ("layers", "whole")},
 }
 
 
 def settings_set() -> set:
-    """Every (module, attribute) some side of some switch sets."""
-    return {(m, a) for sides in SWITCHES.values() for changes in sides.values() for m, a, _ in changes}
+    """Every (module, attribute) some side of some switch sets (environment variables aside)."""
+    return {
+        (m, a)
+        for sides in SWITCHES.values()
+        for changes in sides.values()
+        for m, a, _ in changes
+        if m is not None
+    }
 
 
 if __name__ == "__main__":
@@ -62,7 +78,10 @@ if __name__ == "__main__":
         sys.exit("usage: ab.py " + " | ".join(f"{k} {'|'.join(v)}" for k, v in SWITCHES.items()) + " [args]")
     switch, side, rest = sys.argv[1], sys.argv[2], sys.argv[3:]
     for module, attribute, value in SWITCHES[switch][side]:  # an empty side: as committed
-        setattr(importlib.import_module(f"pallas_kernels.{module}"), attribute, value)
+        if module is None:
+            os.environ[attribute] = value
+        else:
+            setattr(importlib.import_module(f"pallas_kernels.{module}"), attribute, value)
     print(f"# A/B {switch} = {side}", flush=True)
     default = ["--model", "llama3-8b", "--seqs", "1,64", "--output-len", "128", "--repeats", "3"]
     sys.argv = ["async_scheduling.py", *default, *rest]  # later arguments override the defaults

@@ -56,6 +56,8 @@ _AB = {
         ("lanes-on", "decode-lanes", "lanes", _LONG),
         ("kernel-old", "decode-kernel", "old", _LONG),
         ("kernel-new", "decode-kernel", "new", _LONG),
+        ("programs-layers", "step-programs", "layers", _LONG),
+        ("programs-whole", "step-programs", "whole", _LONG),
     )
 }
 # name -> (command, time limit s, what it is for)
@@ -112,6 +114,11 @@ STEPS = {
         _py("startup.py", "--rows", "single"),
         120,
         "start-up: one request's first token, empty cache",
+    ),
+    "startup-programs": (
+        _py("startup.py", "--rows", "engine,engine-whole,single,single-whole"),
+        420,
+        "start-up, empty caches: the forward as a chain of programs (the default) / as one program",
     ),
     "startup-single-ab": (
         _py("startup.py", "--rows", "single-helper,single"),

@@ -23,14 +23,13 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from bijax.config import EngineConfig
-from bijax.model_runner import forward_program, sample_program
-from bijax.sampler import SamplingRows, uses_filters
+from bijax.model_runner import ModelRunner
+from bijax.sampler import SamplingRows
 from models.configs import preset
 from models.llama import Llama
-from models.paged import PagedBatch, init_kv_cache
+from models.paged import PagedBatch
 
 BS = 16
 
@@ -160,41 +159,40 @@ def profile(
     c = model.config
     batch, sampling, nblocks = make_step(num_seqs, ctx, new, ctx + new, c.vocab_size)
     sampling.top_p[:] = top_p
-    filters = uses_filters(sampling)  # as the engine decides, on the host
-    graphdef, params = nnx.split(model)
-    cache = init_kv_cache(c, nblocks, BS, model.dtype)
-    batch = jax.tree_util.tree_map(jnp.asarray, batch)
-    sampling = jax.tree_util.tree_map(jnp.asarray, sampling)
+    # The engine's runner runs the step as the engine does: its forward's programs (the chain
+    # of embedding, layer and LM-head programs, or one program with BIJAX_STEP_PROGRAMS=whole),
+    # the KV cache donated, then the sampling program the rows need.
+    s, t = len(batch.context_lens), batch.num_tokens
+    cfg = EngineConfig(
+        max_model_len=ctx + new,
+        max_num_seqs=s,
+        max_num_batched_tokens=t,
+        block_size=BS,
+        num_kv_blocks=nblocks,
+        invariant=invariant,
+    )
+    runner = ModelRunner(model, cfg)
     t0 = time.perf_counter()
-    fwd = forward_program.lower(params, cache, batch, graphdef=graphdef, invariant=invariant).compile()
-    logits = jax.ShapeDtypeStruct((len(batch.logit_rows), c.vocab_size), jnp.float32)
-    smp = sample_program.lower(
-        logits, sampling, invariant=invariant, num_logprobs=0, filters=filters
-    ).compile()
+    runner.warmup([(s, t)], processes=0)
     compile_s = time.perf_counter() - t0
 
-    def compiled(params, cache, batch, sampling):  # one engine step: its two programs
-        logits, cache = fwd(params, cache, batch)
-        return smp(logits, sampling), cache
-
-    def run(cache, n):
+    def run(n):
         for _ in range(n):
-            out, cache = compiled(params, cache, batch, sampling)
-        jax.block_until_ready((out, cache))
-        return cache
+            out = runner._run(batch, sampling, 0)
+        jax.block_until_ready((out, runner.cache))
 
-    cache = run(cache, 3)  # warm-up (module load, autotuning)
+    run(3)  # warm-up (module load, autotuning)
     t0 = time.perf_counter()
-    cache = run(cache, iters)
+    run(iters)
     wall_ms = (time.perf_counter() - t0) / iters * 1e3
     # Host time to enqueue one step (the call returns before the device finishes): when it is
     # close to the wall time, the host's launches, not the kernels, set the pace.
-    jax.block_until_ready(cache)
+    jax.block_until_ready(runner.cache)
     t0 = time.perf_counter()
     for _ in range(iters):
-        out, cache = compiled(params, cache, batch, sampling)
+        out = runner._run(batch, sampling, 0)
     dispatch_ms = (time.perf_counter() - t0) / iters * 1e3
-    jax.block_until_ready((out, cache))
+    jax.block_until_ready((out, runner.cache))
     kernels = None
     if cupti:
         from jax.experimental.mosaic.gpu import profiler
@@ -202,7 +200,7 @@ def profile(
         ext = profiler.mosaic_gpu_lib._mosaic_gpu_ext
         ext._cupti_init()
         try:
-            cache = run(cache, iters)
+            run(iters)
         finally:
             timings = ext._cupti_get_timings(True)
         kernels = collections.defaultdict(lambda: [0, 0.0])
@@ -216,7 +214,7 @@ def profile(
         d = os.path.join(trace_dir, re.sub(r"\W+", "_", f"{name}_{invariant}"))
         jax.profiler.start_trace(d, create_perfetto_trace=True)
         try:
-            cache = run(cache, iters)
+            run(iters)
         finally:
             jax.profiler.stop_trace()
         try:

@@ -4,7 +4,8 @@
            persistent compile cache without and with helper processes lowering the steps
            (``bijax.parallel_lowering``; ``BIJAX_LOWERING_PROCESSES=0``, then the default), then
            again in a third process from the filled cache, and on another empty cache with
-           the helpers also compiling (``BIJAX_LOWERING_COMPILE=1``);
+           the helpers also compiling (``BIJAX_LOWERING_COMPILE=1``); ``engine-whole``: the
+           forward as one program (``BIJAX_STEP_PROGRAMS=whole``, before 2026-12-02 session 28);
   single   one request's first token - ``LLM`` sized as ``bijax generate`` sizes it for one
            prompt (1 sequence, 512 tokens per step), ``warmup(step_tokens=[prompt, 1])`` (since
            2026-12-02 session 26; ``max_step_tokens=prompt`` before: one more bucket), then
@@ -94,16 +95,9 @@ def child(kind: str, model: str) -> None:
     )
 
 
-def run_child(kind: str, model: str, cache: str, helpers: str = "lower") -> dict:
-    """``helpers``: "off", "lower" (the default), "compile" (BIJAX_LOWERING_COMPILE=1) or "two"
-    (BIJAX_LOWERING_MIN_PROGRAMS=2)."""
-    env = dict(os.environ, BIJAX_CACHE_DIR=cache, PYTHONUNBUFFERED="1")
-    if helpers == "off":
-        env["BIJAX_LOWERING_PROCESSES"] = "0"
-    elif helpers == "compile":
-        env["BIJAX_LOWERING_COMPILE"] = "1"
-    elif helpers == "two":  # a helper for 2 programs too (one request's prefill and decode steps)
-        env["BIJAX_LOWERING_MIN_PROGRAMS"] = "2"
+def run_child(kind: str, model: str, cache: str, env_extra: dict) -> dict:
+    """One start in a fresh process on ``cache``, with ``env_extra`` set."""
+    env = dict(os.environ, BIJAX_CACHE_DIR=cache, PYTHONUNBUFFERED="1", **env_extra)
     t0 = time.perf_counter()
     p = subprocess.run(
         [sys.executable, os.path.abspath(__file__), "--child", kind, "--model", model],
@@ -120,20 +114,33 @@ def run_child(kind: str, model: str, cache: str, helpers: str = "lower") -> dict
     return {**json.loads(line[len("RESULT ") :]), "wall": wall}
 
 
-# --rows name -> (label, child kind, helpers). Each row runs on an empty compile cache of its own;
-# a filled row reuses the cache of its empty row's last run.
+_NO_HELPERS = {"BIJAX_LOWERING_PROCESSES": "0"}
+_WHOLE = {"BIJAX_STEP_PROGRAMS": "whole"}  # the forward as one program (before session 28)
+# --rows name -> (label, child kind, environment). Each row runs on an empty compile cache of its
+# own; a filled row reuses the cache of its empty row's last run.
 ROWS = {
-    "engine-no-helpers": ("64 seqs x 2048 tokens, empty cache, no helper processes", "engine", "off"),
-    "engine": ("64 seqs x 2048 tokens, empty cache", "engine", "lower"),
-    "engine-filled": ("64 seqs x 2048 tokens, filled cache", "engine", "lower"),
+    "engine-no-helpers": ("64 seqs x 2048 tokens, empty cache, no helper processes", "engine", _NO_HELPERS),
+    "engine": ("64 seqs x 2048 tokens, empty cache", "engine", {}),
+    "engine-filled": ("64 seqs x 2048 tokens, filled cache", "engine", {}),
     "engine-helpers-compile": (
         "64 seqs x 2048 tokens, empty cache, helpers also compile",
         "engine",
-        "compile",
+        {"BIJAX_LOWERING_COMPILE": "1"},
     ),
-    "single": ("one request, first token, empty cache", "single", "lower"),
-    "single-filled": ("one request, first token, filled cache", "single", "lower"),
-    "single-helper": ("one request, first token, empty cache, a helper for its 2 programs", "single", "two"),
+    "engine-whole": ("64 seqs x 2048 tokens, empty cache, the forward as one program", "engine", _WHOLE),
+    "single": ("one request, first token, empty cache", "single", {}),
+    "single-filled": ("one request, first token, filled cache", "single", {}),
+    "single-no-helpers": (
+        "one request, first token, empty cache, no helper processes",
+        "single",
+        _NO_HELPERS,
+    ),
+    "single-helper": (
+        "one request, first token, empty cache, a helper for 2 programs too",
+        "single",
+        {"BIJAX_LOWERING_MIN_PROGRAMS": "2"},
+    ),
+    "single-whole": ("one request, first token, empty cache, the forward as one program", "single", _WHOLE),
 }
 
 
@@ -166,13 +173,13 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as base:
         last = {}  # row -> the cache of its last run
         for i, row in enumerate(rows_wanted):
-            name, kind, helpers = ROWS[row]
+            name, kind, env = ROWS[row]
             if row.endswith("-filled"):
                 cache = last[row[: -len("-filled")]]
             else:
                 cache = last[row] = os.path.join(base, f"{i}-{row}")
                 os.makedirs(cache)
-            r = run_child(kind, a.model, cache, helpers)
+            r = run_child(kind, a.model, cache, env)
             print(name, json.dumps(r), flush=True)
             rows.append((name, r))
     for name, r in rows:

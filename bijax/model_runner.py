@@ -1,14 +1,16 @@
-"""Flat ragged steps padded to (num_seqs, num_tokens) buckets; a step is two compiled
-programs: the forward of its bucket, then sampling of its rows.
+"""Flat ragged steps padded to (num_seqs, num_tokens) buckets; a step is a chain of compiled
+programs (``bijax.step_programs``): the embedding, one program per layer (the same compiled
+layer for every layer of the same shapes), the LM head of its sampled rows, then sampling.
 
-The weights are an argument of the step (not baked into it), so they can be swapped without
-recompiling; the KV cache is donated. Padding tokens have position -1 and slot -1 (they write
-the null block and read nothing); padding sequence rows have context length 0 and their
-sampled tokens are dropped. The kernels are batch invariant, so padding cannot change a bit
-of a real row. Sampling runs with or without the top-k / top-p masks, as the host decides from
-the rows' parameters (``sample_program``); a row that uses neither gets the same bits either way.
+The weights are an argument of every program (not baked into it), so they can be swapped
+without recompiling; the KV cache is donated, a layer's at a time. Padding tokens have
+position -1 and slot -1 (they write the null block and read nothing); padding sequence rows
+have context length 0 and their sampled tokens are dropped. The kernels are batch invariant, so
+padding cannot change a bit of a real row. Sampling runs with or without the top-k / top-p
+masks, as the host decides from the rows' parameters (``sample_program``); a row that uses
+neither gets the same bits either way.
 
-With ``tensor_parallel_size`` P > 1 both programs run inside ``jax.shard_map`` over a P-device
+With ``tensor_parallel_size`` P > 1 every program runs inside ``jax.shard_map`` over a P-device
 mesh: weights and KV cache sharded (``models.sharding``), inputs replicated, every rank sampling
 the same tokens from the same gathered logits.
 """
@@ -32,10 +34,23 @@ from jax.sharding import PartitionSpec as P
 import pallas_kernels as pk
 from bijax import parallel_lowering, step_cache
 from bijax.config import EngineConfig, bucket
-from bijax.sampler import SamplingRows, sample_rows, target_logprobs, uses_filters
+from bijax.sampler import SamplingRows, uses_filters
 from bijax.sequence import PENDING, Sequence
+from bijax.step_programs import (
+    LAYERS,
+    Layout,
+    block_inputs,
+    block_program,
+    embed_program,
+    forward_mode,
+    forward_program,
+    head_program,
+    placed,
+    sample_program,
+    score_program,
+)
 from models import sharding
-from models.llama import Llama, TensorParallel
+from models.llama import Llama
 from models.paged import PagedBatch, init_kv_cache
 
 
@@ -88,72 +103,11 @@ def _last_rows(ends, counts):
     )
 
 
-def _forward(params, cache, batch: PagedBatch, *, graphdef, invariant, tp=None):
-    """The model's paged forward over one padded batch."""
-    return nnx.merge(graphdef, params).forward_paged(batch, cache, invariant=invariant, tp=tp)
+_LEAF = jax.tree_util.tree_structure(0)
 
 
-def _over_mesh(body, mesh, params, cache, *args):
-    """``body(params, cache, *args, tp)`` -> (out, cache): as is without a mesh, else inside one
-    shard_map (sharded weights and cache, replicated inputs and outputs)."""
-    if mesh is None:
-        return body(params, cache, *args, None)
-    tp = TensorParallel(sharding.AXIS, mesh.shape[sharding.AXIS])
-    kv = sharding.cache_specs(cache)
-    return jax.shard_map(
-        lambda p, c, *a: body(p, c, *a, tp),
-        mesh=mesh,
-        in_specs=(sharding.state_specs(params), kv) + (P(),) * len(args),
-        out_specs=(P(), kv),
-        check_vma=False,
-    )(params, cache, *args)
-
-
-def _replicated(fn, mesh, *args):
-    """``fn(*args)`` as is without a mesh, else inside one shard_map with every input and output
-    replicated (each rank computes the same)."""
-    if mesh is None:
-        return fn(*args)
-    return jax.shard_map(fn, mesh=mesh, in_specs=(P(),) * len(args), out_specs=P(), check_vma=False)(*args)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "invariant", "mesh"), donate_argnames=("cache",))
-def forward_program(params, cache, batch: PagedBatch, *, graphdef, invariant, mesh=None):
-    """An engine step's first program: the paged forward of ``batch`` -> (logits of its
-    ``logit_rows`` [R, V], replicated under tensor parallelism; the cache)."""
-
-    def body(params, cache, batch, tp):
-        return _forward(params, cache, batch, graphdef=graphdef, invariant=invariant, tp=tp)
-
-    return _over_mesh(body, mesh, params, cache, batch)
-
-
-@functools.partial(jax.jit, static_argnames=("invariant", "num_logprobs", "filters", "mesh"))
-def sample_program(logits, sampling: SamplingRows, *, invariant, num_logprobs, filters, mesh=None):
-    """An engine step's second program: a sampled token per row of ``logits`` with
-    ``num_logprobs`` top logprobs (0: none); ``filters``: ``uses_filters`` of the rows.
-
-    Sampling is a program of its own so that whether a step needs the top-k / top-p masks is
-    decided on the host, from the rows' parameters, as the choice of program: inside the
-    forward's program it was a ``lax.cond`` on device values, and on a GPU XLA runs a cond by
-    copying its predicate to the host - the host then waited for the whole forward before it
-    launched the rest, every step (H200, llama3-8b, one sequence: 2.8 ms of a 9 ms step idle)."""
-
-    def body(logits, sampling):
-        return sample_rows(logits, sampling, invariant=invariant, num_logprobs=num_logprobs, filters=filters)
-
-    return _replicated(body, mesh, logits, sampling)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "invariant", "mesh"), donate_argnames=("cache",))
-def score_program(params, cache, batch: PagedBatch, targets, temperature, *, graphdef, invariant, mesh=None):
-    """The paged forward of ``batch`` (every token row) and each row's logprob of its target."""
-
-    def body(params, cache, batch, targets, temperature, tp):
-        logits, cache = _forward(params, cache, batch, graphdef=graphdef, invariant=invariant, tp=tp)
-        return target_logprobs(logits, targets, temperature, invariant=invariant), cache
-
-    return _over_mesh(body, mesh, params, cache, batch, targets, temperature)
+def _tuple(*trees):
+    return jax.tree_util.treedef_tuple(trees)
 
 
 _compiles = [0]  # step programs compiled by every runner of this process
@@ -195,12 +149,14 @@ class ModelRunner:
         self._start(config, model_config)
         self.mesh, self.graphdef, self.params, self.cache = None, graphdef, params, cache
         self._param_leaves, self._param_tree = jax.tree_util.tree_flatten(params)
+        self.layout = Layout.of(graphdef, params) if self.mode == LAYERS else None
         return self
 
     def _start(self, config: EngineConfig, model_config) -> None:
         """What every runner starts with: its configs and no programs yet."""
         self.config = config
         self.model_config = model_config
+        self.mode = forward_mode()  # the forward as a chain of programs, or one (step_programs)
         self.compiled_buckets: set = set()  # (seqs, tokens) buckets whose step is compiled
         # Programs compiled ahead of time by ``warmup`` (in parallel), by ``_lowered``'s keys.
         self._aot: dict = {}
@@ -228,6 +184,7 @@ class ModelRunner:
         # Flattened once (an nnx State flattens in Python: ~1 ms per step for llama3-8b's 291
         # arrays): ``check_params`` and the warmed-up steps' flat calls use these.
         self._param_leaves, self._param_tree = jax.tree_util.tree_flatten(params)
+        self.layout = Layout.of(graphdef, params) if self.mode == LAYERS else None
 
     def _inputs(self, tree):
         """Host inputs as arrays every rank of the mesh sees whole (needed across processes)."""
@@ -340,21 +297,51 @@ class ModelRunner:
         return jax.ShapeDtypeStruct((r, self.model_config.vocab_size), np.float32, sharding=rep)
 
     def _run(self, batch: PagedBatch, sampling: SamplingRows, num_logprobs: int):
-        """One step - the forward, then sampling, each through its program compiled ahead of
-        time by ``warmup`` or now, the first time a step needs it (the same path either way);
-        keeps the donated cache; returns (tokens, logprobs, top)."""
+        """One step - the forward, then sampling, each through its programs compiled ahead of
+        time by ``warmup`` or now, the first time a step needs them (the same path either
+        way); keeps the donated cache; returns (tokens, logprobs, top)."""
+        s, t, r = len(batch.context_lens), batch.num_tokens, len(batch.logit_rows)
+        if self.layout is None:
+            logits = self._forward_whole(batch, s, t, r)
+        else:
+            logits = self._forward_layers(batch, s, t, r)
+        self.compiled_buckets.add((s, t))
+        filters = uses_filters(sampling)
+        args, _ = self._sample_args(logits, sampling, num_logprobs, filters)
+        return self._program(("sample", r, num_logprobs, filters))(*args)
+
+    def _forward_whole(self, batch: PagedBatch, s: int, t: int, r: int):
         args, _ = self._forward_args(batch)
-        r = len(batch.logit_rows)
-        compiled = self._program(("forward", len(batch.context_lens), batch.num_tokens, r))
+        compiled = self._program(("forward", s, t, r))
         if isinstance(compiled, step_cache.FlatStep):  # the weights' leaves as flattened once
             rest, rest_tree = jax.tree_util.tree_flatten(args[1:])
             tree = jax.tree_util.treedef_tuple([self._param_tree, *rest_tree.children()])
             logits, self.cache = compiled(*args, flat=(self._param_leaves + rest, tree))
         else:
             logits, self.cache = compiled(*args)
-        filters = uses_filters(sampling)
-        args, _ = self._sample_args(logits, sampling, num_logprobs, filters)
-        return self._program(("sample", r, num_logprobs, filters))(*args)
+        return logits
+
+    def _forward_layers(self, batch: PagedBatch, s: int, t: int, r: int):
+        """The chain: the embedding, each layer's program (its weights flattened once, by
+        ``Layout``), the LM head; the step's inputs placed on the device once."""
+        lay = self.layout
+        tokens, inputs, rows = placed((batch.tokens, block_inputs(batch), batch.logit_rows), self.mesh)
+        _, embed, embed_tree = lay.embed
+        h, residual = self._program(("embed", t))(flat=(embed + [tokens], _tuple(embed_tree, _LEAF)))
+        in_leaves, in_tree = jax.tree_util.tree_flatten(inputs)
+        _, rope, rope_tree = lay.rope
+        trees = {}  # by group: the layers of a group share their arguments' tree
+        for i, g in enumerate(lay.groups):
+            _, weights, weights_tree = lay.blocks[i]
+            kv = list(self.cache[i])
+            tree = trees.get(g)
+            if tree is None:
+                kv_tree = jax.tree_util.tree_structure(self.cache[i])
+                tree = trees[g] = _tuple(weights_tree, kv_tree, rope_tree, _LEAF, _LEAF, in_tree)
+            leaves = weights + kv + rope + [h, residual] + in_leaves
+            (h, residual), self.cache[i] = self._program(("block", s, t, g))(flat=(leaves, tree))
+        _, head, head_tree = lay.head
+        return self._program(("head", t, r))(flat=(head + [h, rows], _tuple(head_tree, _LEAF, _LEAF)))
 
     def _program(self, key):
         """The compiled program of ``_lowered``'s ``key``, compiled now if ``warmup`` did not."""
@@ -394,15 +381,27 @@ class ModelRunner:
         return b if r is None or r == s else b.replace(logit_rows=np.zeros(r, np.int32))
 
     def compiled_text(self, s: int, t: int, num_logprobs: int = 0) -> str:
-        """The compiled programs of one bucket's step - its forward, then its sampling (both
-        variants: without and with the top-k / top-p masks) - as HLO text (what the device
-        runs; for audits)."""
-        args, kw = self._forward_args(self.padding_batch(s, t))
-        texts = [forward_program.lower(*args, **kw).compile().as_text()]
+        """The compiled programs of one bucket's step - its forward's (the chain's embedding,
+        layer and LM head programs, or the whole forward), then its sampling (both variants:
+        without and with the top-k / top-p masks) - as HLO text (what the device runs; for
+        audits)."""
+        texts = []
+        for key in self.forward_keys(s, t, s):
+            fn, args, kw, _, _ = self._spec(key)
+            texts.append(fn.lower(*args, **kw).compile().as_text())
         for filters in (False, True):
             args, kw = self._sample_args(self._logits_spec(s), SamplingRows.greedy(s), num_logprobs, filters)
             texts.append(sample_program.lower(*args, **kw).compile().as_text())
         return "\n".join(texts)
+
+    def forward_keys(self, s: int, t: int, r: int) -> list:
+        """The programs of one bucket's forward (``_lowered``'s keys): ("embed", t), a
+        ("block", s, t, group) per group of layers that share a program, ("head", t, r); or
+        ("forward", s, t, r), the whole forward as one program."""
+        if self.layout is None:
+            return [("forward", s, t, r)]
+        groups = sorted(set(self.layout.groups))
+        return [("embed", t), *(("block", s, t, g) for g in groups), ("head", t, r)]
 
     def warmup(
         self,
@@ -414,39 +413,39 @@ class ModelRunner:
     ) -> float:
         """Compiles the step for each (sequences, tokens) bucket - or (sequences, tokens,
         sampled rows) for steps that sample more rows than sequences (speculative decoding) -
-        ahead of time, ``workers`` at once (default: one per CPU core, at most 8): its forward,
-        and the sampling programs (without and with top-k / top-p masks) of its sampled rows.
-        Each program comes from ``step_cache`` (exported by an earlier start) or is traced and
-        lowered now, in this thread and in a fixed order - tracing holds Python's lock anyway,
-        and a fixed order keeps the lowered text (Mosaic GPU numbers its kernels as it lowers
-        them) and so JAX's persistent cache keys the same from start to start. XLA's compile,
-        most of the time, releases the lock: it runs in worker threads while the next program
-        lowers. Forward programs the step cache lacks are first lowered in up to ``processes``
-        helper processes at once (``parallel_lowering``; default ``default_processes()``), then
-        read back here. ``progress(s, t)`` after each bucket's forward, in the order they finish.
-        Returns the seconds spent tracing and lowering (or reading exported programs, or waiting
-        for the helpers), in this thread; ``programs_made`` counts the programs made ready."""
-        forwards, samples, ready = [], [], []
+        ahead of time, ``workers`` at once (default: one per CPU core, at most 8): its forward's
+        programs (``forward_keys``; buckets share the embedding and LM-head programs of their
+        token count), and the sampling programs (without and with top-k / top-p masks) of its
+        sampled rows. Each program comes from ``step_cache`` (exported by an earlier start) or
+        is traced and lowered now, in this thread and in a fixed order - tracing holds Python's
+        lock anyway, and a fixed order keeps the lowered text (Mosaic GPU numbers its kernels as
+        it lowers them) and so JAX's persistent cache keys the same from start to start. XLA's
+        compile, most of the time, releases the lock: it runs in worker threads while the next
+        program lowers. Forward programs the step cache lacks are first lowered in up to
+        ``processes`` helper processes at once (``parallel_lowering``; default
+        ``default_processes()``), then read back here. ``progress(s, t)`` after each bucket's
+        forward is ready, in the order they finish. Returns the seconds spent tracing and
+        lowering (or reading exported programs, or waiting for the helpers), in this thread;
+        ``programs_made`` counts the programs made ready."""
+        forwards, samples, waiting = [], [], {}  # waiting: bucket -> its forward keys not ready
         for b in pairs:
             s, t, r = b if len(b) == 3 else (*b, b[0])
-            if self._reuse(("forward", s, t, r)) or (s, t, r) in forwards:
-                ready.append((s, t))
-            else:
-                forwards.append((s, t, r))
+            todo = [k for k in self.forward_keys(s, t, r) if not self._reuse(k)]
+            waiting.setdefault((s, t), set()).update(todo)
+            forwards += [k for k in todo if k not in forwards]
             for filters in (False, True):
                 key = ("sample", r, num_logprobs, filters)
                 if not self._reuse(key) and key not in samples:
                     samples.append(key)
-        if progress is not None:
-            for s, t in ready:
-                progress(s, t)
+        for (s, t), todo in waiting.items():
+            if not todo:
+                self._bucket_ready(s, t, progress)
         if not forwards and not samples:
             return 0.0
         workers = workers or min(8, os.cpu_count() or 1)
         t0 = time.perf_counter()
-        fkeys = [("forward", *f) for f in forwards]
-        helpers = parallel_lowering.start(self, fkeys, processes)
-        own = (fkeys if helpers is None else [k for k in fkeys if k not in helpers.keys]) + samples
+        helpers = parallel_lowering.start(self, forwards, processes)
+        own = (forwards if helpers is None else [k for k in forwards if k not in helpers.keys]) + samples
         try:
             with concurrent.futures.ThreadPoolExecutor(
                 max_workers=min(workers, len(forwards) + len(samples))
@@ -461,13 +460,21 @@ class ModelRunner:
                     key = futures[future]
                     self._keep(key, future.result())
                     self.programs_made += 1
-                    if key[0] == "forward" and progress is not None:
-                        progress(*key[1:3])
+                    for (s, t), todo in waiting.items():
+                        if key in todo:
+                            todo.discard(key)
+                            if not todo:
+                                self._bucket_ready(s, t, progress)
         finally:
             if helpers is not None:
                 helpers.close()
                 self.programs_lowered_elsewhere += helpers.exported
         return tracing
+
+    def _bucket_ready(self, s: int, t: int, progress) -> None:
+        self.compiled_buckets.add((s, t))
+        if progress is not None:
+            progress(s, t)
 
     def _reuse(self, key) -> bool:
         """Whether ``key``'s program is ready: this runner's, or another runner's of the same
@@ -478,26 +485,59 @@ class ModelRunner:
         if compiled is None:
             return False
         self._aot[key] = compiled
-        if key[0] == "forward":
-            self.compiled_buckets.add(key[1:3])
         return True
 
     def _keep(self, key, compiled) -> None:
         """A program this runner compiled: kept, shared with other runners, counted."""
         self._aot[key] = _shared[self._shared_name(key)] = compiled
         _compiles[0] += 1
-        if key[0] == "forward":
-            self.compiled_buckets.add(key[1:3])
 
     def _spec(self, key):
         """(jitted function, args, static kw, donated argument, label) of ``_lowered``'s key."""
-        if key[0] == "forward":
+        kind = key[0]
+        if kind == "forward":
             _, s, t, r = key
             args, kw = self._forward_args(self.padding_batch(s, t, r))
             return forward_program, args, kw, 1, "forward_program"
-        _, r, num_logprobs, filters = key
-        args, kw = self._sample_args(self._logits_spec(r), SamplingRows.greedy(r), num_logprobs, filters)
-        return sample_program, args, kw, None, "sample_program"
+        if kind == "sample":
+            _, r, num_logprobs, filters = key
+            args, kw = self._sample_args(self._logits_spec(r), SamplingRows.greedy(r), num_logprobs, filters)
+            return sample_program, args, kw, None, "sample_program"
+        lay = self.layout
+        kw = dict(decoder=lay.decoder, invariant=self.config.invariant, mesh=self.mesh)
+        if kind == "embed":
+            (_, t) = key
+            return (
+                embed_program,
+                (lay.embed[0], self._host_spec(np.zeros(t, np.int32))),
+                kw,
+                None,
+                "embed_program",
+            )
+        if kind == "head":
+            _, t, r = key
+            args = (lay.head[0], self._hidden_spec(t), self._host_spec(np.zeros(r, np.int32)))
+            return head_program, args, kw, None, "head_program"
+        _, s, t, g = key  # "block"
+        batch = self._host_spec(block_inputs(self.padding_batch(s, t)))
+        h = self._hidden_spec(t)
+        args = (lay.blocks[g][0], self.cache[g], lay.rope[0], h, h, batch)
+        return block_program, args, dict(kw, graphdef=lay.graphdefs[g]), 1, "block_program"
+
+    def _host_spec(self, tree):
+        """What the programs are lowered for where a step passes its host inputs: the numpy
+        arrays themselves on one device (placed there at run time), replicated ShapeDtypeStructs
+        over a mesh."""
+        if self.mesh is None:
+            return tree
+        rep = NamedSharding(self.mesh, P())
+        return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), tree)
+
+    def _hidden_spec(self, t: int) -> jax.ShapeDtypeStruct:
+        """The hidden states [T, H] passed between the chain's programs."""
+        dtype = self.layout.embed[1][0].dtype
+        rep = None if self.mesh is None else NamedSharding(self.mesh, P())
+        return jax.ShapeDtypeStruct((t, self.model_config.hidden_size), dtype, sharding=rep)
 
     def _shared_name(self, key):
         """What a program is shared under between runners: its inputs' shapes, dtypes and
@@ -510,13 +550,13 @@ class ModelRunner:
         return name, step_cache.directory()
 
     def _lowered(self, key):
-        """One program lowered for inputs shaped as this runner's - ("forward", seqs, tokens,
-        rows) or ("sample", rows, num_logprobs, filters) - through ``step_cache`` (an exported
-        program read back, or exported now) where it keeps programs, else from tracing. Its
-        ``compile()`` gives what ``_run`` calls."""
+        """One program lowered for inputs shaped as this runner's - ``forward_keys``' keys, or
+        ("sample", rows, num_logprobs, filters) - through ``step_cache`` (an exported program
+        read back, or exported now) where it keeps programs, else traced now; a
+        ``step_cache.FlatStep`` either way. Its ``compile()`` gives what ``_run`` calls."""
         fn, args, kw, donate, _ = self._spec(key)
         if step_cache.directory() is None:
-            return fn.lower(*args, **kw)
+            return step_cache.lower_flat(fn, args, kw, donate=donate)
         return step_cache.lower(fn, args, kw, donate=donate, name=self._shared_name(key)[0])
 
     def check_params(self) -> None:

@@ -228,6 +228,39 @@ def export_fn(fn, *args) -> export.Exported:
     return export.export(fn, disabled_checks=_CHECKS)(*args)
 
 
+def _donation(args: tuple, donate: int | None):
+    """(tree of ``args[donate]``, its leaves' positions among the flat leaves of ``args``)."""
+    if donate is None:
+        return None, ()
+    donated_tree = jax.tree_util.tree_structure(args[donate])
+    first = sum(jax.tree_util.tree_structure(a).num_leaves for a in args[:donate])
+    return donated_tree, tuple(range(first, first + donated_tree.num_leaves))
+
+
+def _flat(fn, tree, kw: dict, donate: int | None):
+    """``fn(*args, **kw)`` as a function of the flat leaves of ``args`` (``tree``), returning the
+    donated argument's leaves (a jitted function of pytrees flattens them in Python at every
+    call; an engine step calls its layer program once per layer)."""
+
+    def flat(*leaves):
+        result = fn(*jax.tree_util.tree_unflatten(tree, leaves), **kw)
+        if donate is None:
+            return result
+        out, donated = result
+        return out, jax.tree_util.tree_leaves(donated)
+
+    return flat
+
+
+def lower_flat(fn, args: tuple, kw: dict, *, donate: int | None) -> FlatStep:
+    """``fn(*args, **kw)`` lowered as ``lower`` does, but traced here and never saved (the step
+    cache off): a ``FlatStep`` all the same."""
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    donated_tree, donate_argnums = _donation(args, donate)
+    lowered = jax.jit(_flat(fn, tree, kw, donate), donate_argnums=donate_argnums).lower(*leaves)
+    return FlatStep(lowered, tree, donated_tree)
+
+
 def lower(fn, args: tuple, kw: dict, *, donate: int | None, name: str) -> FlatStep:
     """``fn(*args, **kw)`` lowered through its exported program - ``fn`` a jitted function of
     pytree ``args`` and static ``kw`` that returns (out, new value of ``args[donate]``), which is
@@ -235,12 +268,7 @@ def lower(fn, args: tuple, kw: dict, *, donate: int | None, name: str) -> FlatSt
     under ``name`` (``step_key`` of a label and these arguments), else exported and saved now.
     Call only when ``directory()`` is not None."""
     leaves, tree = jax.tree_util.tree_flatten(args)
-    if donate is None:
-        donated_tree, donate_argnums = None, ()
-    else:
-        donated_tree = jax.tree_util.tree_structure(args[donate])
-        first = sum(jax.tree_util.tree_structure(a).num_leaves for a in args[:donate])
-        donate_argnums = tuple(range(first, first + donated_tree.num_leaves))
+    donated_tree, donate_argnums = _donation(args, donate)
 
     def via(exported):
         return FlatStep(
@@ -263,15 +291,7 @@ def export_step(fn, args: tuple, kw: dict, *, donate: int | None, name: str) -> 
     ``args``, returning the donated argument's leaves) and saves it under ``name``; returns it
     as read back. ``args`` may be ShapeDtypeStructs (``parallel_lowering``'s helpers)."""
     leaves, tree = jax.tree_util.tree_flatten(args)
-
-    def flat(*leaves):
-        result = fn(*jax.tree_util.tree_unflatten(tree, leaves), **kw)
-        if donate is None:
-            return result
-        out, donated = result
-        return out, jax.tree_util.tree_leaves(donated)
-
-    return save(name, export_fn(jax.jit(flat), *leaves))
+    return save(name, export_fn(jax.jit(_flat(fn, tree, kw, donate)), *leaves))
 
 
 def step_key(label: str, args: tuple, kw: dict) -> str:

@@ -8,7 +8,13 @@ where attention finds its keys:
   shorthand ``Llama.forward(tokens[B, L])`` is one sequence per row, positions 0..L-1;
 * ``Llama.forward_paged(PagedBatch, kv_cache)`` - the engine's forward over a flat, ragged
   batch of tokens (prefill chunks and decode tokens mixed) against a paged KV cache
-  (``models.paged``).
+  (``models.paged``). It is three pieces, which the engine also runs as programs of their
+  own - ``paged_embed`` (the embedding and the first norm), ``paged_block`` once per layer
+  (the same program for every layer of the same shape: a step compiles one layer, not 32),
+  ``paged_head`` (the LM head) - so the two give the same bits by construction.
+
+The layers' arithmetic lives in ``Decoder`` (the model's config and reduction choices, no
+weights; hashable): both entry points and the engine's per-layer programs run its methods.
 
 With ``invariant=True`` (the default) every matmul (the LM head included), norm and
 attention goes through ``pallas_kernels``; the rest is per-token gathers and elementwise
@@ -38,6 +44,7 @@ how many other tokens chose its experts. They run on one device only (no tensor 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import zlib
 
@@ -53,7 +60,18 @@ from models.ops import TensorParallel, col_mm, moe, norm, rope, row_mm
 from models.paged import KVCache, PackedLayout, PagedBatch, init_kv_cache
 from pallas_kernels import K_SHARDS
 
-__all__ = ["Llama", "TensorParallel", "check_tokens", "init_kv_cache", "param_state", "rope_table"]
+__all__ = [
+    "Decoder",
+    "Llama",
+    "TensorParallel",
+    "check_tokens",
+    "init_kv_cache",
+    "paged_block",
+    "paged_embed",
+    "paged_head",
+    "param_state",
+    "rope_table",
+]
 
 
 class RopeTable(nnx.Variable):
@@ -102,6 +120,182 @@ def _ones(shape, dtype) -> nnx.Param:
 
 def _zeros(shape, dtype) -> nnx.Param:
     return nnx.Param(jnp.zeros(shape, dtype))
+
+
+# --------------------------------------------------------------------------- the arithmetic
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoder:
+    """A Llama-family decoder's arithmetic without its weights: what every forward runs, layer
+    by layer. Hashable (a static argument of the engine's programs).
+
+    A layer is cut after the NEXT layer's input norm (``block``): the stack is
+    ``first_norm``, then ``block`` per layer - each ending with the norm of the layer after it,
+    or the final norm - then ``head``. Every layer's ``block`` has the same inputs and outputs,
+    so one compiled program serves them all; the operations and their order are those of a
+    plain loop over the layers.
+    """
+
+    config: LlamaConfig
+    k_shards: int = 1
+    tp_parts: int = 1
+
+    @property
+    def padded_vocab(self) -> int:
+        """The LM head's columns: the vocabulary rounded up to whole ``k_shards`` column blocks
+        (the extra columns are zero and their logits dropped)."""
+        return -(-self.config.vocab_size // self.k_shards) * self.k_shards
+
+    def first_norm(self, x, weight, *, invariant: bool):
+        """The first layer's input norm of x [T, H] -> (normed, residual stream x)."""
+        return norm(x, weight, self.config.rms_norm_eps, invariant=invariant), x
+
+    def block(
+        self,
+        blk: Block,
+        next_norm,
+        rope_table,
+        h,
+        residual,
+        pos,
+        attend,
+        *,
+        invariant: bool,
+        tp: TensorParallel | None = None,
+    ):
+        """One layer on its normed input ``h`` [T, H] and the residual stream, then the norm of
+        the layer after it (``next_norm``: its attn_norm weight, or the final norm's) ->
+        (normed, residual). ``attend(q, k, v)`` -> [T, Hq, D] is this layer's attention."""
+        eps = self.config.rms_norm_eps
+        q, k, v = self.qkv(blk.attn, h, pos, rope_table, invariant=invariant, tp=tp)
+        o = attend(q, k, v).reshape(h.shape[0], -1)
+        x = self.row(o, blk.attn.wo[...], invariant=invariant, tp=tp)
+        h, residual = norm(x, blk.mlp_norm[...], eps, invariant=invariant, residual=residual)
+        x = self.mlp(blk.mlp, h, invariant=invariant, tp=tp)
+        return norm(x, next_norm, eps, invariant=invariant, residual=residual)
+
+    def head(self, w, x, *, invariant: bool, tp: TensorParallel | None = None):
+        """float32 logits [T, V] of x [T, H]; ``w`` is the LM head [H, V], or the embedding
+        [V, H] for tied embeddings. Under ``tp`` each rank computes its 1/P of the (padded)
+        vocabulary from the replicated weight and the ranks' columns are gathered."""
+        c = self.config
+        v, vp = c.vocab_size, self.padded_vocab
+        tied = c.tie_word_embeddings
+        axis = 0 if tied else 1
+        if vp != v:
+            w = jnp.pad(w, [(0, vp - v), (0, 0)] if tied else [(0, 0), (0, vp - v)])
+        if tp is not None:
+            part = vp // tp.size
+            w = lax.dynamic_slice_in_dim(w, lax.axis_index(tp.axis) * part, part, axis=axis)
+        if tied:
+            w = w.T
+        y = col_mm(x, w, invariant=invariant, col_blocks=self.k_shards, tp=tp, out_dtype=jnp.float32)
+        if tp is not None:
+            y = pk.gather_last(y, tp.axis)
+        return y[:, :v] if vp != v else y
+
+    def qkv(self, layer: Attention, x, pos, rope_table, *, invariant: bool, tp: TensorParallel | None = None):
+        """Projections of x [T, H] at positions pos [T] -> q [T, Hq, D], k, v [T, Hkv, D]
+        (under ``tp``: this rank's heads)."""
+        c = self.config
+
+        def proj(w, b):
+            w = w[...]
+            if b is None:
+                y = col_mm(x, w, invariant=invariant, col_blocks=self.k_shards, tp=tp)
+            else:
+                y = col_mm(x, w, invariant=invariant, col_blocks=self.k_shards, tp=tp, out_dtype=jnp.float32)
+                y = (y + b[...].astype(jnp.float32)).astype(x.dtype)
+            return y.reshape(x.shape[0], w.shape[1] // c.head_dim, c.head_dim)
+
+        bias = c.attention_bias
+        q = proj(layer.wq, layer.bq if bias else None)
+        k = proj(layer.wk, layer.bk if bias else None)
+        v = proj(layer.wv, layer.bv if bias else None)
+        if c.qk_norm:  # each head's vector through the (invariant) rms_norm: rows are tokens x heads
+            head_norm = lambda y, w: norm(  # noqa: E731
+                y.reshape(-1, c.head_dim), w[...], c.rms_norm_eps, invariant=invariant
+            ).reshape(y.shape)
+            q, k = head_norm(q, layer.q_norm), head_norm(k, layer.k_norm)
+        cos_sin = rope_table[jnp.clip(pos, 0, c.max_position_embeddings - 1)]  # [T, 2, D/2]
+        return rope(q, cos_sin), rope(k, cos_sin), v
+
+    def row(self, x, w, *, invariant: bool, tp: TensorParallel | None):
+        return row_mm(x, w, invariant=invariant, k_shards=self.k_shards, tp_parts=self.tp_parts, tp=tp)
+
+    def mlp(self, mlp: MLP | MoE, x, *, invariant: bool, tp: TensorParallel | None = None):
+        if isinstance(mlp, MoE):
+            if tp is not None:
+                raise ValueError("tensor parallelism is not supported for mixture-of-experts layers")
+            c = self.config
+            return moe(
+                x,
+                mlp.router[...],
+                mlp.experts_gate[...],
+                mlp.experts_up[...],
+                mlp.experts_down[...],
+                top_k=c.num_experts_per_tok,
+                norm_topk_prob=c.norm_topk_prob,
+                invariant=invariant,
+                k_shards=self.k_shards,
+            )
+        cb = self.k_shards
+        g = col_mm(x, mlp.w_gate[...], invariant=invariant, col_blocks=cb, tp=tp).astype(jnp.float32)
+        u = col_mm(x, mlp.w_up[...], invariant=invariant, col_blocks=cb, tp=tp).astype(jnp.float32)
+        h = (g * jax.nn.sigmoid(g) * u).astype(x.dtype)  # SwiGLU in float32, rounded once
+        return self.row(h, mlp.w_down[...], invariant=invariant, tp=tp)
+
+
+# --------------------------------------------------------------------------- the paged forward's pieces
+#
+# ``Llama.forward_paged`` is these three in a row; the engine runs each as a program of its own
+# (``bijax.model_runner``): the embedding, one layer (called once per layer), the LM head.
+
+
+def paged_embed(decoder: Decoder, embed, first_norm, tokens, *, invariant: bool):
+    """The step's tokens [T] -> (normed input of the first layer, residual stream) [T, H]."""
+    return decoder.first_norm(embed[tokens], first_norm, invariant=invariant)
+
+
+def paged_block(
+    decoder: Decoder,
+    blk: Block,
+    next_norm,
+    rope_table,
+    h,
+    residual,
+    batch: PagedBatch,
+    kv,
+    *,
+    invariant: bool,
+    tp: TensorParallel | None = None,
+):
+    """One layer of the paged forward (``Decoder.block``): its K/V written at the batch's slots
+    into ``kv`` = (k, v) cache of this layer, then attention over the cache. ``batch``'s tokens
+    and logit rows are not read (they may be None). Returns ((normed, residual), updated kv)."""
+    b, out = batch, []
+
+    def attend(q, k, v):
+        kc, vc = kv
+        kc, vc = pk.write_kv(kc, vc, k.astype(kc.dtype), v.astype(vc.dtype), b.slot_mapping)
+        out.append((kc, vc))
+        index = (b.block_tables, b.context_lens, b.token_seq, b.token_pos)
+        if invariant:
+            return pk.attention(q, kc, vc, *index)
+        return pk.attention_xla(q, k, v, kc, vc, *index)
+
+    h, residual = decoder.block(
+        blk, next_norm, rope_table, h, residual, b.token_pos, attend, invariant=invariant, tp=tp
+    )
+    return (h, residual), out[0]
+
+
+def paged_head(decoder: Decoder, w, h, logit_rows, *, invariant: bool, tp: TensorParallel | None = None):
+    """float32 logits of the rows ``logit_rows`` of the last block's output (None: all rows)."""
+    if logit_rows is not None:
+        h = h[logit_rows]
+    return decoder.head(w, h, invariant=invariant, tp=tp)
 
 
 # --------------------------------------------------------------------------- modules
@@ -212,99 +406,41 @@ class Llama(nnx.Module):
     # ------------------------------------------------------------------ shared pieces
 
     @property
+    def decoder(self) -> Decoder:
+        """The layers' arithmetic (everything but the weights)."""
+        return Decoder(self.config, self.k_shards, self.tp_parts)
+
+    @property
     def padded_vocab(self) -> int:
-        """The LM head's columns: the vocabulary rounded up to whole ``k_shards`` column blocks
-        (the extra columns are zero and their logits dropped)."""
-        return -(-self.config.vocab_size // self.k_shards) * self.k_shards
+        return self.decoder.padded_vocab
 
-    def _lm_head(self, x, *, invariant: bool, tp: TensorParallel | None = None):
-        """float32 logits [T, V]. Under ``tp`` each rank computes its 1/P of the (padded)
-        vocabulary from the replicated weight and the ranks' columns are gathered."""
-        c = self.config
-        v, vp = c.vocab_size, self.padded_vocab
-        tied = c.tie_word_embeddings
-        w = self.embed[...] if tied else self.lm_head[...]  # [V, H] tied, else [H, V]
-        axis = 0 if tied else 1
-        if vp != v:
-            w = jnp.pad(w, [(0, vp - v), (0, 0)] if tied else [(0, 0), (0, vp - v)])
-        if tp is not None:
-            part = vp // tp.size
-            w = lax.dynamic_slice_in_dim(w, lax.axis_index(tp.axis) * part, part, axis=axis)
-        if tied:
-            w = w.T
-        y = col_mm(x, w, invariant=invariant, col_blocks=self.k_shards, tp=tp, out_dtype=jnp.float32)
-        if tp is not None:
-            y = pk.gather_last(y, tp.axis)
-        return y[:, :v] if vp != v else y
+    @property
+    def head_weight(self):
+        """What the LM head multiplies by: ``lm_head`` [H, V], or ``embed`` [V, H] when tied."""
+        return self.embed if self.config.tie_word_embeddings else self.lm_head
 
-    def _qkv(self, layer: Attention, x, pos, *, invariant: bool, tp: TensorParallel | None = None):
-        """Projections of x [T, H] at positions pos [T] -> q [T, Hq, D], k, v [T, Hkv, D]
-        (under ``tp``: this rank's heads)."""
-        c = self.config
-
-        def proj(w, b):
-            w = w[...]
-            if b is None:
-                y = col_mm(x, w, invariant=invariant, col_blocks=self.k_shards, tp=tp)
-            else:
-                y = col_mm(x, w, invariant=invariant, col_blocks=self.k_shards, tp=tp, out_dtype=jnp.float32)
-                y = (y + b[...].astype(jnp.float32)).astype(x.dtype)
-            return y.reshape(x.shape[0], w.shape[1] // c.head_dim, c.head_dim)
-
-        bias = c.attention_bias
-        q = proj(layer.wq, layer.bq if bias else None)
-        k = proj(layer.wk, layer.bk if bias else None)
-        v = proj(layer.wv, layer.bv if bias else None)
-        if c.qk_norm:  # each head's vector through the (invariant) rms_norm: rows are tokens x heads
-            head_norm = lambda y, w: norm(  # noqa: E731
-                y.reshape(-1, c.head_dim), w[...], c.rms_norm_eps, invariant=invariant
-            ).reshape(y.shape)
-            q, k = head_norm(q, layer.q_norm), head_norm(k, layer.k_norm)
-        cos_sin = self.rope[...][jnp.clip(pos, 0, c.max_position_embeddings - 1)]  # [T, 2, D/2]
-        return rope(q, cos_sin), rope(k, cos_sin), v
-
-    def _row(self, x, w, *, invariant: bool, tp: TensorParallel | None):
-        return row_mm(x, w, invariant=invariant, k_shards=self.k_shards, tp_parts=self.tp_parts, tp=tp)
-
-    def _mlp(self, mlp: MLP | MoE, x, *, invariant: bool, tp: TensorParallel | None = None):
-        if isinstance(mlp, MoE):
-            if tp is not None:
-                raise ValueError("tensor parallelism is not supported for mixture-of-experts layers")
-            c = self.config
-            return moe(
-                x,
-                mlp.router[...],
-                mlp.experts_gate[...],
-                mlp.experts_up[...],
-                mlp.experts_down[...],
-                top_k=c.num_experts_per_tok,
-                norm_topk_prob=c.norm_topk_prob,
-                invariant=invariant,
-                k_shards=self.k_shards,
-            )
-        cb = self.k_shards
-        g = col_mm(x, mlp.w_gate[...], invariant=invariant, col_blocks=cb, tp=tp).astype(jnp.float32)
-        u = col_mm(x, mlp.w_up[...], invariant=invariant, col_blocks=cb, tp=tp).astype(jnp.float32)
-        h = (g * jax.nn.sigmoid(g) * u).astype(x.dtype)  # SwiGLU in float32, rounded once
-        return self._row(h, mlp.w_down[...], invariant=invariant, tp=tp)
+    def next_norm(self, i: int):
+        """The norm weight that layer ``i``'s block ends with: layer i + 1's attn_norm, or the
+        final norm after the last layer."""
+        return self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.final_norm
 
     def _layers(self, x, pos, attend, *, invariant: bool, tp: TensorParallel | None = None):
         """The decoder stack over flat tokens x [T, H]; ``attend(i, q, k, v)`` -> [T, Hq, D]."""
-        c = self.config
-        eps = c.rms_norm_eps
-        residual = None
+        d, rope_table = self.decoder, self.rope[...]
+        h, residual = d.first_norm(x, self.layers[0].attn_norm[...], invariant=invariant)
         for i, blk in enumerate(self.layers):
-            if residual is None:
-                h, residual = norm(x, blk.attn_norm[...], eps, invariant=invariant), x
-            else:
-                h, residual = norm(x, blk.attn_norm[...], eps, invariant=invariant, residual=residual)
-            q, k, v = self._qkv(blk.attn, h, pos, invariant=invariant, tp=tp)
-            o = attend(i, q, k, v).reshape(x.shape[0], -1)
-            x = self._row(o, blk.attn.wo[...], invariant=invariant, tp=tp)
-            h, residual = norm(x, blk.mlp_norm[...], eps, invariant=invariant, residual=residual)
-            x = self._mlp(blk.mlp, h, invariant=invariant, tp=tp)
-        out, _ = norm(x, self.final_norm[...], eps, invariant=invariant, residual=residual)
-        return out
+            h, residual = d.block(
+                blk,
+                self.next_norm(i)[...],
+                rope_table,
+                h,
+                residual,
+                pos,
+                functools.partial(attend, i),
+                invariant=invariant,
+                tp=tp,
+            )
+        return h
 
     # ------------------------------------------------------------------ entry points
 
@@ -355,7 +491,9 @@ class Llama(nnx.Module):
 
         x = self.embed[...][flat]
         h = self._layers(x, pos, attend, invariant=invariant)
-        return self._lm_head(h, invariant=invariant).reshape(b, length, c.vocab_size)
+        return self.decoder.head(self.head_weight[...], h, invariant=invariant).reshape(
+            b, length, c.vocab_size
+        )
 
     def forward_paged(
         self,
@@ -381,23 +519,24 @@ class Llama(nnx.Module):
         tokens = check_tokens(batch.tokens, c, ndim=1)
         if len(kv_cache) != c.num_layers:
             raise ValueError(f"kv_cache has {len(kv_cache)} layers, the model {c.num_layers}")
-        new_cache = list(kv_cache)
-        b = batch
-
-        def attend(i, q, k, v):
-            kc, vc = new_cache[i]
-            kc, vc = pk.write_kv(kc, vc, k.astype(kc.dtype), v.astype(vc.dtype), b.slot_mapping)
-            new_cache[i] = (kc, vc)
-            index = (b.block_tables, b.context_lens, b.token_seq, b.token_pos)
-            if invariant:
-                return pk.attention(q, kc, vc, *index)
-            return pk.attention_xla(q, k, v, kc, vc, *index)
-
-        x = self.embed[...][tokens]
-        h = self._layers(x, b.token_pos, attend, invariant=invariant, tp=tp)
-        if b.logit_rows is not None:
-            h = h[b.logit_rows]
-        return self._lm_head(h, invariant=invariant, tp=tp), new_cache
+        d, rope_table, cache = self.decoder, self.rope[...], list(kv_cache)
+        h, residual = paged_embed(
+            d, self.embed[...], self.layers[0].attn_norm[...], tokens, invariant=invariant
+        )
+        for i, blk in enumerate(self.layers):
+            (h, residual), cache[i] = paged_block(
+                d,
+                blk,
+                self.next_norm(i)[...],
+                rope_table,
+                h,
+                residual,
+                batch,
+                cache[i],
+                invariant=invariant,
+                tp=tp,
+            )
+        return paged_head(d, self.head_weight[...], h, batch.logit_rows, invariant=invariant, tp=tp), cache
 
 
 def check_tokens(tokens, config: LlamaConfig, *, ndim: int):

@@ -7,6 +7,8 @@ entry point (pjit named ``bijax_op_*``).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,8 +16,8 @@ import pytest
 from jax.extend import core as jcore
 
 import bijax
-from bijax.model_runner import forward_program, sample_program, score_program
 from bijax.sampler import SamplingRows
+from bijax.step_programs import forward_program, sample_program, score_program
 from models.configs import preset
 from models.llama import Llama
 from models.paged import PagedBatch
@@ -95,11 +97,23 @@ def runner_inputs():
     return r, batch, sampling
 
 
-def _step_reductions(r, batch, sampling, invariant, num_logprobs=0):
-    """Reductions outside the kernels in the programs of an engine step: the forward, then
-    sampling (both variants: without and with the top-k / top-p masks)."""
+def forward_jaxprs(r, s: int, t: int, invariant: bool) -> list:
+    """The jaxprs of one bucket's forward programs as the engine runs them (the chain: the
+    embedding, each group of layers' program, the LM head), and of the whole forward in one
+    program (``score``'s) - ``invariant`` as given."""
+    jaxprs = []
+    for key in r.forward_keys(s, t, s):
+        fn, args, kw, _, _ = r._spec(key)
+        jaxprs.append(jax.make_jaxpr(functools.partial(fn, **dict(kw, invariant=invariant)))(*args).jaxpr)
+    batch = r.padding_batch(s, t)
     fwd = lambda p, c, b: forward_program(p, c, b, graphdef=r.graphdef, invariant=invariant)  # noqa: E731
-    jaxprs = [jax.make_jaxpr(fwd)(r.params, r.cache, batch).jaxpr]
+    return jaxprs + [jax.make_jaxpr(fwd)(r.params, r.cache, batch).jaxpr]
+
+
+def _step_reductions(r, batch, sampling, invariant, num_logprobs=0):
+    """Reductions outside the kernels in the programs of an engine step: the forward's, then
+    sampling (both variants: without and with the top-k / top-p masks)."""
+    jaxprs = forward_jaxprs(r, len(batch.context_lens), batch.num_tokens, invariant)
     for filters in (False, True):
         fn = lambda lg, s, f=filters: sample_program(  # noqa: E731
             lg, s, invariant=invariant, num_logprobs=num_logprobs, filters=f

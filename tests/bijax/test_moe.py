@@ -24,13 +24,13 @@ import pytest
 
 import bijax
 from bijax import SamplingParams as SP
-from bijax.model_runner import forward_program, sample_program
 from bijax.sampler import SamplingRows
+from bijax.step_programs import sample_program
 from models.loading import load_hf, load_model
 from models.ops import moe
 from models.paged import PagedBatch
 from models.safetensors import SafetensorsFile, save_file
-from tests.bijax.test_audit import reductions_outside_kernels
+from tests.bijax.test_audit import forward_jaxprs, reductions_outside_kernels
 from tests.conftest import bits
 from tests.models.harness import Paged, chunked, interleaved
 
@@ -137,15 +137,13 @@ def test_greedy_tokens_match_transformers():
 
 def test_engine_step_has_no_reduction_outside_the_kernels():
     r = _llm().engine.runner
-    batch = PagedBatch.padding(4, 32, _llm().config.max_blocks_per_seq)
     sampling = SamplingRows.greedy(4)
     sampling.temperature[:] = 1.0
 
     def found(invariant):
-        fwd = lambda p, c, b: forward_program(p, c, b, graphdef=r.graphdef, invariant=invariant)  # noqa: E731
         smp = lambda lg, s: sample_program(lg, s, invariant=invariant, num_logprobs=0, filters=True)  # noqa: E731
         jaxprs = [
-            jax.make_jaxpr(fwd)(r.params, r.cache, batch).jaxpr,
+            *forward_jaxprs(r, 4, 32, invariant),
             jax.make_jaxpr(smp)(r._logits_spec(4), sampling).jaxpr,
         ]
         return [x for j in jaxprs for x in reductions_outside_kernels(j)]

@@ -1,0 +1,258 @@
+"""The jitted programs of an engine step, and how a model's weights are laid out as their
+arguments.
+
+A step's forward runs as a chain of programs (``LAYERS``, the default): ``embed_program`` (the
+embedding and the first layer's input norm), ``block_program`` once per layer - one compiled
+program for every layer of the same shapes, so a step bucket compiles one layer, not 32 - and
+``head_program`` (the LM head of the sampled rows). ``forward_program`` is the same forward as
+one program (``WHOLE``); both run ``models.llama``'s ``paged_embed`` / ``paged_block`` /
+``paged_head`` in the same order, so they give the same bits (``score_program``, which
+``LLM.score`` runs, is the whole forward: every score-vs-generate bits test compares the two).
+Then ``sample_program`` samples the rows.
+
+Every program takes the weights as an argument (swapped without recompiling) and donates the
+KV cache it writes (the whole cache, or one layer's). With tensor parallelism each runs inside
+one ``jax.shard_map``: weights and KV cache sharded (``models.sharding``), inputs and outputs
+replicated.
+
+``BIJAX_STEP_PROGRAMS=whole`` (a measurement switch, read when an engine is made) runs the
+forward as one program, as before 2026-12-02 session 28: same bits, a compile per bucket that
+grows with the layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from bijax.sampler import SamplingRows, sample_rows, target_logprobs
+from models import sharding
+from models.llama import Decoder, Llama, TensorParallel, paged_block, paged_embed, paged_head
+from models.paged import PagedBatch
+
+LAYERS, WHOLE = "layers", "whole"
+
+
+def forward_mode() -> str:
+    """How this process runs a step's forward: ``LAYERS`` (default) or ``WHOLE``
+    (``BIJAX_STEP_PROGRAMS``); anything else is an error naming the variable."""
+    raw = os.environ.get("BIJAX_STEP_PROGRAMS", "").strip() or LAYERS
+    if raw not in (LAYERS, WHOLE):
+        raise ValueError(f"BIJAX_STEP_PROGRAMS must be {LAYERS!r} or {WHOLE!r}, got {raw!r}")
+    return raw
+
+
+def _over_mesh(body, mesh, params, cache, *args):
+    """``body(params, cache, *args, tp)`` -> (out, cache): as is without a mesh, else inside one
+    shard_map (sharded weights and cache, replicated inputs and outputs)."""
+    if mesh is None:
+        return body(params, cache, *args, None)
+    tp = TensorParallel(sharding.AXIS, mesh.shape[sharding.AXIS])
+    kv = sharding.cache_specs(cache)
+    return jax.shard_map(
+        lambda p, c, *a: body(p, c, *a, tp),
+        mesh=mesh,
+        in_specs=(sharding.state_specs(params), kv) + (P(),) * len(args),
+        out_specs=(P(), kv),
+        check_vma=False,
+    )(params, cache, *args)
+
+
+def _replicated(fn, mesh, *args):
+    """``fn(*args)`` as is without a mesh, else inside one shard_map with every input and output
+    replicated (each rank computes the same)."""
+    if mesh is None:
+        return fn(*args)
+    return jax.shard_map(fn, mesh=mesh, in_specs=(P(),) * len(args), out_specs=P(), check_vma=False)(*args)
+
+
+def _forward(params, cache, batch: PagedBatch, *, graphdef, invariant, tp=None):
+    """The model's paged forward over one padded batch."""
+    return nnx.merge(graphdef, params).forward_paged(batch, cache, invariant=invariant, tp=tp)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "invariant", "mesh"), donate_argnames=("cache",))
+def forward_program(params, cache, batch: PagedBatch, *, graphdef, invariant, mesh=None):
+    """A step's whole forward as one program (``WHOLE``): the paged forward of ``batch`` ->
+    (logits of its ``logit_rows`` [R, V], replicated under tensor parallelism; the cache)."""
+
+    def body(params, cache, batch, tp):
+        return _forward(params, cache, batch, graphdef=graphdef, invariant=invariant, tp=tp)
+
+    return _over_mesh(body, mesh, params, cache, batch)
+
+
+@functools.partial(jax.jit, static_argnames=("decoder", "invariant", "mesh"))
+def embed_program(weights, tokens, *, decoder: Decoder, invariant, mesh=None):
+    """The chain's first program: ``weights`` = (embedding, first layer's attn_norm) variables,
+    tokens [T] -> (normed input of the first layer, residual stream) [T, H]."""
+
+    def body(weights, _, tokens, tp):
+        embed, first_norm = weights
+        return paged_embed(decoder, embed[...], first_norm[...], tokens, invariant=invariant), ()
+
+    return _over_mesh(body, mesh, weights, (), tokens)[0]
+
+
+@functools.partial(
+    jax.jit, static_argnames=("graphdef", "decoder", "invariant", "mesh"), donate_argnames=("kv",)
+)
+def block_program(
+    weights, kv, rope_table, h, residual, batch, *, graphdef, decoder: Decoder, invariant, mesh=None
+):
+    """One layer (``paged_block``): ``weights`` = (the layer's state, the variable of the norm
+    it ends with), ``kv`` = its (k, v) cache (donated), ``batch`` the step's ``PagedBatch``
+    without tokens and logit rows -> ((normed, residual), kv)."""
+
+    def body(weights, kv, rope_table, h, residual, batch, tp):
+        state, next_norm = weights
+        blk = nnx.merge(graphdef, state)
+        return paged_block(
+            decoder, blk, next_norm[...], rope_table[...], h, residual, batch, kv, invariant=invariant, tp=tp
+        )
+
+    return _over_mesh(body, mesh, weights, kv, rope_table, h, residual, batch)
+
+
+@functools.partial(jax.jit, static_argnames=("decoder", "invariant", "mesh"))
+def head_program(weight, h, logit_rows, *, decoder: Decoder, invariant, mesh=None):
+    """The chain's last program: float32 logits [R, V] of the rows ``logit_rows`` of the last
+    block's output; ``weight`` the LM head's variable (the embedding's when tied)."""
+
+    def body(weight, _, h, logit_rows, tp):
+        return paged_head(decoder, weight[...], h, logit_rows, invariant=invariant, tp=tp), ()
+
+    return _over_mesh(body, mesh, weight, (), h, logit_rows)[0]
+
+
+@functools.partial(jax.jit, static_argnames=("invariant", "num_logprobs", "filters", "mesh"))
+def sample_program(logits, sampling: SamplingRows, *, invariant, num_logprobs, filters, mesh=None):
+    """An engine step's last program: a sampled token per row of ``logits`` with
+    ``num_logprobs`` top logprobs (0: none); ``filters``: ``uses_filters`` of the rows.
+
+    Sampling is a program of its own so that whether a step needs the top-k / top-p masks is
+    decided on the host, from the rows' parameters, as the choice of program: inside the
+    forward's program it was a ``lax.cond`` on device values, and on a GPU XLA runs a cond by
+    copying its predicate to the host - the host then waited for the whole forward before it
+    launched the rest, every step (H200, llama3-8b, one sequence: 2.8 ms of a 9 ms step idle)."""
+
+    def body(logits, sampling):
+        return sample_rows(logits, sampling, invariant=invariant, num_logprobs=num_logprobs, filters=filters)
+
+    return _replicated(body, mesh, logits, sampling)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "invariant", "mesh"), donate_argnames=("cache",))
+def score_program(params, cache, batch: PagedBatch, targets, temperature, *, graphdef, invariant, mesh=None):
+    """The paged forward of ``batch`` (every token row) and each row's logprob of its target."""
+
+    def body(params, cache, batch, targets, temperature, tp):
+        logits, cache = _forward(params, cache, batch, graphdef=graphdef, invariant=invariant, tp=tp)
+        return target_logprobs(logits, targets, temperature, invariant=invariant), cache
+
+    return _over_mesh(body, mesh, params, cache, batch, targets, temperature)
+
+
+def block_inputs(batch: PagedBatch) -> PagedBatch:
+    """What ``block_program`` reads of a step's batch (its tokens and logit rows go to the
+    chain's first and last programs)."""
+    return batch.replace(tokens=None, logit_rows=None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A model's weights as the chain's arguments, flattened once (an nnx State flattens in
+    Python; a step calls ``block_program`` once per layer).
+
+    decoder: the model's arithmetic (a static argument of every program of the chain).
+    embed, head, rope: the weights of ``embed_program`` ((embedding, first norm)), of
+      ``head_program`` and the RoPE table, as (leaves, treedef) and the tree itself.
+    blocks: per layer, its ``block_program`` weights (layer state, next norm) flattened.
+    groups: per layer, the first layer whose block program it shares (same structure, shapes,
+      dtypes and placements: one program); ``graphdefs``: the block graphdef of each group.
+    """
+
+    decoder: Decoder
+    embed: tuple
+    head: tuple
+    rope: tuple
+    blocks: tuple
+    groups: tuple[int, ...]
+    graphdefs: dict
+
+    @classmethod
+    def of(cls, graphdef, params) -> Layout:
+        """From ``nnx.split(model)`` - real arrays, or ShapeDtypeStructs (helpers)."""
+        # The block graphdefs from a state rebuilt from its pytree (shapes only): a Variable's
+        # metadata then has one order, however the state was made - the graphdefs are static
+        # arguments, named by their repr (``step_cache.step_key``) in this process and helpers.
+        rebuilt = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+        model: Llama = nnx.merge(graphdef, rebuilt)
+        layers = params["layers"]
+        n = len(model.layers)
+
+        def flat(tree):
+            leaves, treedef = jax.tree_util.tree_flatten(tree)
+            return tree, leaves, treedef
+
+        def norm_of(i):
+            return layers[i + 1]["attn_norm"] if i + 1 < n else params["final_norm"]
+
+        head = params["embed"] if model.config.tie_word_embeddings else params["lm_head"]
+        blocks, groups, graphdefs, seen = [], [], {}, {}
+        for i in range(n):
+            weights = (layers[i], norm_of(i))
+            tree, leaves, treedef = flat(weights)
+            block_def = nnx.split(model.layers[i])[0]
+            sig = (block_def, treedef, tuple(_aval(x) for x in leaves))
+            first = seen.setdefault(sig, i)
+            graphdefs.setdefault(first, block_def)
+            groups.append(first)
+            blocks.append((tree, leaves, treedef))
+        return cls(
+            decoder=model.decoder,
+            embed=flat((params["embed"], layers[0]["attn_norm"])),
+            head=flat(head),
+            rope=flat(params["rope"]),
+            blocks=tuple(blocks),
+            groups=tuple(groups),
+            graphdefs=graphdefs,
+        )
+
+
+def _aval(x):
+    return (tuple(x.shape), str(x.dtype), getattr(x, "sharding", None))
+
+
+def placed(tree, mesh):
+    """Host inputs on the device (replicated over ``mesh``) once per step: every program of the
+    chain reads them. Leaves already on a device stay as they are."""
+    if mesh is None:
+        return jax.device_put(tree)
+    rep = NamedSharding(mesh, P())
+    return jax.tree_util.tree_map(
+        lambda a: a if isinstance(a, jax.Array) else sharding.to_global(np.asarray(a), rep), tree
+    )
+
+
+__all__ = [
+    "LAYERS",
+    "WHOLE",
+    "Layout",
+    "block_inputs",
+    "block_program",
+    "embed_program",
+    "forward_mode",
+    "forward_program",
+    "head_program",
+    "placed",
+    "sample_program",
+    "score_program",
+]
