@@ -21,7 +21,8 @@ program per split, the default) or 1024 (``lanes``: ~1024 programs walking their
 ``decode-kernel``: both of the last two at once - ``old`` (rows in HBM, a program per split) or
 ``new`` (rows in registers, lanes). ``step-programs``: a step's forward as a chain of programs
 (``layers``: the embedding, a program per layer, the LM head; the default) or one program
-(``whole``) - ``BIJAX_STEP_PROGRAMS`` (``bijax.step_programs``).
+(``whole``) - ``BIJAX_STEP_PROGRAMS`` (``bijax.step_programs``); ``copies`` / ``nocmdbuf``: the
+chain with ``BIJAX_LAYER_COPIES=1`` / ``BIJAX_LAYER_COMMAND_BUFFERS=0``.
 Default arguments: llama3-8b, 1 and 64 sequences x (64 + 128) tokens, 3 timed runs; for a
 prefill-bound run e.g. ``--seqs 8 --input-len 4096 --output-len 8``. Alternate the sides.
 """
@@ -58,7 +59,14 @@ SWITCHES = {
         )
         for side, rows, lanes in (("old", False, None), ("new", True, 1024))
     },
-    "step-programs": {side: ((None, "BIJAX_STEP_PROGRAMS", side),) for side in ("layers", "whole")},
+    "step-programs": {
+        "layers": ((None, "BIJAX_STEP_PROGRAMS", "layers"),),
+        "whole": ((None, "BIJAX_STEP_PROGRAMS", "whole"),),
+        # the chain, each layer with a loaded copy of its own of the layer program
+        "copies": ((None, "BIJAX_STEP_PROGRAMS", "layers"), (None, "BIJAX_LAYER_COPIES", "1")),
+        # the chain, the layer programs compiled without XLA's command buffers
+        "nocmdbuf": ((None, "BIJAX_STEP_PROGRAMS", "layers"), (None, "BIJAX_LAYER_COMMAND_BUFFERS", "0")),
+    },
 }
 
 

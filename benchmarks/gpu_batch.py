@@ -58,6 +58,8 @@ _AB = {
         ("kernel-new", "decode-kernel", "new", _LONG),
         ("programs-layers", "step-programs", "layers", _LONG),
         ("programs-whole", "step-programs", "whole", _LONG),
+        ("programs-copies", "step-programs", "copies", _LONG),
+        ("programs-nocmdbuf", "step-programs", "nocmdbuf", _LONG),
     )
 }
 # name -> (command, time limit s, what it is for)
@@ -139,7 +141,7 @@ STEPS = {
 }
 
 # Steps that time compiles: each runs on an empty compilation cache of its own.
-FRESH_CACHE = {"long"}
+FRESH_CACHE = {"long", "ab-programs-copies"}  # (copies of a program loaded from the cache: not tried)
 
 
 def run_group(names, out_dir, parallel):

@@ -45,6 +45,7 @@ from bijax.step_programs import (
     forward_mode,
     forward_program,
     head_program,
+    layer_switches,
     placed,
     sample_program,
     score_program,
@@ -157,6 +158,8 @@ class ModelRunner:
         self.config = config
         self.model_config = model_config
         self.mode = forward_mode()  # the forward as a chain of programs, or one (step_programs)
+        self._layer_copies, self._layer_buffers = layer_switches()
+        self._copies: dict = {}  # (block key, layer) -> that layer's loaded copy (BIJAX_LAYER_COPIES)
         self.compiled_buckets: set = set()  # (seqs, tokens) buckets whose step is compiled
         # Programs compiled ahead of time by ``warmup`` (in parallel), by ``_lowered``'s keys.
         self._aot: dict = {}
@@ -170,6 +173,7 @@ class ModelRunner:
         if getattr(self, "graphdef", graphdef) != graphdef:
             self._aot.clear()  # steps compiled for another structure or config
             self._names.clear()
+            self._copies.clear()
         self.graphdef = graphdef
         if self.mesh is not None:
             params = sharding.shard_state(params, self.mesh)
@@ -339,7 +343,7 @@ class ModelRunner:
                 kv_tree = jax.tree_util.tree_structure(self.cache[i])
                 tree = trees[g] = _tuple(weights_tree, kv_tree, rope_tree, _LEAF, _LEAF, in_tree)
             leaves = weights + kv + rope + [h, residual] + in_leaves
-            (h, residual), self.cache[i] = self._program(("block", s, t, g))(flat=(leaves, tree))
+            (h, residual), self.cache[i] = self._layer(("block", s, t, g), i)(flat=(leaves, tree))
         _, head, head_tree = lay.head
         return self._program(("head", t, r))(flat=(head + [h, rows], _tuple(head_tree, _LEAF, _LEAF)))
 
@@ -348,9 +352,26 @@ class ModelRunner:
         compiled = self._aot.get(key)
         if compiled is None:
             if not self._reuse(key):
-                self._keep(key, self._lowered(key).compile())
+                self._keep(key, self._lowered(key).compile(self._compiler_options(key)))
             compiled = self._aot[key]
         return compiled
+
+    def _layer(self, key, i: int):
+        """Layer ``i``'s program: its group's (``key``), or with ``BIJAX_LAYER_COPIES`` a loaded
+        copy of it for this layer alone (made the first time)."""
+        if not self._layer_copies or i == key[3]:
+            return self._program(key)
+        copy = self._copies.get((key, i))
+        if copy is None:
+            copy = self._copies[(key, i)] = self._program(key).copy()
+        return copy
+
+    def _compiler_options(self, key) -> dict | None:
+        """XLA options a program compiles with: none, but the layer programs' command buffers
+        off under ``BIJAX_LAYER_COMMAND_BUFFERS=0`` (a measurement switch)."""
+        if key[0] == "block" and not self._layer_buffers:
+            return {"xla_gpu_enable_command_buffer": ""}
+        return None
 
     def score_step(self, chunks: list[Chunk], targets, temperature: float):
         """Logprobs of ``targets`` (one per computed token; -1: not wanted) for one step."""
@@ -454,7 +475,7 @@ class ModelRunner:
                 # This process's own programs first, then each helper's as it is saved (compiled
                 # in the pool while the helpers lower the next ones), and what they left.
                 for key in itertools.chain(own, () if helpers is None else helpers.as_ready()):
-                    futures[pool.submit(self._lowered(key).compile)] = key
+                    futures[pool.submit(self._lowered(key).compile, self._compiler_options(key))] = key
                 tracing = time.perf_counter() - t0
                 for future in concurrent.futures.as_completed(futures):
                     key = futures[future]

@@ -206,9 +206,24 @@ class FlatStep:
     def __init__(self, lowered, in_tree, donated_tree):
         self.lowered, self.in_tree, self.donated_tree, self.compiled = lowered, in_tree, donated_tree, None
 
-    def compile(self) -> FlatStep:
-        self.compiled = self.lowered.compile()
+    def compile(self, compiler_options: dict | None = None) -> FlatStep:
+        """Compiles it (XLA ``compiler_options``: a measurement switch of ``model_runner``)."""
+        self.compiled = self.lowered.compile(compiler_options) if compiler_options else self.lowered.compile()
         return self
+
+    def copy(self) -> FlatStep:
+        """Another loaded instance of the compiled program (serialized and loaded again): the
+        same code, its own state on the device - e.g. its own CUDA graphs, which XLA updates,
+        waiting for the last launch, whenever a launch's buffers differ from the one before."""
+        from jax.experimental import serialize_executable
+
+        payload, in_tree, out_tree = serialize_executable.serialize(self.compiled)
+        other = FlatStep(self.lowered, self.in_tree, self.donated_tree)
+        devices = self.compiled._executable.xla_executable.local_devices()
+        other.compiled = serialize_executable.deserialize_and_load(
+            payload, in_tree, out_tree, execution_devices=devices
+        )
+        return other
 
     def __call__(self, *args, flat=None):
         """``flat``: (leaves, treedef) of ``args`` when the caller has them (a model's weights

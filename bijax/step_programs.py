@@ -49,6 +49,16 @@ def forward_mode() -> str:
     return raw
 
 
+def layer_switches() -> tuple[bool, bool]:
+    """Measurement switches of the layer programs (read when an engine is made):
+    ``BIJAX_LAYER_COPIES=1`` gives every layer a loaded copy of its own of its group's compiled
+    program; ``BIJAX_LAYER_COMMAND_BUFFERS=0`` compiles the layer programs without XLA's command
+    buffers (CUDA graphs). Returns (copies, command buffers)."""
+    copies = os.environ.get("BIJAX_LAYER_COPIES", "0").strip() not in ("", "0")
+    buffers = os.environ.get("BIJAX_LAYER_COMMAND_BUFFERS", "1").strip() not in ("", "0")
+    return copies, buffers
+
+
 def _over_mesh(body, mesh, params, cache, *args):
     """``body(params, cache, *args, tp)`` -> (out, cache): as is without a mesh, else inside one
     shard_map (sharded weights and cache, replicated inputs and outputs)."""
@@ -250,6 +260,7 @@ __all__ = [
     "block_program",
     "embed_program",
     "forward_mode",
+    "layer_switches",
     "forward_program",
     "head_program",
     "placed",
