@@ -140,8 +140,9 @@ STEPS = {
     "long": (_py("long_context.py"), 500, "a 32k-token prompt through the engine"),
 }
 
-# Steps that time compiles: each runs on an empty compilation cache of its own.
-FRESH_CACHE = {"long", "ab-programs-copies"}  # (copies of a program loaded from the cache: not tried)
+# Steps that run on an empty compilation cache of their own: those that time compiles, and the
+# layer copies (copies of an executable read back from the cache failed on CPU; on GPU untried).
+FRESH_CACHE = {"long", "ab-programs-copies"}
 
 
 def run_group(names, out_dir, parallel):
