@@ -118,9 +118,9 @@ STEPS = {
         "start-up: one request's first token, empty cache",
     ),
     "startup-programs": (
-        _py("startup.py", "--rows", "engine,engine-whole,single,single-whole"),
+        _py("startup.py", "--rows", "engine-layers,engine-whole,single-layers,single-whole"),
         420,
-        "start-up, empty caches: the forward as a chain of programs (the default) / as one program",
+        "start-up, empty caches: the forward as a chain of programs / as one program (the GPU's default)",
     ),
     "startup-single-ab": (
         _py("startup.py", "--rows", "single-helper,single"),

@@ -4,8 +4,8 @@
            persistent compile cache without and with helper processes lowering the steps
            (``bijax.parallel_lowering``; ``BIJAX_LOWERING_PROCESSES=0``, then the default), then
            again in a third process from the filled cache, and on another empty cache with
-           the helpers also compiling (``BIJAX_LOWERING_COMPILE=1``); ``engine-whole``: the
-           forward as one program (``BIJAX_STEP_PROGRAMS=whole``, before 2026-12-02 session 28);
+           the helpers also compiling (``BIJAX_LOWERING_COMPILE=1``); ``engine-whole`` /
+           ``engine-layers``: the forward as one program / a chain (``BIJAX_STEP_PROGRAMS``);
   single   one request's first token - ``LLM`` sized as ``bijax generate`` sizes it for one
            prompt (1 sequence, 512 tokens per step), ``warmup(step_tokens=[prompt, 1])`` (since
            2026-12-02 session 26; ``max_step_tokens=prompt`` before: one more bucket), then
@@ -115,7 +115,8 @@ def run_child(kind: str, model: str, cache: str, env_extra: dict) -> dict:
 
 
 _NO_HELPERS = {"BIJAX_LOWERING_PROCESSES": "0"}
-_WHOLE = {"BIJAX_STEP_PROGRAMS": "whole"}  # the forward as one program (before session 28)
+_WHOLE = {"BIJAX_STEP_PROGRAMS": "whole"}  # the forward as one program (the GPU's default)
+_LAYERS = {"BIJAX_STEP_PROGRAMS": "layers"}  # the forward as a chain of programs (the CPU's default)
 # --rows name -> (label, child kind, environment). Each row runs on an empty compile cache of its
 # own; a filled row reuses the cache of its empty row's last run.
 ROWS = {
@@ -128,6 +129,7 @@ ROWS = {
         {"BIJAX_LOWERING_COMPILE": "1"},
     ),
     "engine-whole": ("64 seqs x 2048 tokens, empty cache, the forward as one program", "engine", _WHOLE),
+    "engine-layers": ("64 seqs x 2048 tokens, empty cache, the forward as a chain", "engine", _LAYERS),
     "single": ("one request, first token, empty cache", "single", {}),
     "single-filled": ("one request, first token, filled cache", "single", {}),
     "single-no-helpers": (
@@ -141,6 +143,7 @@ ROWS = {
         {"BIJAX_LOWERING_MIN_PROGRAMS": "2"},
     ),
     "single-whole": ("one request, first token, empty cache, the forward as one program", "single", _WHOLE),
+    "single-layers": ("one request, first token, empty cache, the forward as a chain", "single", _LAYERS),
 }
 
 

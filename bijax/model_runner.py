@@ -37,12 +37,11 @@ from bijax.config import EngineConfig, bucket
 from bijax.sampler import SamplingRows, uses_filters
 from bijax.sequence import PENDING, Sequence
 from bijax.step_programs import (
-    LAYERS,
     Layout,
     block_inputs,
     block_program,
+    chain_from,
     embed_program,
-    forward_mode,
     forward_program,
     head_program,
     layer_switches,
@@ -150,14 +149,16 @@ class ModelRunner:
         self._start(config, model_config)
         self.mesh, self.graphdef, self.params, self.cache = None, graphdef, params, cache
         self._param_leaves, self._param_tree = jax.tree_util.tree_flatten(params)
-        self.layout = Layout.of(graphdef, params) if self.mode == LAYERS else None
+        self.layout = None if self.chain_from is None else Layout.of(graphdef, params)
         return self
 
     def _start(self, config: EngineConfig, model_config) -> None:
         """What every runner starts with: its configs and no programs yet."""
         self.config = config
         self.model_config = model_config
-        self.mode = forward_mode()  # the forward as a chain of programs, or one (step_programs)
+        # token buckets from this one run the forward as a chain of programs, the others as one
+        # (None: all as one; step_programs)
+        self.chain_from = chain_from()
         self._layer_copies, self._layer_buffers = layer_switches()
         self._copies: dict = {}  # (block key, layer) -> that layer's loaded copy (BIJAX_LAYER_COPIES)
         self.compiled_buckets: set = set()  # (seqs, tokens) buckets whose step is compiled
@@ -188,7 +189,7 @@ class ModelRunner:
         # Flattened once (an nnx State flattens in Python: ~1 ms per step for llama3-8b's 291
         # arrays): ``check_params`` and the warmed-up steps' flat calls use these.
         self._param_leaves, self._param_tree = jax.tree_util.tree_flatten(params)
-        self.layout = Layout.of(graphdef, params) if self.mode == LAYERS else None
+        self.layout = None if self.chain_from is None else Layout.of(graphdef, params)
 
     def _inputs(self, tree):
         """Host inputs as arrays every rank of the mesh sees whole (needed across processes)."""
@@ -305,10 +306,10 @@ class ModelRunner:
         time by ``warmup`` or now, the first time a step needs them (the same path either
         way); keeps the donated cache; returns (tokens, logprobs, top)."""
         s, t, r = len(batch.context_lens), batch.num_tokens, len(batch.logit_rows)
-        if self.layout is None:
-            logits = self._forward_whole(batch, s, t, r)
-        else:
+        if self._chained(t):
             logits = self._forward_layers(batch, s, t, r)
+        else:
+            logits = self._forward_whole(batch, s, t, r)
         self.compiled_buckets.add((s, t))
         filters = uses_filters(sampling)
         args, _ = self._sample_args(logits, sampling, num_logprobs, filters)
@@ -415,11 +416,15 @@ class ModelRunner:
             texts.append(sample_program.lower(*args, **kw).compile().as_text())
         return "\n".join(texts)
 
+    def _chained(self, t: int) -> bool:
+        """Whether a step of token bucket ``t`` runs its forward as the chain."""
+        return self.chain_from is not None and t >= self.chain_from
+
     def forward_keys(self, s: int, t: int, r: int) -> list:
-        """The programs of one bucket's forward (``_lowered``'s keys): ("embed", t), a
-        ("block", s, t, group) per group of layers that share a program, ("head", t, r); or
-        ("forward", s, t, r), the whole forward as one program."""
-        if self.layout is None:
+        """The programs of one bucket's forward (``_lowered``'s keys): the chain's ("embed",
+        t), a ("block", s, t, group) per group of layers that share a program and ("head", t,
+        r); or ("forward", s, t, r), the whole forward as one program (``chain_from``)."""
+        if not self._chained(t):
             return [("forward", s, t, r)]
         groups = sorted(set(self.layout.groups))
         return [("embed", t), *(("block", s, t, g) for g in groups), ("head", t, r)]

@@ -1,23 +1,33 @@
 """The jitted programs of an engine step, and how a model's weights are laid out as their
 arguments.
 
-A step's forward runs as a chain of programs (``LAYERS``, the default): ``embed_program`` (the
-embedding and the first layer's input norm), ``block_program`` once per layer - one compiled
-program for every layer of the same shapes, so a step bucket compiles one layer, not 32 - and
-``head_program`` (the LM head of the sampled rows). ``forward_program`` is the same forward as
-one program (``WHOLE``); both run ``models.llama``'s ``paged_embed`` / ``paged_block`` /
-``paged_head`` in the same order, so they give the same bits (``score_program``, which
-``LLM.score`` runs, is the whole forward: every score-vs-generate bits test compares the two).
-Then ``sample_program`` samples the rows.
+A step's forward runs as one of two equivalent forms, chosen per token bucket (``chain_from``):
+
+* the chain: ``embed_program`` (the embedding and the first layer's input norm),
+  ``block_program`` once per layer - one compiled program for every layer of the same shapes,
+  so a step bucket compiles one layer, not 32 - and ``head_program`` (the LM head of the
+  sampled rows);
+* ``forward_program``: the same forward as one program.
+
+Both run ``models.llama``'s ``paged_embed`` / ``paged_block`` / ``paged_head`` in the same order,
+so they give the same bits (``score_program``, which ``LLM.score`` runs, is the whole forward:
+every score-vs-generate bits test compares the two; the H200 digests MATCH with either). Then
+``sample_program`` samples the rows.
+
+Which form (measured 2026-12-02 session 28, RESULTS.md): on CPU the chain for every bucket
+(compiling SmolLM2's step 7.1 -> 2.5 s, the same step time). On the H200 the chain starts in
+half the time (llama3-8b, 64 x 2048 engine, empty cache: warm-up 21.4 s vs 39.4 s) but runs a
+decode step 1.7-2x slower: XLA launches each program's kernels from CUDA graphs, and a graph
+whose buffers changed since its last launch - every layer's call - is updated after that launch
+has finished, so the host waits on the device layer by layer. So the GPU default is the whole
+forward, and ``BIJAX_STEP_PROGRAMS`` sets it (a measurement switch, read when an engine is made):
+``layers`` (the chain everywhere), ``whole`` (nowhere), or an integer N (the chain for token
+buckets of N or more: long steps, where the device time dominates).
 
 Every program takes the weights as an argument (swapped without recompiling) and donates the
 KV cache it writes (the whole cache, or one layer's). With tensor parallelism each runs inside
 one ``jax.shard_map``: weights and KV cache sharded (``models.sharding``), inputs and outputs
 replicated.
-
-``BIJAX_STEP_PROGRAMS=whole`` (a measurement switch, read when an engine is made) runs the
-forward as one program, as before 2026-12-02 session 28: same bits, a compile per bucket that
-grows with the layers.
 """
 
 from __future__ import annotations
@@ -40,13 +50,26 @@ from models.paged import PagedBatch
 LAYERS, WHOLE = "layers", "whole"
 
 
-def forward_mode() -> str:
-    """How this process runs a step's forward: ``LAYERS`` (default) or ``WHOLE``
-    (``BIJAX_STEP_PROGRAMS``); anything else is an error naming the variable."""
-    raw = os.environ.get("BIJAX_STEP_PROGRAMS", "").strip() or LAYERS
-    if raw not in (LAYERS, WHOLE):
-        raise ValueError(f"BIJAX_STEP_PROGRAMS must be {LAYERS!r} or {WHOLE!r}, got {raw!r}")
-    return raw
+def chain_from() -> int | None:
+    """The smallest token bucket whose forward runs as the chain (None: none, every forward is
+    one program): ``BIJAX_STEP_PROGRAMS`` (see top), by default every bucket on CPU and none on
+    GPUs; a value it does not take is an error naming the variable."""
+    raw = os.environ.get("BIJAX_STEP_PROGRAMS", "").strip()
+    if not raw:
+        return 0 if jax.default_backend() == "cpu" else None
+    if raw == LAYERS:
+        return 0
+    if raw == WHOLE:
+        return None
+    try:
+        n = int(raw)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ValueError(
+            f"BIJAX_STEP_PROGRAMS must be {LAYERS!r}, {WHOLE!r} or a token count >= 0, got {raw!r}"
+        )
+    return n
 
 
 def layer_switches() -> tuple[bool, bool]:
@@ -259,7 +282,7 @@ __all__ = [
     "block_inputs",
     "block_program",
     "embed_program",
-    "forward_mode",
+    "chain_from",
     "layer_switches",
     "forward_program",
     "head_program",
