@@ -15,13 +15,14 @@ off (``old``: 32 columns, 2 warps, 4 stages) or on (``new``, committed). ``prefi
 ``decode-splits``: ``attention_triton.STORE_USED_SPLITS_ONLY`` off (``all``: the decode kernel
 stores every split of its grid and the combine folds them all) or on (``used``, committed).
 ``decode-rows``: ``attention_triton.DECODE_ROWS_IN_REGISTERS`` off (``hbm``: q padded to 16 rows
-by an XLA pad, 16 rows stored and combined, the output sliced; the default) or on
-(``registers``). ``decode-lanes``: ``attention_triton.DECODE_PROGRAMS`` None (``splits``: a
-program per split, the default) or 1024 (``lanes``: ~1024 programs walking their splits).
+by an XLA pad, 16 rows stored and combined, the output sliced) or on (``registers``, the
+default since 2026-12-02 session 28). ``decode-lanes``: ``attention_triton.DECODE_PROGRAMS``
+None (``splits``: a program per split) or 1024 (``lanes``: ~1024 programs walking their splits,
+the default since session 28).
 ``decode-kernel``: both of the last two at once - ``old`` (rows in HBM, a program per split) or
 ``new`` (rows in registers, lanes). ``step-programs``: a step's forward as a chain of programs
-(``layers``: the embedding, a program per layer, the LM head; the default) or one program
-(``whole``) - ``BIJAX_STEP_PROGRAMS`` (``bijax.step_programs``); ``copies`` / ``nocmdbuf``: the
+(``layers``: the embedding, a program per layer, the LM head; the CPU's default) or one
+program (``whole``, the GPU's) - ``BIJAX_STEP_PROGRAMS`` (``bijax.step_programs``); ``copies`` / ``nocmdbuf``: the
 chain with ``BIJAX_LAYER_COPIES=1`` / ``BIJAX_LAYER_COMMAND_BUFFERS=0``.
 Default arguments: llama3-8b, 1 and 64 sequences x (64 + 128) tokens, 3 timed runs; for a
 prefill-bound run e.g. ``--seqs 8 --input-len 4096 --output-len 8``. Alternate the sides.

@@ -62,7 +62,14 @@ def main() -> int:
                 enable_prefix_caching=False,
                 async_scheduling=async_scheduling,
             )
+            t0 = time.perf_counter()
             llm.generate(prompts, sp, use_tqdm=False)  # warm-up: compiles what the timed run uses
+            copies = llm.engine.runner.copy_seconds  # BIJAX_LAYER_COPIES (a measurement switch)
+            print(
+                f"{n} seqs, async={async_scheduling}: warm-up run {time.perf_counter() - t0:.1f} s"
+                + (f", {copies:.1f} s of it loading copies of the layer programs" if copies else ""),
+                flush=True,
+            )
             compiled = num_compiled_steps()
             walls = []
             for _ in range(a.repeats):

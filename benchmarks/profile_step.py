@@ -1,5 +1,6 @@
 """Where an engine step's time goes: per-kernel CUPTI times of the compiled step programs
-(the forward, KV cache donated, then sampling - as the engine runs them), grouped by kernel
+(the forward - one program, or the chain of programs where ``BIJAX_STEP_PROGRAMS`` says so -
+KV cache donated, then sampling: the engine's runner runs them), grouped by kernel
 name, next to the step's wall time, the host's time to enqueue it, and the gap between wall
 and kernel time (launches, host work, transfers). ``--trace DIR`` takes a jax.profiler trace
 instead of CUPTI's kernel times and also prints where the device sat idle: the kernels each

@@ -72,6 +72,7 @@ def child(kind: str, model: str) -> None:
     prompts = [{"prompt_token_ids": prompt[: 64 - 7 * i]} for i in range(1 if kind == "single" else 4)]
     a = [o.outputs[0] for o in llm.generate(prompts, sp, use_tqdm=False)]
     llm.engine.runner._aot.clear()
+    llm.engine.runner._copies.clear()  # (BIJAX_LAYER_COPIES: copies of the dropped programs)
     model_runner._shared.clear()
     step_cache.directory = lambda: None
     llm.reset_prefix_cache()

@@ -1,6 +1,7 @@
-"""Flat ragged steps padded to (num_seqs, num_tokens) buckets; a step is a chain of compiled
-programs (``bijax.step_programs``): the embedding, one program per layer (the same compiled
-layer for every layer of the same shapes), the LM head of its sampled rows, then sampling.
+"""Flat ragged steps padded to (num_seqs, num_tokens) buckets; a step is its forward - one
+compiled program, or a chain of them (the embedding, one program per layer: the same compiled
+layer for every layer of the same shapes, the LM head of its sampled rows), per token bucket
+as ``bijax.step_programs`` says - then sampling.
 
 The weights are an argument of every program (not baked into it), so they can be swapped
 without recompiling; the KV cache is donated, a layer's at a time. Padding tokens have
@@ -141,15 +142,17 @@ class ModelRunner:
         self.cache = init_kv_cache(model.config, config.num_kv_blocks, config.block_size, model.dtype, kv)
 
     @classmethod
-    def abstract(cls, graphdef, params, cache, config: EngineConfig, model_config) -> ModelRunner:
+    def abstract(
+        cls, graphdef, params, cache, config: EngineConfig, model_config, switches: tuple
+    ) -> ModelRunner:
         """A runner of ``graphdef`` whose weights and KV cache are ``params`` and ``cache`` as
         given - ShapeDtypeStructs in ``parallel_lowering``'s helpers, which only lower its
-        programs (no tensor parallelism)."""
+        programs (no tensor parallelism) - with another runner's ``switches()``."""
         self = cls.__new__(cls)
         self._start(config, model_config)
+        self.chain_from, self._layer_copies, self._layer_buffers = switches
         self.mesh, self.graphdef, self.params, self.cache = None, graphdef, params, cache
         self._param_leaves, self._param_tree = jax.tree_util.tree_flatten(params)
-        self.layout = None if self.chain_from is None else Layout.of(graphdef, params)
         return self
 
     def _start(self, config: EngineConfig, model_config) -> None:
@@ -161,6 +164,10 @@ class ModelRunner:
         self.chain_from = chain_from()
         self._layer_copies, self._layer_buffers = layer_switches()
         self._copies: dict = {}  # (block key, layer) -> that layer's loaded copy (BIJAX_LAYER_COPIES)
+        self.copy_seconds = 0.0  # spent making them (a measurement)
+        if self._layer_copies and jax.default_backend() == "cpu":
+            # (XLA:CPU could not run a copy of an executable read back from the persistent cache)
+            raise ValueError("BIJAX_LAYER_COPIES is a GPU measurement switch; unset it on CPU")
         self.compiled_buckets: set = set()  # (seqs, tokens) buckets whose step is compiled
         # Programs compiled ahead of time by ``warmup`` (in parallel), by ``_lowered``'s keys.
         self._aot: dict = {}
@@ -189,7 +196,7 @@ class ModelRunner:
         # Flattened once (an nnx State flattens in Python: ~1 ms per step for llama3-8b's 291
         # arrays): ``check_params`` and the warmed-up steps' flat calls use these.
         self._param_leaves, self._param_tree = jax.tree_util.tree_flatten(params)
-        self.layout = None if self.chain_from is None else Layout.of(graphdef, params)
+        self._layout = None  # made again from these weights when the chain needs it
 
     def _inputs(self, tree):
         """Host inputs as arrays every rank of the mesh sees whole (needed across processes)."""
@@ -318,12 +325,9 @@ class ModelRunner:
     def _forward_whole(self, batch: PagedBatch, s: int, t: int, r: int):
         args, _ = self._forward_args(batch)
         compiled = self._program(("forward", s, t, r))
-        if isinstance(compiled, step_cache.FlatStep):  # the weights' leaves as flattened once
-            rest, rest_tree = jax.tree_util.tree_flatten(args[1:])
-            tree = jax.tree_util.treedef_tuple([self._param_tree, *rest_tree.children()])
-            logits, self.cache = compiled(*args, flat=(self._param_leaves + rest, tree))
-        else:
-            logits, self.cache = compiled(*args)
+        rest, rest_tree = jax.tree_util.tree_flatten(args[1:])  # the weights' leaves as flattened once
+        tree = jax.tree_util.treedef_tuple([self._param_tree, *rest_tree.children()])
+        logits, self.cache = compiled(*args, flat=(self._param_leaves + rest, tree))
         return logits
 
     def _forward_layers(self, batch: PagedBatch, s: int, t: int, r: int):
@@ -364,7 +368,9 @@ class ModelRunner:
             return self._program(key)
         copy = self._copies.get((key, i))
         if copy is None:
+            t0 = time.perf_counter()
             copy = self._copies[(key, i)] = self._program(key).copy()
+            self.copy_seconds += time.perf_counter() - t0
         return copy
 
     def _compiler_options(self, key) -> dict | None:
@@ -415,6 +421,20 @@ class ModelRunner:
             args, kw = self._sample_args(self._logits_spec(s), SamplingRows.greedy(s), num_logprobs, filters)
             texts.append(sample_program.lower(*args, **kw).compile().as_text())
         return "\n".join(texts)
+
+    @property
+    def layout(self) -> Layout | None:
+        """The weights as the chain's arguments (None where no bucket runs the chain)."""
+        if self.chain_from is None:
+            return None
+        if getattr(self, "_layout", None) is None:
+            self._layout = Layout.of(self.graphdef, self.params, self.cache)
+        return self._layout
+
+    def switches(self) -> tuple:
+        """The measurement switches this runner was made with (``step_programs``): which token
+        buckets run the chain, the layer copies, the layer programs' command buffers."""
+        return self.chain_from, self._layer_copies, self._layer_buffers
 
     def _chained(self, t: int) -> bool:
         """Whether a step of token bucket ``t`` runs its forward as the chain."""
@@ -573,7 +593,7 @@ class ModelRunner:
         if name is None:  # hashing the inputs' avals and the static arguments: once per key
             _, args, kw, _, label = self._spec(key)
             name = self._names[key] = step_cache.step_key(label, args, kw)
-        return name, step_cache.directory()
+        return name, step_cache.directory(), repr(self._compiler_options(key))
 
     def _lowered(self, key):
         """One program lowered for inputs shaped as this runner's - ``forward_keys``' keys, or

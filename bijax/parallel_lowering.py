@@ -240,6 +240,7 @@ def start(runner, keys, processes: int | None = None) -> Helpers | None:
         params=jax.tree_util.tree_map(_spec_of, runner.params),
         cache=jax.tree_util.tree_map(_spec_of, runner.cache),
         config=runner.config,
+        switches=runner.switches(),
         model_config=runner.model_config,
         programs=todo,
         compile=os.environ.get("BIJAX_LOWERING_COMPILE", "0").strip() not in ("", "0"),
@@ -326,6 +327,7 @@ def _child(path: str, part: int, parts: int) -> int:
             jax.tree_util.tree_map(aval, job["cache"], is_leaf=is_spec),
             job["config"],
             job["model_config"],
+            job["switches"],
         )
 
     naming, lowering = runner(True), runner(False)
@@ -341,7 +343,9 @@ def _child(path: str, part: int, parts: int) -> int:
             if step_cache.load(name) is None:  # (else another process saved it meanwhile)
                 step_cache.export_step(fn, args, kw, donate=donate, name=name)
             if job["compile"]:  # the parent's compile of it, read back, then loads this executable
-                step_cache.lower(fn, args, kw, donate=donate, name=name).compile()
+                step_cache.lower(fn, args, kw, donate=donate, name=name).compile(
+                    lowering._compiler_options(key)
+                )
             if os.path.exists(os.path.join(step_cache.directory(), name)):  # (an unwritable cache: not)
                 print(f"EXPORTED {i} {key}", flush=True)
         except Exception as e:  # noqa: BLE001 - the parent lowers this one; the next may work

@@ -14,8 +14,9 @@ arguments and its inputs' tree, shapes, dtypes, weak types and shardings (each p
 ``repr``, which must be complete and stable). A change in any of them names another file, so a
 stale program is never read. Files live next to the persistent cache (``<cache dir>/bijax-steps``,
 at most ``MAX_FILES`` of them, not counted in ``BIJAX_CACHE_MAX_GB``); with the cache off
-(``BIJAX_COMPILATION_CACHE=0``) steps are traced as before. The compiled program is the one a
-direct ``jit`` of the step compiles: the tests compare the bits of steps built both ways.
+(``BIJAX_COMPILATION_CACHE=0``) steps are traced as they come (``lower_flat``: the same
+function of flat leaves, not saved). The compiled program is the one tracing the step compiles:
+the tests compare the bits of steps built both ways.
 
 On GPUs the Mosaic GPU custom call finds its runtime library through
 ``MOSAIC_GPU_RUNTIME_LIB_PATH``, which importing ``jax.experimental.mosaic.gpu`` sets; a process

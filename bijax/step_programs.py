@@ -44,7 +44,18 @@ from jax.sharding import PartitionSpec as P
 
 from bijax.sampler import SamplingRows, sample_rows, target_logprobs
 from models import sharding
-from models.llama import Decoder, Llama, TensorParallel, paged_block, paged_embed, paged_head
+from models.llama import (
+    FIRST_NORM_PATH,
+    Decoder,
+    Llama,
+    TensorParallel,
+    head_path,
+    next_norm_path,
+    paged_block,
+    paged_embed,
+    paged_head,
+    weight_at,
+)
 from models.paged import PagedBatch
 
 LAYERS, WHOLE = "layers", "whole"
@@ -72,14 +83,20 @@ def chain_from() -> int | None:
     return n
 
 
+def _switch(name: str, default: bool) -> bool:
+    """A 0/1 environment variable; unset or empty: ``default``; anything else is an error."""
+    raw = os.environ.get(name, "").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {raw!r}")
+    return default if not raw else raw == "1"
+
+
 def layer_switches() -> tuple[bool, bool]:
     """Measurement switches of the layer programs (read when an engine is made):
     ``BIJAX_LAYER_COPIES=1`` gives every layer a loaded copy of its own of its group's compiled
     program; ``BIJAX_LAYER_COMMAND_BUFFERS=0`` compiles the layer programs without XLA's command
     buffers (CUDA graphs). Returns (copies, command buffers)."""
-    copies = os.environ.get("BIJAX_LAYER_COPIES", "0").strip() not in ("", "0")
-    buffers = os.environ.get("BIJAX_LAYER_COMMAND_BUFFERS", "1").strip() not in ("", "0")
-    return copies, buffers
+    return _switch("BIJAX_LAYER_COPIES", False), _switch("BIJAX_LAYER_COMMAND_BUFFERS", True)
 
 
 def _over_mesh(body, mesh, params, cache, *args):
@@ -221,38 +238,35 @@ class Layout:
     graphdefs: dict
 
     @classmethod
-    def of(cls, graphdef, params) -> Layout:
-        """From ``nnx.split(model)`` - real arrays, or ShapeDtypeStructs (helpers)."""
+    def of(cls, graphdef, params, cache) -> Layout:
+        """From ``nnx.split(model)`` and the KV cache - real arrays, or ShapeDtypeStructs
+        (helpers)."""
         # The block graphdefs from a state rebuilt from its pytree (shapes only): a Variable's
         # metadata then has one order, however the state was made - the graphdefs are static
         # arguments, named by their repr (``step_cache.step_key``) in this process and helpers.
         rebuilt = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
         model: Llama = nnx.merge(graphdef, rebuilt)
-        layers = params["layers"]
         n = len(model.layers)
 
         def flat(tree):
             leaves, treedef = jax.tree_util.tree_flatten(tree)
             return tree, leaves, treedef
 
-        def norm_of(i):
-            return layers[i + 1]["attn_norm"] if i + 1 < n else params["final_norm"]
-
-        head = params["embed"] if model.config.tie_word_embeddings else params["lm_head"]
         blocks, groups, graphdefs, seen = [], [], {}, {}
         for i in range(n):
-            weights = (layers[i], norm_of(i))
+            weights = (weight_at(params, ("layers", i)), weight_at(params, next_norm_path(i, n)))
             tree, leaves, treedef = flat(weights)
             block_def = nnx.split(model.layers[i])[0]
-            sig = (block_def, treedef, tuple(_aval(x) for x in leaves))
+            kv = jax.tree_util.tree_leaves(cache[i])
+            sig = (block_def, treedef, tuple(_aval(x) for x in leaves + kv))
             first = seen.setdefault(sig, i)
             graphdefs.setdefault(first, block_def)
             groups.append(first)
             blocks.append((tree, leaves, treedef))
         return cls(
             decoder=model.decoder,
-            embed=flat((params["embed"], layers[0]["attn_norm"])),
-            head=flat(head),
+            embed=flat((params["embed"], weight_at(params, FIRST_NORM_PATH))),
+            head=flat(weight_at(params, head_path(model.config))),
             rope=flat(params["rope"]),
             blocks=tuple(blocks),
             groups=tuple(groups),

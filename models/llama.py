@@ -61,16 +61,20 @@ from models.paged import KVCache, PackedLayout, PagedBatch, init_kv_cache
 from pallas_kernels import K_SHARDS
 
 __all__ = [
+    "FIRST_NORM_PATH",
     "Decoder",
     "Llama",
     "TensorParallel",
     "check_tokens",
+    "head_path",
     "init_kv_cache",
+    "next_norm_path",
     "paged_block",
     "paged_embed",
     "paged_head",
     "param_state",
     "rope_table",
+    "weight_at",
 ]
 
 
@@ -298,6 +302,28 @@ def paged_head(decoder: Decoder, w, h, logit_rows, *, invariant: bool, tp: Tenso
     return decoder.head(w, h, invariant=invariant, tp=tp)
 
 
+# Where the pieces' weights are: key paths into a ``Llama`` or its state (``nnx.split``'s), the one
+# home of which norm a block ends with and what the LM head multiplies by.
+FIRST_NORM_PATH = ("layers", 0, "attn_norm")
+
+
+def next_norm_path(i: int, num_layers: int) -> tuple:
+    """Layer ``i``'s block ends with layer i + 1's attn_norm, the last one with the final norm."""
+    return ("layers", i + 1, "attn_norm") if i + 1 < num_layers else ("final_norm",)
+
+
+def head_path(config: LlamaConfig) -> tuple:
+    """The LM head's weight: ``lm_head`` [H, V], or ``embed`` [V, H] for tied embeddings."""
+    return ("embed",) if config.tie_word_embeddings else ("lm_head",)
+
+
+def weight_at(tree, path: tuple):
+    """The variable at ``path`` in a ``Llama`` (attributes and list indices) or its state (keys)."""
+    for key in path:
+        tree = tree[key] if isinstance(tree, nnx.State) or isinstance(key, int) else getattr(tree, key)
+    return tree
+
+
 # --------------------------------------------------------------------------- modules
 
 
@@ -417,17 +443,16 @@ class Llama(nnx.Module):
     @property
     def head_weight(self):
         """What the LM head multiplies by: ``lm_head`` [H, V], or ``embed`` [V, H] when tied."""
-        return self.embed if self.config.tie_word_embeddings else self.lm_head
+        return weight_at(self, head_path(self.config))
 
     def next_norm(self, i: int):
-        """The norm weight that layer ``i``'s block ends with: layer i + 1's attn_norm, or the
-        final norm after the last layer."""
-        return self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.final_norm
+        """The norm weight that layer ``i``'s block ends with (``next_norm_path``)."""
+        return weight_at(self, next_norm_path(i, len(self.layers)))
 
     def _layers(self, x, pos, attend, *, invariant: bool, tp: TensorParallel | None = None):
         """The decoder stack over flat tokens x [T, H]; ``attend(i, q, k, v)`` -> [T, Hq, D]."""
         d, rope_table = self.decoder, self.rope[...]
-        h, residual = d.first_norm(x, self.layers[0].attn_norm[...], invariant=invariant)
+        h, residual = d.first_norm(x, weight_at(self, FIRST_NORM_PATH)[...], invariant=invariant)
         for i, blk in enumerate(self.layers):
             h, residual = d.block(
                 blk,
@@ -521,7 +546,7 @@ class Llama(nnx.Module):
             raise ValueError(f"kv_cache has {len(kv_cache)} layers, the model {c.num_layers}")
         d, rope_table, cache = self.decoder, self.rope[...], list(kv_cache)
         h, residual = paged_embed(
-            d, self.embed[...], self.layers[0].attn_norm[...], tokens, invariant=invariant
+            d, self.embed[...], weight_at(self, FIRST_NORM_PATH)[...], tokens, invariant=invariant
         )
         for i, blk in enumerate(self.layers):
             (h, residual), cache[i] = paged_block(

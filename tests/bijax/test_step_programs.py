@@ -22,10 +22,20 @@ SPS = [
 ]
 
 
+def _model():
+    """``tiny`` with norm weights that differ from norm to norm (the preset's are all ones, which
+    would hide a layer program given the wrong norm)."""
+    model = Llama(preset("tiny"), dtype=jnp.float32, seed=0)
+    rng = np.random.default_rng(0)
+    for norm in [model.final_norm] + [n for blk in model.layers for n in (blk.attn_norm, blk.mlp_norm)]:
+        norm[...] = jnp.asarray(1 + 0.2 * rng.standard_normal(norm[...].shape), jnp.float32)
+    return model
+
+
 def _run(monkeypatch, setting: str, model=None):
-    """(outputs, the runner) of an engine whose forwards run as ``BIJAX_STEP_PROGRAMS=setting``."""
+    """(outputs, the LLM) of an engine whose forwards run as ``BIJAX_STEP_PROGRAMS=setting``."""
     monkeypatch.setenv("BIJAX_STEP_PROGRAMS", setting)
-    model = Llama(preset("tiny"), dtype=jnp.float32, seed=0) if model is None else model
+    model = _model() if model is None else model
     llm = bijax.LLM(model, max_model_len=128, max_num_seqs=2, max_num_batched_tokens=32, num_kv_blocks=24)
     outs = [o.outputs[0] for o in llm.generate(PROMPTS, SPS, use_tqdm=False)]
     return outs, llm
@@ -60,7 +70,7 @@ def test_the_bits_check_sees_a_tiny_weight_change(runs, monkeypatch):
     """Control: the same comparison fails when the last layer's down projection is scaled by
     1 + 2**-12 (the check can fail on a change far below any tolerance)."""
     chain, _ = runs["layers"]
-    model = Llama(preset("tiny"), dtype=jnp.float32, seed=0)
+    model = _model()
     w = model.layers[-1].mlp.w_down
     w[...] = w[...] * jnp.float32(1 + 2**-12)
     changed, _ = _run(monkeypatch, "whole", model)
@@ -76,11 +86,14 @@ def test_chain_from_a_token_bucket(runs):
     assert any(k[0] == "forward" and k[2] == 16 for k in keys)
     assert any(k[0] == "block" and k[2] == 32 for k in keys)
     assert not any(k[0] == "forward" and k[2] == 32 for k in keys)
+    assert not any(k[0] == "block" and k[2] == 16 for k in keys)
 
 
-def test_the_setting_is_checked_and_defaults_to_the_chain_on_cpu(monkeypatch):
+def test_the_setting_is_checked_and_defaults_by_platform(monkeypatch):
     monkeypatch.delenv("BIJAX_STEP_PROGRAMS", raising=False)
-    assert step_programs.chain_from() == 0  # CPU: every bucket as the chain
+    for platform, want in (("cpu", 0), ("gpu", None)):  # CPU: every bucket as the chain; GPU: none
+        monkeypatch.setattr(step_programs.jax, "default_backend", lambda p=platform: p)
+        assert step_programs.chain_from() == want
     for value, want in (("layers", 0), ("whole", None), ("256", 256)):
         monkeypatch.setenv("BIJAX_STEP_PROGRAMS", value)
         assert step_programs.chain_from() == want
@@ -88,3 +101,45 @@ def test_the_setting_is_checked_and_defaults_to_the_chain_on_cpu(monkeypatch):
         monkeypatch.setenv("BIJAX_STEP_PROGRAMS", bad)
         with pytest.raises(ValueError, match="BIJAX_STEP_PROGRAMS"):
             step_programs.chain_from()
+
+
+def test_layer_switches_take_0_or_1(monkeypatch):
+    monkeypatch.delenv("BIJAX_LAYER_COPIES", raising=False)
+    monkeypatch.setenv("BIJAX_LAYER_COMMAND_BUFFERS", "")  # empty: the default
+    assert step_programs.layer_switches() == (False, True)
+    monkeypatch.setenv("BIJAX_LAYER_COPIES", "1")
+    monkeypatch.setenv("BIJAX_LAYER_COMMAND_BUFFERS", "0")
+    assert step_programs.layer_switches() == (True, False)
+    for name in ("BIJAX_LAYER_COPIES", "BIJAX_LAYER_COMMAND_BUFFERS"):
+        monkeypatch.setenv(name, "off")
+        with pytest.raises(ValueError, match=name):
+            step_programs.layer_switches()
+        monkeypatch.setenv(name, "0")
+
+
+def test_warmup_reports_each_bucket_once_when_its_programs_are_ready(monkeypatch):
+    """Buckets share the chain's embedding and head programs (by token count): each bucket's
+    ``progress`` comes once, after all of its programs; a second warm-up compiles nothing and
+    reports them all again (as ready)."""
+    from bijax import model_runner
+
+    monkeypatch.setattr(model_runner, "_shared", {})  # nothing from the other engines here
+    monkeypatch.setenv("BIJAX_STEP_PROGRAMS", "layers")
+    llm = bijax.LLM(_model(), max_model_len=64, max_num_seqs=32, max_num_batched_tokens=32, num_kv_blocks=12)
+    runner = llm.engine.runner
+    pairs = runner.bucket_pairs()
+    assert len({t for _, t in pairs}) < len(pairs)  # two buckets share a token count
+    seen, ready = [], set()
+
+    def progress(s, t):
+        seen.append((s, t))
+        keys = runner.forward_keys(s, t, s)
+        assert all(k in runner._aot for k in keys)  # every program of the bucket is there
+        ready.update(keys)
+
+    runner.warmup(pairs, progress=progress)
+    assert sorted(seen) == sorted(pairs)  # each once
+    made = runner.programs_made
+    seen.clear()
+    runner.warmup(pairs, progress=progress)
+    assert sorted(seen) == sorted(pairs) and runner.programs_made == made

@@ -137,7 +137,7 @@ def _equal(a, b) -> bool:
 
 
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
-def test_tp_sizes_bit_identical(dtype_name):
+def test_tp_sizes_bit_identical(dtype_name, monkeypatch):
     runs = {p: _run(p, dtype_name) for p in (8, 2, 1, 4)}  # 1 after 8: the model's shards go back
     for p in SIZES[1:]:
         assert _equal(runs[p], runs[1]), f"tensor_parallel_size={p} differs from 1 ({dtype_name})"
@@ -146,6 +146,9 @@ def test_tp_sizes_bit_identical(dtype_name):
     assert {s.data.shape for s in wq.addressable_shards} == {(wq.shape[0], wq.shape[1] // 4)}
     k0 = runs[4][3].engine.runner.cache[0][0]  # the KV cache is created split: 2 of 8 KV heads each
     assert {s.data.shape[2] for s in k0.addressable_shards} == {k0.shape[2] // 4}
+    if dtype_name == "float32":  # the forward as one program (the GPU's form) too: the same bits
+        monkeypatch.setenv("BIJAX_STEP_PROGRAMS", "whole")
+        assert _equal(_run(2, dtype_name), runs[1])
 
 
 def test_tp_negative_control_xla_path_differs():
@@ -155,8 +158,13 @@ def test_tp_negative_control_xla_path_differs():
     assert not _equal(_run(4, invariant=False), _run(1, invariant=False))
 
 
-def test_compiled_step_has_no_all_reduce():
+@pytest.mark.parametrize("programs", ["layers", "whole"])
+def test_compiled_step_has_no_all_reduce(programs, monkeypatch):
+    monkeypatch.setenv("BIJAX_STEP_PROGRAMS", programs)  # the chain of programs, or one
     inv = bijax.LLM(_model("float32"), tensor_parallel_size=2, **ENGINE).engine.runner
+    assert {k[0] for k in inv.forward_keys(4, 32, 4)} == (
+        {"forward"} if programs == "whole" else {"embed", "block", "head"}
+    )
     text = inv.compiled_text(4, 32)
     assert "all-gather" in text  # the collective is there ...
     assert "all-reduce" not in text  # ... and it never lets the library add
