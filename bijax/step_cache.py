@@ -214,8 +214,8 @@ class FlatStep:
 
     def copy(self) -> FlatStep:
         """Another loaded instance of the compiled program (serialized and loaded again): the
-        same code, its own state on the device - e.g. its own CUDA graphs, which XLA updates,
-        waiting for the last launch, whenever a launch's buffers differ from the one before."""
+        same code, its own state on the device - e.g. its own CUDA graphs, which XLA re-records
+        whenever a launch's buffers differ from the one before."""
         from jax.experimental import serialize_executable
 
         payload, in_tree, out_tree = serialize_executable.serialize(self.compiled)

@@ -11,15 +11,17 @@ A step's forward runs as one of two equivalent forms, chosen per token bucket (`
 
 Both run ``models.llama``'s ``paged_embed`` / ``paged_block`` / ``paged_head`` in the same order,
 so they give the same bits (``score_program``, which ``LLM.score`` runs, is the whole forward:
-every score-vs-generate bits test compares the two; the H200 digests MATCH with either). Then
+every score-vs-generate bits test compares the two; the H200 digests MATCH with the chain, and
+the whole forward's jaxpr is the one whose digests matched before the chain existed). Then
 ``sample_program`` samples the rows.
 
 Which form (measured 2026-12-02 session 28, RESULTS.md): on CPU the chain for every bucket
 (compiling SmolLM2's step 7.1 -> 2.5 s, the same step time). On the H200 the chain starts in
 half the time (llama3-8b, 64 x 2048 engine, empty cache: warm-up 21.4 s vs 39.4 s) but runs a
-decode step 1.7-2x slower: XLA launches each program's kernels from CUDA graphs, and a graph
-whose buffers changed since its last launch - every layer's call - is updated after that launch
-has finished, so the host waits on the device layer by layer. So the GPU default is the whole
+decode step 1.7-2x slower: the host takes ~0.2-0.3 ms to launch each of a step's 34 programs.
+The likely cause (XLA's ``command_buffer_thunk.cc``, not yet measured): XLA launches a program's
+kernels from CUDA graphs and re-records a graph whose buffers changed since its last launch -
+every call of the shared layer program. So the GPU default is the whole
 forward, and ``BIJAX_STEP_PROGRAMS`` sets it (a measurement switch, read when an engine is made):
 ``layers`` (the chain everywhere), ``whole`` (nowhere), or an integer N (the chain for token
 buckets of N or more: long steps, where the device time dominates).
