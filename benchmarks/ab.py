@@ -67,6 +67,8 @@ SWITCHES = {
         "copies": ((None, "BIJAX_STEP_PROGRAMS", "layers"), (None, "BIJAX_LAYER_COPIES", "1")),
         # the chain, the layer programs compiled without XLA's command buffers
         "nocmdbuf": ((None, "BIJAX_STEP_PROGRAMS", "layers"), (None, "BIJAX_LAYER_COMMAND_BUFFERS", "0")),
+        # the chain for token buckets of 256 or more (prefill), one program for the others
+        "from256": ((None, "BIJAX_STEP_PROGRAMS", "256"),),
     },
 }
 

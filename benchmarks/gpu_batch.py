@@ -60,6 +60,7 @@ _AB = {
         ("programs-whole", "step-programs", "whole", _LONG),
         ("programs-copies", "step-programs", "copies", _LONG),
         ("programs-nocmdbuf", "step-programs", "nocmdbuf", _LONG),
+        ("programs-from256", "step-programs", "from256", _LONG),
     )
 }
 # name -> (command, time limit s, what it is for)
@@ -121,6 +122,11 @@ STEPS = {
         _py("startup.py", "--rows", "engine-layers,engine-whole,single-layers,single-whole"),
         420,
         "start-up, empty caches: the forward as a chain of programs / as one program (the GPU's default)",
+    ),
+    "startup-threshold": (
+        _py("startup.py", "--rows", "engine-from256,engine-whole"),
+        300,
+        "start-up, empty caches: the chain for token buckets of 256 or more, one program for the others / one program",
     ),
     "startup-single-ab": (
         _py("startup.py", "--rows", "single-helper,single"),

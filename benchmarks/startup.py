@@ -131,6 +131,11 @@ ROWS = {
     ),
     "engine-whole": ("64 seqs x 2048 tokens, empty cache, the forward as one program", "engine", _WHOLE),
     "engine-layers": ("64 seqs x 2048 tokens, empty cache, the forward as a chain", "engine", _LAYERS),
+    "engine-from256": (
+        "64 seqs x 2048 tokens, empty cache, the chain for token buckets of 256 or more",
+        "engine",
+        {"BIJAX_STEP_PROGRAMS": "256"},
+    ),
     "single": ("one request, first token, empty cache", "single", {}),
     "single-filled": ("one request, first token, filled cache", "single", {}),
     "single-no-helpers": (
