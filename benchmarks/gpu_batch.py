@@ -144,6 +144,30 @@ STEPS = {
         "where a 32-layer forward's compile goes; XLA options that might shorten it",
     ),
     "long": (_py("long_context.py"), 500, "a 32k-token prompt through the engine"),
+    "attention-timing": (
+        _py("attention.py", "--timing-only"),
+        330,
+        "attention kernels' time vs cuDNN (no accuracy / invariance checks: run `attention` for them)",
+    ),
+    "weights-build": (_py("weights_build.py"), 120, "a preset's random-weight build: compile vs draws"),
+    "profile-prefill-chain": (
+        [
+            "env",
+            "BIJAX_STEP_PROGRAMS=layers",
+            *_py("profile_step.py", "--cases", "prefill,prefill64", "--paths", "invariant"),
+        ],
+        150,
+        "prefill steps (1 x 2048, 64 x 32) with the forward as the chain of programs",
+    ),
+    "profile-prefill-whole": (
+        [
+            "env",
+            "BIJAX_STEP_PROGRAMS=whole",
+            *_py("profile_step.py", "--cases", "prefill,prefill64", "--paths", "invariant"),
+        ],
+        150,
+        "prefill steps (1 x 2048, 64 x 32) with the forward as one program",
+    ),
 }
 
 # Steps that run on an empty compilation cache of their own: those that time compiles, and the

@@ -330,7 +330,9 @@ def main():
     p.add_argument("--top", type=int, default=15, help="kernel groups shown per case")
     p.add_argument("--smoke", action="store_true", help="tiny preset, CPU, wall times only")
     p.add_argument(
-        "--cases", default="decode1,decode64,prefill", help="subset of decode1,decode64,prefill,prefill4096"
+        "--cases",
+        default="decode1,decode64,prefill",
+        help="subset of decode1,decode64,prefill,prefill4096,prefill64",
     )
     p.add_argument("--paths", default="invariant,xla", help="subset of invariant,xla")
     p.add_argument("--trace", default=None, help="directory: also take a jax.profiler trace, print idle gaps")
@@ -362,6 +364,7 @@ def main():
         "decode64": ("decode 64 x 1024", 64, 1024, 1),
         "prefill": ("prefill 1 x 2048", 1, 0, 2048),
         "prefill4096": ("prefill 1 x 4096", 1, 0, 4096),  # the attention issue's whole-prompt forward
+        "prefill64": ("prefill 64 x 32", 64, 0, 32),  # the 64 x 2048 bucket ab.py's prompts fill
     }
     if args.smoke:
         cases = {
@@ -369,6 +372,7 @@ def main():
             "decode64": ("decode 4 x 64", 4, 64, 1),
             "prefill": ("prefill 1 x 64", 1, 0, 64),
             "prefill4096": ("prefill 1 x 128", 1, 0, 128),
+            "prefill64": ("prefill 4 x 16", 4, 0, 16),
         }
     cases = [cases[c] for c in args.cases.split(",")]
     paths = [{"invariant": True, "xla": False}[p] for p in args.paths.split(",")]
