@@ -44,9 +44,13 @@ how many other tokens chose its experts. They run on one device only (no tensor 
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextvars
 import dataclasses
 import functools
+import os
 import zlib
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -112,10 +116,38 @@ def _normal_values(key, *, shape, std: float, dtype) -> jax.Array:
     return (x * np.float32(std)).astype(dtype)
 
 
+# While ``compile_draws`` traces a build: the draw programs it asks for.
+_draws_seen: contextvars.ContextVar[list | None] = contextvars.ContextVar("_draws_seen", default=None)
+
+
 def _normal(seed: int, name: str, shape, std: float, dtype) -> nnx.Param:
-    return nnx.Param(
-        _normal_values(_seed_key(seed, name), shape=tuple(shape), std=float(std), dtype=jnp.dtype(dtype))
-    )
+    spec = dict(shape=tuple(shape), std=float(std), dtype=jnp.dtype(dtype))
+    seen = _draws_seen.get()
+    if seen is not None and spec not in seen:
+        seen.append(spec)
+    return nnx.Param(_normal_values(_seed_key(seed, name), **spec))
+
+
+def compile_draws(make: Callable[[], nnx.Module], workers: int | None = None) -> int:
+    """Compiles the random-weight programs that ``make()`` (a constructor of random weights)
+    will run - one per (shape, scale, dtype) - ``workers`` at once (default: one per CPU core,
+    at most 8), so that the build after it only draws. The same programs as the build would
+    compile one after another (same bits): a cold start's build is mostly these compiles.
+    Returns how many it compiled."""
+    seen: list = []
+    token = _draws_seen.set(seen)
+    try:
+        nnx.eval_shape(make)  # records the draws, computes nothing
+        key = jax.eval_shape(lambda: _seed_key(0, ""))
+    finally:
+        _draws_seen.reset(token)
+    if not seen:
+        return 0
+    workers = workers or min(8, os.cpu_count() or 1)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(workers, len(seen))) as pool:
+        # Tracing holds Python's lock; XLA's compiles run side by side.
+        list(pool.map(lambda spec: _normal_values.lower(key, **spec).compile(), seen))
+    return len(seen)
 
 
 def _ones(shape, dtype) -> nnx.Param:

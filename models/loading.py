@@ -17,7 +17,7 @@ from flax import nnx
 
 from models.checkpoint import abstract_model, check_tensor_names, variable
 from models.configs import LlamaConfig, RopeScaling, read_hf_config
-from models.llama import Llama
+from models.llama import Llama, compile_draws
 from models.safetensors import SafetensorsFile
 
 _DTYPE_NAMES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
@@ -294,6 +294,7 @@ def load_model(
             preset(name_or_path), dtype=jnp.bfloat16 if dtype is None else dtype, k_shards=k_shards, seed=seed
         )
         if tensor_parallel_size == 1:
+            compile_draws(make)
             return make()
         from models import sharding
 

