@@ -69,6 +69,8 @@ SWITCHES = {
         "nocmdbuf": ((None, "BIJAX_STEP_PROGRAMS", "layers"), (None, "BIJAX_LAYER_COMMAND_BUFFERS", "0")),
         # the chain for token buckets of 256 or more (prefill), one program for the others
         "from256": ((None, "BIJAX_STEP_PROGRAMS", "256"),),
+        # ... with 4 layers a block program (11 programs a chain step, not 35)
+        "from256x4": ((None, "BIJAX_STEP_PROGRAMS", "256"), (None, "BIJAX_LAYERS_PER_PROGRAM", "4")),
     },
 }
 

@@ -61,6 +61,7 @@ _AB = {
         ("programs-copies", "step-programs", "copies", _LONG),
         ("programs-nocmdbuf", "step-programs", "nocmdbuf", _LONG),
         ("programs-from256", "step-programs", "from256", _LONG),
+        ("programs-from256x4", "step-programs", "from256x4", _LONG),
     )
 }
 # name -> (command, time limit s, what it is for)
@@ -128,6 +129,11 @@ STEPS = {
         300,
         "start-up, empty caches: the chain for token buckets of 256 or more, one program for the others / one program",
     ),
+    "startup-runs": (
+        _py("startup.py", "--rows", "engine-from256x4,engine-from256,engine-whole"),
+        330,
+        "start-up, empty caches: the chain (4 layers a program / 1) for token buckets of 256 or more / one program",
+    ),
     "startup-single-ab": (
         _py("startup.py", "--rows", "single-helper,single"),
         150,
@@ -158,6 +164,22 @@ STEPS = {
         ],
         150,
         "prefill steps (1 x 2048, 64 x 32) with the forward as the chain of programs",
+    ),
+    "profile-chain4": (
+        [
+            "env",
+            "BIJAX_STEP_PROGRAMS=layers",
+            "BIJAX_LAYERS_PER_PROGRAM=4",
+            *_py("profile_step.py", "--cases", "decode1,decode64,prefill,prefill64", "--paths", "invariant"),
+        ],
+        200,
+        "decode and prefill steps with the forward as the chain of 4 layers a program",
+    ),
+    "digests-chain4": (
+        # every step as the chain (the digests' engine takes 64 tokens a step: under 256)
+        ["env", "BIJAX_STEP_PROGRAMS=layers", "BIJAX_LAYERS_PER_PROGRAM=4", *_py("gpu_digests.py")],
+        240,
+        "engine bits vs the records (4 configs), the forward as the chain of 4 layers a program",
     ),
     "profile-prefill-whole": (
         [

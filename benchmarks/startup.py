@@ -136,6 +136,11 @@ ROWS = {
         "engine",
         {"BIJAX_STEP_PROGRAMS": "256"},
     ),
+    "engine-from256x4": (
+        "64 seqs x 2048 tokens, empty cache, the chain of 4 layers a program for token buckets of 256 or more",
+        "engine",
+        {"BIJAX_STEP_PROGRAMS": "256", "BIJAX_LAYERS_PER_PROGRAM": "4"},
+    ),
     "single": ("one request, first token, empty cache", "single", {}),
     "single-filled": ("one request, first token, filled cache", "single", {}),
     "single-no-helpers": (

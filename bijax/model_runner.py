@@ -46,6 +46,7 @@ from bijax.step_programs import (
     forward_program,
     head_program,
     layer_switches,
+    layers_per_program,
     placed,
     sample_program,
     score_program,
@@ -150,7 +151,7 @@ class ModelRunner:
         programs (no tensor parallelism) - with another runner's ``switches()``."""
         self = cls.__new__(cls)
         self._start(config, model_config)
-        self.chain_from, self._layer_copies, self._layer_buffers = switches
+        self.chain_from, self._layer_copies, self._layer_buffers, self._per_program = switches
         self.mesh, self.graphdef, self.params, self.cache = None, graphdef, params, cache
         self._param_leaves, self._param_tree = jax.tree_util.tree_flatten(params)
         return self
@@ -163,6 +164,7 @@ class ModelRunner:
         # (None: all as one; step_programs)
         self.chain_from = chain_from()
         self._layer_copies, self._layer_buffers = layer_switches()
+        self._per_program = layers_per_program()  # layers a block program of the chain runs
         self._copies: dict = {}  # (block key, layer) -> that layer's loaded copy (BIJAX_LAYER_COPIES)
         self.copy_seconds = 0.0  # spent making them (a measurement)
         if self._layer_copies and jax.default_backend() == "cpu":
@@ -340,15 +342,17 @@ class ModelRunner:
         in_leaves, in_tree = jax.tree_util.tree_flatten(inputs)
         _, rope, rope_tree = lay.rope
         trees = {}  # by group: the layers of a group share their arguments' tree
-        for i, g in enumerate(lay.groups):
-            _, weights, weights_tree = lay.blocks[i]
-            kv = list(self.cache[i])
+        for j, (run, g) in enumerate(zip(lay.runs, lay.groups, strict=True)):
+            _, weights, weights_tree = lay.blocks[j]
+            kv = tuple(self.cache[i] for i in run)
             tree = trees.get(g)
             if tree is None:
-                kv_tree = jax.tree_util.tree_structure(self.cache[i])
+                kv_tree = jax.tree_util.tree_structure(kv)
                 tree = trees[g] = _tuple(weights_tree, kv_tree, rope_tree, _LEAF, _LEAF, in_tree)
-            leaves = weights + kv + rope + [h, residual] + in_leaves
-            (h, residual), self.cache[i] = self._layer(("block", s, t, g), i)(flat=(leaves, tree))
+            leaves = weights + jax.tree_util.tree_leaves(kv) + rope + [h, residual] + in_leaves
+            (h, residual), kv = self._layer(("block", s, t, g), j)(flat=(leaves, tree))
+            for i, layer_kv in zip(run, kv, strict=True):
+                self.cache[i] = layer_kv
         _, head, head_tree = lay.head
         return self._program(("head", t, r))(flat=(head + [h, rows], _tuple(head_tree, _LEAF, _LEAF)))
 
@@ -362,8 +366,8 @@ class ModelRunner:
         return compiled
 
     def _layer(self, key, i: int):
-        """Layer ``i``'s program: its group's (``key``), or with ``BIJAX_LAYER_COPIES`` a loaded
-        copy of it for this layer alone (made the first time)."""
+        """Run ``i``'s block program (``Layout.runs``): its group's (``key``), or with
+        ``BIJAX_LAYER_COPIES`` a loaded copy of it for this run alone (made the first time)."""
         if not self._layer_copies or i == key[3]:
             return self._program(key)
         copy = self._copies.get((key, i))
@@ -428,13 +432,14 @@ class ModelRunner:
         if self.chain_from is None:
             return None
         if getattr(self, "_layout", None) is None:
-            self._layout = Layout.of(self.graphdef, self.params, self.cache)
+            self._layout = Layout.of(self.graphdef, self.params, self.cache, self._per_program)
         return self._layout
 
     def switches(self) -> tuple:
         """The measurement switches this runner was made with (``step_programs``): which token
-        buckets run the chain, the layer copies, the layer programs' command buffers."""
-        return self.chain_from, self._layer_copies, self._layer_buffers
+        buckets run the chain, the layer copies, the layer programs' command buffers, the layers
+        a block program runs."""
+        return self.chain_from, self._layer_copies, self._layer_buffers, self._per_program
 
     def _chained(self, t: int) -> bool:
         """Whether a step of token bucket ``t`` runs its forward as the chain."""
@@ -442,7 +447,7 @@ class ModelRunner:
 
     def forward_keys(self, s: int, t: int, r: int) -> list:
         """The programs of one bucket's forward (``_lowered``'s keys): the chain's ("embed",
-        t), a ("block", s, t, group) per group of layers that share a program and ("head", t,
+        t), a ("block", s, t, group) per group of runs of layers that share a program and ("head", t,
         r); or ("forward", s, t, r), the whole forward as one program (``chain_from``)."""
         if not self._chained(t):
             return [("forward", s, t, r)]
@@ -567,7 +572,7 @@ class ModelRunner:
         _, s, t, g = key  # "block"
         batch = self._host_spec(block_inputs(self.padding_batch(s, t)))
         h = self._hidden_spec(t)
-        args = (lay.blocks[g][0], self.cache[g], lay.rope[0], h, h, batch)
+        args = (lay.blocks[g][0], tuple(self.cache[i] for i in lay.runs[g]), lay.rope[0], h, h, batch)
         return block_program, args, dict(kw, graphdef=lay.graphdefs[g]), 1, "block_program"
 
     def _host_spec(self, tree):

@@ -101,6 +101,23 @@ def layer_switches() -> tuple[bool, bool]:
     return _switch("BIJAX_LAYER_COPIES", False), _switch("BIJAX_LAYER_COMMAND_BUFFERS", True)
 
 
+def layers_per_program() -> int:
+    """How many consecutive layers one ``block_program`` of the chain runs:
+    ``BIJAX_LAYERS_PER_PROGRAM`` (read when an engine is made), by default 1. More layers a
+    program: fewer calls a step (PJRT lets the host enqueue at most 32 programs ahead of the
+    device; a chain of one layer a program is 35 a step for 32 layers) and a longer compile."""
+    raw = os.environ.get("BIJAX_LAYERS_PER_PROGRAM", "").strip()
+    if not raw:
+        return 1
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"BIJAX_LAYERS_PER_PROGRAM must be an integer >= 1, got {raw!r}")
+    return n
+
+
 def _over_mesh(body, mesh, params, cache, *args):
     """``body(params, cache, *args, tp)`` -> (out, cache): as is without a mesh, else inside one
     shard_map (sharded weights and cache, replicated inputs and outputs)."""
@@ -159,16 +176,29 @@ def embed_program(weights, tokens, *, decoder: Decoder, invariant, mesh=None):
 def block_program(
     weights, kv, rope_table, h, residual, batch, *, graphdef, decoder: Decoder, invariant, mesh=None
 ):
-    """One layer (``paged_block``): ``weights`` = (the layer's state, the variable of the norm
-    it ends with), ``kv`` = its (k, v) cache (donated), ``batch`` the step's ``PagedBatch``
+    """A run of consecutive layers (``paged_block`` each, in order): ``weights`` = per layer (its
+    state, the variable of the norm it ends with), ``kv`` = per layer its (k, v) cache
+    (donated), ``graphdef`` per layer its block graphdef, ``batch`` the step's ``PagedBatch``
     without tokens and logit rows -> ((normed, residual), kv)."""
 
     def body(weights, kv, rope_table, h, residual, batch, tp):
-        state, next_norm = weights
-        blk = nnx.merge(graphdef, state)
-        return paged_block(
-            decoder, blk, next_norm[...], rope_table[...], h, residual, batch, kv, invariant=invariant, tp=tp
-        )
+        out = []
+        for block_def, (state, next_norm), layer_kv in zip(graphdef, weights, kv, strict=True):
+            blk = nnx.merge(block_def, state)
+            (h, residual), layer_kv = paged_block(
+                decoder,
+                blk,
+                next_norm[...],
+                rope_table[...],
+                h,
+                residual,
+                batch,
+                layer_kv,
+                invariant=invariant,
+                tp=tp,
+            )
+            out.append(layer_kv)
+        return (h, residual), tuple(out)
 
     return _over_mesh(body, mesh, weights, kv, rope_table, h, residual, batch)
 
@@ -221,28 +251,33 @@ def block_inputs(batch: PagedBatch) -> PagedBatch:
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """A model's weights as the chain's arguments, flattened once (an nnx State flattens in
-    Python; a step calls ``block_program`` once per layer).
+    Python; a step calls ``block_program`` once per run of layers).
 
     decoder: the model's arithmetic (a static argument of every program of the chain).
     embed, head, rope: the weights of ``embed_program`` ((embedding, first norm)), of
       ``head_program`` and the RoPE table, as (leaves, treedef) and the tree itself.
-    blocks: per layer, its ``block_program`` weights (layer state, next norm) flattened.
-    groups: per layer, the first layer whose block program it shares (same structure, shapes,
-      dtypes and placements: one program); ``graphdefs``: the block graphdef of each group.
+    runs: the layers of each ``block_program`` call - consecutive, ``per_program`` of them (the
+      last run may be shorter).
+    blocks: per run, its ``block_program`` weights (per layer: its state, the next norm)
+      flattened.
+    groups: per run, the first run whose block program it shares (same structures, shapes,
+      dtypes and placements: one program); ``graphdefs``: the block graphdefs (one per layer of
+      the run) of each group.
     """
 
     decoder: Decoder
     embed: tuple
     head: tuple
     rope: tuple
+    runs: tuple[tuple[int, ...], ...]
     blocks: tuple
     groups: tuple[int, ...]
     graphdefs: dict
 
     @classmethod
-    def of(cls, graphdef, params, cache) -> Layout:
+    def of(cls, graphdef, params, cache, per_program: int = 1) -> Layout:
         """From ``nnx.split(model)`` and the KV cache - real arrays, or ShapeDtypeStructs
-        (helpers)."""
+        (helpers) - with ``per_program`` layers a block program."""
         # The block graphdefs from a state rebuilt from its pytree (shapes only): a Variable's
         # metadata then has one order, however the state was made - the graphdefs are static
         # arguments, named by their repr (``step_cache.step_key``) in this process and helpers.
@@ -254,15 +289,18 @@ class Layout:
             leaves, treedef = jax.tree_util.tree_flatten(tree)
             return tree, leaves, treedef
 
+        runs = tuple(tuple(range(i, min(i + per_program, n))) for i in range(0, n, per_program))
         blocks, groups, graphdefs, seen = [], [], {}, {}
-        for i in range(n):
-            weights = (weight_at(params, ("layers", i)), weight_at(params, next_norm_path(i, n)))
+        for j, run in enumerate(runs):
+            weights = tuple(
+                (weight_at(params, ("layers", i)), weight_at(params, next_norm_path(i, n))) for i in run
+            )
             tree, leaves, treedef = flat(weights)
-            block_def = nnx.split(model.layers[i])[0]
-            kv = jax.tree_util.tree_leaves(cache[i])
-            sig = (block_def, treedef, tuple(_aval(x) for x in leaves + kv))
-            first = seen.setdefault(sig, i)
-            graphdefs.setdefault(first, block_def)
+            block_defs = tuple(nnx.split(model.layers[i])[0] for i in run)
+            kv = jax.tree_util.tree_leaves(tuple(cache[i] for i in run))
+            sig = (block_defs, treedef, tuple(_aval(x) for x in leaves + kv))
+            first = seen.setdefault(sig, j)
+            graphdefs.setdefault(first, block_defs)
             groups.append(first)
             blocks.append((tree, leaves, treedef))
         return cls(
@@ -270,6 +308,7 @@ class Layout:
             embed=flat((params["embed"], weight_at(params, FIRST_NORM_PATH))),
             head=flat(weight_at(params, head_path(model.config))),
             rope=flat(params["rope"]),
+            runs=runs,
             blocks=tuple(blocks),
             groups=tuple(groups),
             graphdefs=graphdefs,
@@ -300,6 +339,7 @@ __all__ = [
     "embed_program",
     "chain_from",
     "layer_switches",
+    "layers_per_program",
     "forward_program",
     "head_program",
     "placed",

@@ -32,9 +32,11 @@ def _model():
     return model
 
 
-def _run(monkeypatch, setting: str, model=None):
-    """(outputs, the LLM) of an engine whose forwards run as ``BIJAX_STEP_PROGRAMS=setting``."""
+def _run(monkeypatch, setting: str, model=None, per_program: int = 1):
+    """(outputs, the LLM) of an engine whose forwards run as ``BIJAX_STEP_PROGRAMS=setting``,
+    ``per_program`` layers a block program."""
     monkeypatch.setenv("BIJAX_STEP_PROGRAMS", setting)
+    monkeypatch.setenv("BIJAX_LAYERS_PER_PROGRAM", str(per_program))
     model = _model() if model is None else model
     llm = bijax.LLM(model, max_model_len=128, max_num_seqs=2, max_num_batched_tokens=32, num_kv_blocks=24)
     outs = [o.outputs[0] for o in llm.generate(PROMPTS, SPS, use_tqdm=False)]
@@ -50,10 +52,13 @@ def _same(a, b) -> bool:
 
 @pytest.fixture(scope="module")
 def runs():
-    """The chain everywhere, the whole forward everywhere, the chain from 32 tokens only."""
+    """The chain everywhere, the whole forward everywhere, the chain from 32 tokens only, the
+    chain with both layers in one block program."""
     mp = pytest.MonkeyPatch()
     try:
-        return {s: _run(mp, s) for s in ("layers", "whole", "32")}
+        out = {s: _run(mp, s) for s in ("layers", "whole", "32")}
+        out["layers x2"] = _run(mp, "layers", per_program=2)
+        return out
     finally:
         mp.undo()
 
@@ -87,6 +92,47 @@ def test_chain_from_a_token_bucket(runs):
     assert any(k[0] == "block" and k[2] == 32 for k in keys)
     assert not any(k[0] == "forward" and k[2] == 32 for k in keys)
     assert not any(k[0] == "block" and k[2] == 16 for k in keys)
+
+
+def test_two_layers_a_block_program(runs):
+    """``BIJAX_LAYERS_PER_PROGRAM=2``: one block program runs both layers of ``tiny`` (one call
+    a step) - the chain's bits."""
+    outs, llm = runs["layers x2"]
+    assert _same(outs, runs["layers"][0])
+    runner = llm.engine.runner
+    assert runner.layout.runs == ((0, 1),) and runner.layout.groups == (0,)
+    assert {k[0] for k in runner._aot} == {"embed", "block", "head", "sample"}
+
+
+def test_runs_of_layers_and_their_programs():
+    """Three layers, two a program: runs (0, 1) and (2,), each its own program (other
+    arguments); one a program: one program for all three."""
+    import dataclasses
+
+    import jax
+    from flax import nnx
+
+    from models.paged import init_kv_cache
+
+    cfg = dataclasses.replace(preset("tiny"), num_layers=3)
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: Llama(cfg, dtype=jnp.float32, seed=0)))
+    cache = jax.eval_shape(lambda: init_kv_cache(cfg, 8, 16, jnp.float32))
+    two = step_programs.Layout.of(graphdef, params, cache, 2)
+    assert two.runs == ((0, 1), (2,)) and two.groups == (0, 1)
+    assert [len(two.graphdefs[g]) for g in (0, 1)] == [2, 1]
+    one = step_programs.Layout.of(graphdef, params, cache)
+    assert one.runs == ((0,), (1,), (2,)) and one.groups == (0, 0, 0)
+
+
+def test_layers_per_program_is_checked(monkeypatch):
+    monkeypatch.delenv("BIJAX_LAYERS_PER_PROGRAM", raising=False)
+    assert step_programs.layers_per_program() == 1
+    monkeypatch.setenv("BIJAX_LAYERS_PER_PROGRAM", "4")
+    assert step_programs.layers_per_program() == 4
+    for bad in ("0", "two", "-2"):
+        monkeypatch.setenv("BIJAX_LAYERS_PER_PROGRAM", bad)
+        with pytest.raises(ValueError, match="BIJAX_LAYERS_PER_PROGRAM"):
+            step_programs.layers_per_program()
 
 
 def test_the_setting_is_checked_and_defaults_by_platform(monkeypatch):
