@@ -71,6 +71,8 @@ SWITCHES = {
         "from256": ((None, "BIJAX_STEP_PROGRAMS", "256"),),
         # ... with 4 layers a block program (11 programs a chain step, not 35)
         "from256x4": ((None, "BIJAX_STEP_PROGRAMS", "256"), (None, "BIJAX_LAYERS_PER_PROGRAM", "4")),
+        # the chain everywhere, 4 layers a program
+        "layersx4": ((None, "BIJAX_STEP_PROGRAMS", "layers"), (None, "BIJAX_LAYERS_PER_PROGRAM", "4")),
     },
 }
 

@@ -62,6 +62,7 @@ _AB = {
         ("programs-nocmdbuf", "step-programs", "nocmdbuf", _LONG),
         ("programs-from256", "step-programs", "from256", _LONG),
         ("programs-from256x4", "step-programs", "from256x4", _LONG),
+        ("programs-layersx4", "step-programs", "layersx4", _LONG),
     )
 }
 # name -> (command, time limit s, what it is for)
@@ -133,6 +134,11 @@ STEPS = {
         _py("startup.py", "--rows", "engine-from256x4,engine-from256,engine-whole"),
         330,
         "start-up, empty caches: the chain (4 layers a program / 1) for token buckets of 256 or more / one program",
+    ),
+    "startup-chain4": (
+        _py("startup.py", "--rows", "engine-layersx4,engine-whole,single-layersx4,single-whole"),
+        420,
+        "start-up, empty caches: the forward as a chain of 4 layers a program / as one program (64 x 2048 engine; one request)",
     ),
     "startup-single-ab": (
         _py("startup.py", "--rows", "single-helper,single"),

@@ -118,6 +118,7 @@ def run_child(kind: str, model: str, cache: str, env_extra: dict) -> dict:
 _NO_HELPERS = {"BIJAX_LOWERING_PROCESSES": "0"}
 _WHOLE = {"BIJAX_STEP_PROGRAMS": "whole"}  # the forward as one program (the GPU's default)
 _LAYERS = {"BIJAX_STEP_PROGRAMS": "layers"}  # the forward as a chain of programs (the CPU's default)
+_LAYERS4 = {"BIJAX_STEP_PROGRAMS": "layers", "BIJAX_LAYERS_PER_PROGRAM": "4"}  # ... 4 layers a program
 # --rows name -> (label, child kind, environment). Each row runs on an empty compile cache of its
 # own; a filled row reuses the cache of its empty row's last run.
 ROWS = {
@@ -155,6 +156,16 @@ ROWS = {
     ),
     "single-whole": ("one request, first token, empty cache, the forward as one program", "single", _WHOLE),
     "single-layers": ("one request, first token, empty cache, the forward as a chain", "single", _LAYERS),
+    "engine-layersx4": (
+        "64 seqs x 2048 tokens, empty cache, the forward as a chain of 4 layers a program",
+        "engine",
+        _LAYERS4,
+    ),
+    "single-layersx4": (
+        "one request, first token, empty cache, the forward as a chain of 4 layers a program",
+        "single",
+        _LAYERS4,
+    ),
 }
 
 
