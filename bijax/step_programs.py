@@ -4,9 +4,9 @@ arguments.
 A step's forward runs as one of two equivalent forms, chosen per token bucket (``chain_from``):
 
 * the chain: ``embed_program`` (the embedding and the first layer's input norm),
-  ``block_program`` once per layer - one compiled program for every layer of the same shapes,
-  so a step bucket compiles one layer, not 32 - and ``head_program`` (the LM head of the
-  sampled rows);
+  ``block_program`` once per run of ``layers_per_program()`` consecutive layers (default one) -
+  one compiled program for every run of the same shapes, so a step bucket compiles one layer
+  (or run), not 32 - and ``head_program`` (the LM head of the sampled rows);
 * ``forward_program``: the same forward as one program.
 
 Both run ``models.llama``'s ``paged_embed`` / ``paged_block`` / ``paged_head`` in the same order,
@@ -19,15 +19,18 @@ Which form (measured 2026-12-02 session 28, RESULTS.md): on CPU the chain for ev
 (compiling SmolLM2's step 7.1 -> 2.5 s, the same step time). On the H200 the chain starts in
 half the time (llama3-8b, 64 x 2048 engine, empty cache: warm-up 21.4 s vs 39.4 s) but runs a
 decode step 1.7-2x slower: the host takes ~0.2-0.3 ms to launch each of a step's 34 programs.
-The likely cause (XLA's ``command_buffer_thunk.cc``, not yet measured): XLA launches a program's
-kernels from CUDA graphs and re-records a graph whose buffers changed since its last launch -
-every call of the shared layer program. So the GPU default is the whole
+(Session 28 blamed re-recorded CUDA graphs; session 29 measured that it is not: each call
+costs the host ~0.1 ms beyond the whole forward's.) So the GPU default is the whole
 forward, and ``BIJAX_STEP_PROGRAMS`` sets it (a measurement switch, read when an engine is made):
 ``layers`` (the chain everywhere), ``whole`` (nowhere), or an integer N (the chain for token
-buckets of N or more: long steps, where the device time dominates).
+buckets of N or more: long steps, where the device time dominates). Since (2026-12-03 session
+30): the chain's prefill step takes the whole
+forward's device time; 4 layers a program (11 calls a step, under PJRT's 32 executions in
+flight) start fast but still run engine decode steps 35-40% slower, and from 256 tokens they
+cost 1-2% of a 64-sequence step for 4 s of a 29 s warm-up (RESULTS.md).
 
 Every program takes the weights as an argument (swapped without recompiling) and donates the
-KV cache it writes (the whole cache, or one layer's). With tensor parallelism each runs inside
+KV cache it writes (the whole cache, or its layers'). With tensor parallelism each runs inside
 one ``jax.shard_map``: weights and KV cache sharded (``models.sharding``), inputs and outputs
 replicated.
 """
