@@ -135,6 +135,11 @@ STEPS = {
         330,
         "start-up, empty caches: the chain (4 layers a program / 1) for token buckets of 256 or more / one program",
     ),
+    "startup-from256x4": (
+        _py("startup.py", "--rows", "engine-from256x4,engine-whole"),
+        240,
+        "start-up, empty caches: the chain of 4 layers a program for token buckets of 256 or more / one program",
+    ),
     "startup-chain4": (
         _py("startup.py", "--rows", "engine-layersx4,engine-whole,single-layersx4,single-whole"),
         420,
