@@ -27,7 +27,8 @@ buckets of N or more: long steps, where the device time dominates). Since (2026-
 30): the chain's prefill step takes the whole
 forward's device time; 4 layers a program (11 calls a step, under PJRT's 32 executions in
 flight) start fast but still run engine decode steps 35-40% slower, and from 256 tokens they
-cost 1-2% of a 64-sequence step for 4 s of a 29 s warm-up (RESULTS.md).
+save 4-9 s of a 29-33 s warm-up at ~1% of a 64-sequence step (noise) and, unexplained, 4% of
+one stream's in three pairs of four (RESULTS.md).
 
 Every program takes the weights as an argument (swapped without recompiling) and donates the
 KV cache it writes (the whole cache, or its layers'). With tensor parallelism each runs inside
