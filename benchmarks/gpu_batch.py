@@ -26,6 +26,19 @@ def _py(script, *args):
     return [sys.executable, f"benchmarks/{script}", *args]
 
 
+def _with(env: str, script, *args):
+    """``_py`` under the environment settings ``env`` ("NAME=value NAME=value")."""
+    return ["env", *env.split(), *_py(script, *args)]
+
+
+def _startup(rows: str):
+    """startup.py for the comma-separated ``rows`` (fresh processes, empty caches)."""
+    return _py("startup.py", "--rows", rows)
+
+
+_PREFILL_CASES = ("--cases", "prefill,prefill64", "--paths", "invariant")
+
+
 # The engine A/B runs (benchmarks/ab.py): decode with its default workload, prefill on 8 x 4096 prompts.
 _PREFILL = (
     "--model",
@@ -116,37 +129,37 @@ STEPS = {
         "cold / warm start-up (fresh processes; cold without helper processes, with them, with them compiling)",
     ),
     "startup-single": (
-        _py("startup.py", "--rows", "single"),
+        _startup("single"),
         120,
         "start-up: one request's first token, empty cache",
     ),
     "startup-programs": (
-        _py("startup.py", "--rows", "engine-layers,engine-whole,single-layers,single-whole"),
+        _startup("engine-layers,engine-whole,single-layers,single-whole"),
         420,
         "start-up, empty caches: the forward as a chain of programs / as one program (the GPU's default)",
     ),
     "startup-threshold": (
-        _py("startup.py", "--rows", "engine-from256,engine-whole"),
+        _startup("engine-from256,engine-whole"),
         300,
         "start-up, empty caches: the chain for token buckets of 256 or more, one program for the others / one program",
     ),
     "startup-runs": (
-        _py("startup.py", "--rows", "engine-from256x4,engine-from256,engine-whole"),
+        _startup("engine-from256x4,engine-from256,engine-whole"),
         330,
         "start-up, empty caches: the chain (4 layers a program / 1) for token buckets of 256 or more / one program",
     ),
     "startup-from256x4": (
-        _py("startup.py", "--rows", "engine-from256x4,engine-whole"),
+        _startup("engine-from256x4,engine-whole"),
         240,
         "start-up, empty caches: the chain of 4 layers a program for token buckets of 256 or more / one program",
     ),
     "startup-chain4": (
-        _py("startup.py", "--rows", "engine-layersx4,engine-whole,single-layersx4,single-whole"),
+        _startup("engine-layersx4,engine-whole,single-layersx4,single-whole"),
         420,
         "start-up, empty caches: the forward as a chain of 4 layers a program / as one program (64 x 2048 engine; one request)",
     ),
     "startup-single-ab": (
-        _py("startup.py", "--rows", "single-helper,single"),
+        _startup("single-helper,single"),
         150,
         "start-up: one request's first token, empty cache, without / with a helper for its 2 programs",
     ),
@@ -168,36 +181,27 @@ STEPS = {
     ),
     "weights-build": (_py("weights_build.py"), 120, "a preset's random-weight build: compile vs draws"),
     "profile-prefill-chain": (
-        [
-            "env",
-            "BIJAX_STEP_PROGRAMS=layers",
-            *_py("profile_step.py", "--cases", "prefill,prefill64", "--paths", "invariant"),
-        ],
+        _with("BIJAX_STEP_PROGRAMS=layers", "profile_step.py", *_PREFILL_CASES),
         150,
         "prefill steps (1 x 2048, 64 x 32) with the forward as the chain of programs",
     ),
     "profile-chain4": (
-        [
-            "env",
-            "BIJAX_STEP_PROGRAMS=layers",
-            "BIJAX_LAYERS_PER_PROGRAM=4",
-            *_py("profile_step.py", "--cases", "decode1,decode64,prefill,prefill64", "--paths", "invariant"),
-        ],
+        _with(
+            "BIJAX_STEP_PROGRAMS=layers BIJAX_LAYERS_PER_PROGRAM=4",
+            "profile_step.py",
+            *("--cases", "decode1,decode64,prefill,prefill64", "--paths", "invariant"),
+        ),
         200,
         "decode and prefill steps with the forward as the chain of 4 layers a program",
     ),
     "digests-chain4": (
         # every step as the chain (the digests' engine takes 64 tokens a step: under 256)
-        ["env", "BIJAX_STEP_PROGRAMS=layers", "BIJAX_LAYERS_PER_PROGRAM=4", *_py("gpu_digests.py")],
+        _with("BIJAX_STEP_PROGRAMS=layers BIJAX_LAYERS_PER_PROGRAM=4", "gpu_digests.py"),
         240,
         "engine bits vs the records (4 configs), the forward as the chain of 4 layers a program",
     ),
     "profile-prefill-whole": (
-        [
-            "env",
-            "BIJAX_STEP_PROGRAMS=whole",
-            *_py("profile_step.py", "--cases", "prefill,prefill64", "--paths", "invariant"),
-        ],
+        _with("BIJAX_STEP_PROGRAMS=whole", "profile_step.py", *_PREFILL_CASES),
         150,
         "prefill steps (1 x 2048, 64 x 32) with the forward as one program",
     ),

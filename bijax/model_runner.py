@@ -349,7 +349,7 @@ class ModelRunner:
             if tree is None:
                 kv_tree = jax.tree_util.tree_structure(kv)
                 tree = trees[g] = _tuple(weights_tree, kv_tree, rope_tree, _LEAF, _LEAF, in_tree)
-            leaves = weights + jax.tree_util.tree_leaves(kv) + rope + [h, residual] + in_leaves
+            leaves = weights + [x for layer_kv in kv for x in layer_kv] + rope + [h, residual] + in_leaves
             (h, residual), kv = self._layer(("block", s, t, g), j)(flat=(leaves, tree))
             for i, layer_kv in zip(run, kv, strict=True):
                 self.cache[i] = layer_kv
