@@ -73,6 +73,9 @@ SWITCHES = {
         "from256x4": ((None, "BIJAX_STEP_PROGRAMS", "256"), (None, "BIJAX_LAYERS_PER_PROGRAM", "4")),
         # the chain everywhere, 4 layers a program
         "layersx4": ((None, "BIJAX_STEP_PROGRAMS", "layers"), (None, "BIJAX_LAYERS_PER_PROGRAM", "4")),
+        # the 4-layer chain first, each bucket's whole forward compiled in the background (timed
+        # after it is ready: the step the tiered engine settles on)
+        "tieredx4": ((None, "BIJAX_STEP_PROGRAMS", "tiered"), (None, "BIJAX_LAYERS_PER_PROGRAM", "4")),
     },
 }
 

@@ -65,9 +65,11 @@ def main() -> int:
             t0 = time.perf_counter()
             llm.generate(prompts, sp, use_tqdm=False)  # warm-up: compiles what the timed run uses
             copies = llm.engine.runner.copy_seconds  # BIJAX_LAYER_COPIES (a measurement switch)
+            waited = llm.wait_for_upgrades()  # BIJAX_STEP_PROGRAMS=tiered: the whole forwards
             print(
                 f"{n} seqs, async={async_scheduling}: warm-up run {time.perf_counter() - t0:.1f} s"
-                + (f", {copies:.1f} s of it loading copies of the layer programs" if copies else ""),
+                + (f", {copies:.1f} s of it loading copies of the layer programs" if copies else "")
+                + (f", {waited:.1f} s of it waiting for the background compiles" if waited else ""),
                 flush=True,
             )
             compiled = num_compiled_steps()

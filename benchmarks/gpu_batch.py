@@ -76,6 +76,7 @@ _AB = {
         ("programs-from256", "step-programs", "from256", _LONG),
         ("programs-from256x4", "step-programs", "from256x4", _LONG),
         ("programs-layersx4", "step-programs", "layersx4", _LONG),
+        ("programs-tieredx4", "step-programs", "tieredx4", _LONG),
     )
 }
 # name -> (command, time limit s, what it is for)
@@ -158,6 +159,13 @@ STEPS = {
         420,
         "start-up, empty caches: the forward as a chain of 4 layers a program / as one program (64 x 2048 engine; one request)",
     ),
+    "startup-tiered": (
+        _startup(
+            "engine-tieredx4,engine-tieredx4-filled,single-tieredx4,single-tieredx4-filled,engine-whole"
+        ),
+        480,
+        "start-up: tiered (the 4-layer chain first, whole forwards in the background), empty and filled caches / one program",
+    ),
     "startup-single-ab": (
         _startup("single-helper,single"),
         150,
@@ -199,6 +207,12 @@ STEPS = {
         _with("BIJAX_STEP_PROGRAMS=layers BIJAX_LAYERS_PER_PROGRAM=4", "gpu_digests.py"),
         240,
         "engine bits vs the records (4 configs), the forward as the chain of 4 layers a program",
+    ),
+    "digests-tiered": (
+        # the chain first, each bucket's steps switching to its whole forward when it is ready
+        _with("BIJAX_STEP_PROGRAMS=tiered BIJAX_LAYERS_PER_PROGRAM=4", "gpu_digests.py"),
+        240,
+        "engine bits vs the records (4 configs), tiered: the 4-layer chain, then whole forwards",
     ),
     "profile-prefill-whole": (
         _with("BIJAX_STEP_PROGRAMS=whole", "profile_step.py", *_PREFILL_CASES),

@@ -76,7 +76,9 @@ class WarmupReport:
     the cache is off); ``tracing_seconds``: the part of ``seconds`` spent tracing and lowering
     the steps (or reading their exported programs, or waiting for helper processes that
     lowered them) - the rest compiled or loaded them; ``lowered_in_helpers``: programs that
-    helper processes lowered (``bijax.parallel_lowering``)."""
+    helper processes lowered (``bijax.parallel_lowering``); ``compiling_in_background``: with
+    ``BIJAX_STEP_PROGRAMS=tiered``, the whole-forward programs left compiling in the background
+    when it returned (``LLM.wait_for_upgrades``)."""
 
     seconds: float
     num_programs: int
@@ -84,6 +86,7 @@ class WarmupReport:
     compiled: int
     tracing_seconds: float
     lowered_in_helpers: int = 0
+    compiling_in_background: int = 0
 
 
 class LLM:
@@ -345,8 +348,17 @@ class LLM:
         # compiled but not written, so the cache's own miss count would leave it out).
         compiled = made - loaded if compile_cache.directory() is not None else 0
         helped = self.engine.programs_lowered_elsewhere() - helped
-        self.last_warmup = WarmupReport(took, made, loaded, compiled, tracing, helped)
+        background = self.engine.pending_upgrades()
+        self.last_warmup = WarmupReport(took, made, loaded, compiled, tracing, helped, background)
         return took
+
+    def wait_for_upgrades(self, timeout: float | None = None) -> float:
+        """With ``BIJAX_STEP_PROGRAMS=tiered`` (``bijax.step_programs``) ``warmup`` - and a step
+        of a bucket it did not compile - leaves each bucket's faster whole-forward program
+        compiling in the background (the same bits, run from when it is ready); this waits for
+        all of them and returns the seconds waited (0 otherwise). Benchmarks call it before
+        timing; ``timeout``: seconds, then TimeoutError."""
+        return self.engine.wait_for_upgrades(timeout)
 
     def reset_prefix_cache(self) -> None:
         """Empties the prefix cache (vLLM's name): later prompts are computed from scratch.

@@ -49,6 +49,11 @@ class EngineStats:
     num_drained_steps: int = 0
     num_drained_steps_without_drafts: int = 0
     speculation_host_seconds: float = 0.0  # host time spent deciding on and proposing drafts
+    # steps whose forward ran as the chain of programs, and as one program (step_programs);
+    # tiered: whole forwards compiled in the background so far
+    num_chain_steps: int = 0
+    num_whole_steps: int = 0
+    num_upgraded_programs: int = 0
 
 
 # EngineStats' integer counters of speculative decoding (the engine keeps them by these names)
@@ -266,6 +271,22 @@ class Engine:
             n += self.speculator.draft.programs_made
         return n
 
+    def pending_upgrades(self) -> int:
+        """Tiered: whole forwards still compiling in the background (the draft model's too)."""
+        n = self.runner.pending_upgrades()
+        if self.speculator is not None and self.speculator.draft is not None:
+            n += self.speculator.draft.pending_upgrades()
+        return n
+
+    def wait_for_upgrades(self, timeout: float | None = None) -> float:
+        """Tiered step programs (``BIJAX_STEP_PROGRAMS=tiered``): waits until the whole
+        forwards compiling in the background are ready (the draft model's too); returns the
+        seconds waited (0 when none are pending). Raises TimeoutError after ``timeout`` s."""
+        waited = self.runner.wait_upgrades(timeout)
+        if self.speculator is not None and self.speculator.draft is not None:
+            waited += self.speculator.draft.wait_upgrades(timeout)
+        return waited
+
     def programs_lowered_elsewhere(self) -> int:
         """Of ``programs_made``, those lowered by helper processes (``parallel_lowering``)."""
         n = self.runner.programs_lowered_elsewhere
@@ -284,6 +305,9 @@ class Engine:
             num_running_seqs=len(self.scheduler.running),
             num_waiting_seqs=len(self.scheduler.waiting),
             num_kv_blocks_in_use=self.blocks.num_blocks - 1 - self.blocks.num_free,
+            num_chain_steps=self.runner.steps_by_form["chain"],
+            num_whole_steps=self.runner.steps_by_form["whole"],
+            num_upgraded_programs=self.runner.programs_upgraded,
             **self._spec_totals,
         )
 

@@ -23,7 +23,9 @@ import dataclasses
 import functools
 import itertools
 import os
+import threading
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +52,7 @@ from bijax.step_programs import (
     placed,
     sample_program,
     score_program,
+    tiered,
 )
 from models import sharding
 from models.llama import Llama
@@ -118,6 +121,12 @@ _compiles = [0]  # step programs compiled by every runner of this process
 _shared: dict = {}
 
 
+# Tiered runners' background compiles stop starting new programs when the interpreter exits
+# (before it joins their thread: registered with threading's own exit hooks, which run first).
+_stopping = threading.Event()
+getattr(threading, "_register_atexit", lambda fn: None)(_stopping.set)
+
+
 def num_compiled_steps() -> int:
     """How many engine step programs (forward and sampling) this process has compiled (all
     engines together, ahead of time or when a step first needed them): a constant across calls
@@ -176,6 +185,15 @@ class ModelRunner:
         self._names: dict = {}  # ``step_cache.step_key`` by program key (``_shared_name``)
         self.programs_made = 0  # by ``warmup``, all calls together
         self.programs_lowered_elsewhere = 0  # of them, lowered by ``parallel_lowering``'s helpers
+        # Tiered (``step_programs.tiered``): the chain first, each bucket's whole forward compiled
+        # in a background thread and run from when it is kept.
+        self._tiered = tiered()
+        self._upgrader = None  # that thread (a one-worker pool), made when first needed
+        self._upgrading: set = set()  # whole-forward keys given to it
+        self._upgrades: list = []  # its pending batches (futures)
+        self._generation = 0  # the weights' structure: a background program of another is dropped
+        self.programs_upgraded = 0  # whole forwards it kept
+        self.steps_by_form = {"chain": 0, "whole": 0}  # steps run by each form of the forward
 
     def set_model(self, model: Llama) -> None:
         """Takes the model's weights (placed on the mesh under tensor parallelism)."""
@@ -184,6 +202,8 @@ class ModelRunner:
             self._aot.clear()  # steps compiled for another structure or config
             self._names.clear()
             self._copies.clear()
+            self._upgrading.clear()
+            self._generation += 1
         self.graphdef = graphdef
         if self.mesh is not None:
             params = sharding.shard_state(params, self.mesh)
@@ -315,10 +335,15 @@ class ModelRunner:
         time by ``warmup`` or now, the first time a step needs them (the same path either
         way); keeps the donated cache; returns (tokens, logprobs, top)."""
         s, t, r = len(batch.context_lens), batch.num_tokens, len(batch.logit_rows)
-        if self._chained(t):
+        whole = ("forward", s, t, r)
+        if self._chained(t) and not (self._tiered and whole in self._aot):
             logits = self._forward_layers(batch, s, t, r)
+            self.steps_by_form["chain"] += 1
+            if self._tiered:
+                self._upgrade([whole])  # (a no-op once it is queued)
         else:
             logits = self._forward_whole(batch, s, t, r)
+            self.steps_by_form["whole"] += 1
         self.compiled_buckets.add((s, t))
         filters = uses_filters(sampling)
         args, _ = self._sample_args(logits, sampling, num_logprobs, filters)
@@ -477,11 +502,22 @@ class ModelRunner:
         ``default_processes()``), then read back here. ``progress(s, t)`` after each bucket's
         forward is ready, in the order they finish. Returns the seconds spent tracing and
         lowering (or reading exported programs, or waiting for the helpers), in this thread;
-        ``programs_made`` counts the programs made ready."""
+        ``programs_made`` counts the programs made ready. Tiered (``step_programs.tiered``):
+        a bucket whose whole forward is ready or exported by an earlier start (then most
+        likely in the persistent cache: a load) warms that up; the others warm up the chain
+        and leave their whole forwards to the background thread (``_upgrade``)."""
         forwards, samples, waiting = [], [], {}  # waiting: bucket -> its forward keys not ready
+        upgrades = []  # tiered: whole forwards to compile after these, in the background
         for b in pairs:
             s, t, r = b if len(b) == 3 else (*b, b[0])
-            todo = [k for k in self.forward_keys(s, t, r) if not self._reuse(k)]
+            keys = self.forward_keys(s, t, r)
+            if self._tiered:
+                whole = ("forward", s, t, r)
+                if self._reuse(whole) or self._exported(whole):
+                    keys = [whole]  # ready, or read back from the caches: no chain for it
+                else:
+                    upgrades.append(whole)
+            todo = [k for k in keys if not self._reuse(k)]
             waiting.setdefault((s, t), set()).update(todo)
             forwards += [k for k in todo if k not in forwards]
             for filters in (False, True):
@@ -491,7 +527,21 @@ class ModelRunner:
         for (s, t), todo in waiting.items():
             if not todo:
                 self._bucket_ready(s, t, progress)
-        if not forwards and not samples:
+        tracing = 0.0
+        if forwards or samples:
+            tracing = self._make(forwards, samples, waiting, progress, workers, processes)
+        self._upgrade(upgrades)
+        return tracing
+
+    def _make(
+        self, forwards, samples, waiting, progress, workers, processes, stop=None, generation=None
+    ) -> float:
+        """Lowers and compiles ``forwards`` and ``samples`` (``warmup``; in helper processes
+        and worker threads); ``waiting``: bucket -> its keys not ready (``progress`` when a
+        bucket's are all kept). ``stop`` (an Event, set: no more compiles start) and
+        ``generation`` (programs kept only while the runner's weights' structure is that one)
+        for the background upgrades. Returns the seconds spent tracing (see ``warmup``)."""
+        if stop is not None and stop.is_set():
             return 0.0
         workers = workers or min(8, os.cpu_count() or 1)
         t0 = time.perf_counter()
@@ -505,12 +555,23 @@ class ModelRunner:
                 # This process's own programs first, then each helper's as it is saved (compiled
                 # in the pool while the helpers lower the next ones), and what they left.
                 for key in itertools.chain(own, () if helpers is None else helpers.as_ready()):
+                    if stop is not None and stop.is_set():
+                        break
                     futures[pool.submit(self._lowered(key).compile, self._compiler_options(key))] = key
                 tracing = time.perf_counter() - t0
                 for future in concurrent.futures.as_completed(futures):
+                    if stop is not None and stop.is_set():
+                        for f in futures:
+                            f.cancel()
+                        break
                     key = futures[future]
+                    if generation is not None and generation != self._generation:
+                        continue  # compiled for weights of another structure: dropped
                     self._keep(key, future.result())
-                    self.programs_made += 1
+                    if generation is None:
+                        self.programs_made += 1
+                    else:
+                        self.programs_upgraded += 1
                     for (s, t), todo in waiting.items():
                         if key in todo:
                             todo.discard(key)
@@ -521,6 +582,52 @@ class ModelRunner:
                 helpers.close()
                 self.programs_lowered_elsewhere += helpers.exported
         return tracing
+
+    def _exported(self, key) -> bool:
+        """Whether an earlier start exported ``key``'s program to the step cache (then its
+        compile is most likely in the persistent cache too: a load, not a compile)."""
+        where = step_cache.directory()
+        return where is not None and os.path.exists(os.path.join(where, self._shared_name(key)[0]))
+
+    def _upgrade(self, keys) -> None:
+        """Tiered: compiles the whole forwards ``keys`` in a background thread (one batch of
+        keys after another, each like ``warmup``'s); a step runs its bucket's whole forward
+        from when it is kept."""
+        todo = [k for k in keys if k not in self._upgrading and not self._reuse(k)]
+        if not todo:
+            return
+        self._upgrading.update(todo)
+        if self._upgrader is None:
+            self._upgrader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bijax-upgrade")
+        gen = self._generation
+
+        def compile_in_background():
+            try:
+                return self._make(todo, [], {}, None, None, None, _stopping, gen)
+            except Exception as e:
+                warnings.warn(
+                    f"bijax: compiling whole-forward step programs in the background failed "
+                    f"({type(e).__name__}: {e}); those buckets keep running the chain of programs "
+                    "(the same bits, slower steps)",
+                    RuntimeWarning,
+                    stacklevel=1,
+                )
+                raise
+
+        self._upgrades.append(self._upgrader.submit(compile_in_background))
+
+    def pending_upgrades(self) -> int:
+        """Whole forwards given to the background thread and not ready yet (tiered)."""
+        return sum(1 for k in list(self._upgrading) if k not in self._aot)
+
+    def wait_upgrades(self, timeout: float | None = None) -> float:
+        """Waits for the background compiles that ``_upgrade`` started (tiered); returns the
+        seconds waited; re-raises a failed compile's error."""
+        t0 = time.perf_counter()
+        for f in concurrent.futures.as_completed(self._upgrades, timeout=timeout):
+            f.result()
+        self._upgrades = [f for f in self._upgrades if not f.done()]
+        return time.perf_counter() - t0
 
     def _bucket_ready(self, s: int, t: int, progress) -> None:
         self.compiled_buckets.add((s, t))

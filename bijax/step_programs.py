@@ -28,7 +28,11 @@ buckets of N or more: long steps, where the device time dominates). Since (2026-
 forward's device time; 4 layers a program (11 calls a step, under PJRT's 32 executions in
 flight) start fast but still run engine decode steps 35-40% slower, and from 256 tokens they
 save 4-9 s of a 29-33 s warm-up at ~1% of a 64-sequence step (noise) and, unexplained, 4% of
-one stream's in three pairs of four (RESULTS.md).
+one stream's in three pairs of four (RESULTS.md). ``tiered`` takes both: every bucket warms
+up the chain (fast to compile) and its whole forward then compiles in a background thread,
+which the bucket's steps run from when it is ready (``ModelRunner._upgrade``; the same bits,
+so a request may switch forms between steps); a bucket whose whole forward an earlier start
+exported warms that up directly. ``LLM.wait_for_upgrades`` waits for the background.
 
 Every program takes the weights as an argument (swapped without recompiling) and donates the
 KV cache it writes (the whole cache, or its layers'). With tensor parallelism each runs inside
@@ -64,7 +68,7 @@ from models.llama import (
 )
 from models.paged import PagedBatch
 
-LAYERS, WHOLE = "layers", "whole"
+LAYERS, WHOLE, TIERED = "layers", "whole", "tiered"
 
 
 def chain_from() -> int | None:
@@ -74,7 +78,7 @@ def chain_from() -> int | None:
     raw = os.environ.get("BIJAX_STEP_PROGRAMS", "").strip()
     if not raw:
         return 0 if jax.default_backend() == "cpu" else None
-    if raw == LAYERS:
+    if raw in (LAYERS, TIERED):
         return 0
     if raw == WHOLE:
         return None
@@ -84,9 +88,19 @@ def chain_from() -> int | None:
         n = -1
     if n < 0:
         raise ValueError(
-            f"BIJAX_STEP_PROGRAMS must be {LAYERS!r}, {WHOLE!r} or a token count >= 0, got {raw!r}"
+            f"BIJAX_STEP_PROGRAMS must be {LAYERS!r}, {WHOLE!r}, {TIERED!r} or a token count >= 0, "
+            f"got {raw!r}"
         )
     return n
+
+
+def tiered() -> bool:
+    """``BIJAX_STEP_PROGRAMS=tiered``: the chain for every bucket first (fast to compile), and
+    each bucket's whole forward compiled in the background after ``warmup`` (or after the
+    bucket's first step), which that bucket's steps run from when it is ready - the same bits
+    (the two forms are the same operations), the whole forward's step time after the switch.
+    (``chain_from`` is then 0.)"""
+    return os.environ.get("BIJAX_STEP_PROGRAMS", "").strip() == TIERED
 
 
 def _switch(name: str, default: bool) -> bool:

@@ -111,6 +111,9 @@ def run(args: argparse.Namespace) -> int:
             llm = make_llm(args, max_num_seqs=s, max_num_batched_tokens=t, invariant=False, model=inv)
         info(f"{name}: warm-up run (compiles every bucket the workload uses)")
         _bench_run(llm, reqs)
+        waited = llm.wait_for_upgrades()  # tiered step programs: timed runs need the final ones
+        if waited:
+            info(f"{name}: waited {waited:.1f}s for the whole-forward programs compiling in the background")
         runs = []
         for r in range(args.repeats):
             runs.append(_bench_run(llm, reqs))

@@ -147,5 +147,9 @@ def warmup(llm, args, logprobs: bool, max_step_tokens: int | None = None, step_t
         f"warm-up: {llm.engine.num_compiled_buckets} step buckets ready in {took:.1f}s "
         f"({how}{r.tracing_seconds:.1f}s of it tracing)"
     )
+    if r.compiling_in_background:
+        info(
+            f"         ({r.compiling_in_background} faster whole-forward programs compile in the background)"
+        )
     if where and r.compiled:
         info(f"         (compiled steps are cached in {where}: the next start loads them)")

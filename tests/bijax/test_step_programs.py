@@ -140,9 +140,10 @@ def test_the_setting_is_checked_and_defaults_by_platform(monkeypatch):
     for platform, want in (("cpu", 0), ("gpu", None)):  # CPU: every bucket as the chain; GPU: none
         monkeypatch.setattr(step_programs.jax, "default_backend", lambda p=platform: p)
         assert step_programs.chain_from() == want
-    for value, want in (("layers", 0), ("whole", None), ("256", 256)):
+    for value, want in (("layers", 0), ("whole", None), ("256", 256), ("tiered", 0)):
         monkeypatch.setenv("BIJAX_STEP_PROGRAMS", value)
         assert step_programs.chain_from() == want
+        assert step_programs.tiered() == (value == "tiered")
     for bad in ("wholes", "-1", "1.5"):
         monkeypatch.setenv("BIJAX_STEP_PROGRAMS", bad)
         with pytest.raises(ValueError, match="BIJAX_STEP_PROGRAMS"):
@@ -189,3 +190,37 @@ def test_warmup_reports_each_bucket_once_when_its_programs_are_ready(monkeypatch
     seen.clear()
     runner.warmup(pairs, progress=progress)
     assert sorted(seen) == sorted(pairs) and runner.programs_made == made
+
+
+def test_tiered_runs_the_chain_then_the_whole_forward_with_the_same_bits(runs, monkeypatch):
+    """``BIJAX_STEP_PROGRAMS=tiered``: each bucket's first step runs the chain and queues the
+    bucket's whole forward, compiled in the background; once it is ready the same requests run
+    whole forwards only - the chain's bits throughout. A later engine whose whole forwards an
+    earlier start exported (the step cache) warms them up directly, no chain and nothing left
+    for the background."""
+    from bijax import model_runner
+
+    monkeypatch.setattr(model_runner, "_shared", {})  # compiled here, not taken from the other engines
+    first, llm = _run(monkeypatch, "tiered")
+    before = llm.engine.stats()
+    assert before.num_chain_steps > 0  # no whole forward was ready for a bucket's first step
+    llm.wait_for_upgrades()
+    runner = llm.engine.runner
+    queued = {k for k in runner._upgrading}
+    assert queued and all(k[0] == "forward" and k in runner._aot for k in queued)
+    assert runner.programs_upgraded == len(queued) == llm.engine.stats().num_upgraded_programs
+    llm.reset_prefix_cache()  # the same steps, so the same buckets, again
+    again = [o.outputs[0] for o in llm.generate(PROMPTS, SPS, use_tqdm=False)]
+    after = llm.engine.stats()
+    assert after.num_chain_steps == before.num_chain_steps  # every step of the second run: whole
+    assert after.num_whole_steps > before.num_whole_steps
+    assert _same(first, runs["layers"][0]) and _same(again, runs["layers"][0])
+
+    monkeypatch.setattr(model_runner, "_shared", {})
+    other = bijax.LLM(
+        _model(), max_model_len=128, max_num_seqs=2, max_num_batched_tokens=32, num_kv_blocks=24
+    )
+    pairs = sorted({(k[1], k[2]) for k in queued})
+    other.engine.runner.warmup(pairs)
+    kinds = {k[0] for k in other.engine.runner._aot}
+    assert kinds == {"forward", "sample"} and not other.engine.runner._upgrading
