@@ -138,17 +138,22 @@ def _equal(a, b) -> bool:
 
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
 def test_tp_sizes_bit_identical(dtype_name, monkeypatch):
-    runs = {p: _run(p, dtype_name) for p in (8, 2, 1, 4)}  # 1 after 8: the model's shards go back
-    for p in SIZES[1:]:
+    # 1 after 8: the model's shards go back. bfloat16 at the two ends only (2 and 4 in float32:
+    # the same code paths; CI time)
+    order = (8, 2, 1, 4) if dtype_name == "float32" else (8, 1)
+    runs = {p: _run(p, dtype_name) for p in order}
+    for p in sorted(runs)[1:]:
         assert _equal(runs[p], runs[1]), f"tensor_parallel_size={p} differs from 1 ({dtype_name})"
+    if dtype_name != "float32":
+        return
     # The model keeps its shards (the last engine's, TP=4): 1/4 of q's columns per device.
     wq = runs[4][3].model.layers[0].attn.wq[...]
     assert {s.data.shape for s in wq.addressable_shards} == {(wq.shape[0], wq.shape[1] // 4)}
     k0 = runs[4][3].engine.runner.cache[0][0]  # the KV cache is created split: 2 of 8 KV heads each
     assert {s.data.shape[2] for s in k0.addressable_shards} == {k0.shape[2] // 4}
-    if dtype_name == "float32":  # the forward as one program (the GPU's form) too: the same bits
-        monkeypatch.setenv("BIJAX_STEP_PROGRAMS", "whole")
-        assert _equal(_run(2, dtype_name), runs[1])
+    # the forward as one program (the GPU's form) too: the same bits
+    monkeypatch.setenv("BIJAX_STEP_PROGRAMS", "whole")
+    assert _equal(_run(2, dtype_name), runs[1])
 
 
 def test_tp_negative_control_xla_path_differs():
