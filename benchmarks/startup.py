@@ -66,6 +66,12 @@ def child(kind: str, model: str) -> None:
     t["background"] = llm.engine.pending_upgrades()
     llm.wait_for_upgrades()
     t["full"] = time.perf_counter() - T_START
+    # What a later start finds: the cache as this start leaves it, before the check below
+    # (whose steps, traced with the step cache off, are no start's) adds to it.
+    if os.environ.get("STARTUP_SNAPSHOT"):
+        import shutil
+
+        shutil.copytree(os.environ["BIJAX_CACHE_DIR"], os.environ["STARTUP_SNAPSHOT"])
     # Same bits from the warmed-up steps (exported, then compiled) as from steps lowered from
     # tracing as they come: run 8 seeded tokens, then drop the compiled steps and turn exporting
     # off (private doors, for this check only) and run them again.
@@ -102,9 +108,12 @@ def child(kind: str, model: str) -> None:
     )
 
 
-def run_child(kind: str, model: str, cache: str, env_extra: dict) -> dict:
-    """One start in a fresh process on ``cache``, with ``env_extra`` set."""
+def run_child(kind: str, model: str, cache: str, env_extra: dict, snapshot: str | None = None) -> dict:
+    """One start in a fresh process on ``cache``, with ``env_extra`` set; ``snapshot``: where
+    the child copies the cache as its start leaves it (for a filled-cache row)."""
     env = dict(os.environ, BIJAX_CACHE_DIR=cache, PYTHONUNBUFFERED="1", **env_extra)
+    if snapshot:
+        env["STARTUP_SNAPSHOT"] = snapshot
     t0 = time.perf_counter()
     p = subprocess.run(
         [sys.executable, os.path.abspath(__file__), "--child", kind, "--model", model],
@@ -122,13 +131,14 @@ def run_child(kind: str, model: str, cache: str, env_extra: dict) -> dict:
 
 
 _NO_HELPERS = {"BIJAX_LOWERING_PROCESSES": "0"}
-_WHOLE = {"BIJAX_STEP_PROGRAMS": "whole"}  # the forward as one program (the GPU's default)
+_WHOLE = {"BIJAX_STEP_PROGRAMS": "whole"}  # the forward as one program (the GPU default until 2026-12-04)
 _LAYERS = {"BIJAX_STEP_PROGRAMS": "layers"}  # the forward as a chain of programs (the CPU's default)
 _LAYERS4 = {"BIJAX_STEP_PROGRAMS": "layers", "BIJAX_LAYERS_PER_PROGRAM": "4"}  # ... 4 layers a program
 # ... that first, the whole forwards compiled in the background and run from when each is ready
 _TIERED4 = {"BIJAX_STEP_PROGRAMS": "tiered", "BIJAX_LAYERS_PER_PROGRAM": "4"}
 # --rows name -> (label, child kind, environment). Each row runs on an empty compile cache of its
-# own; a filled row reuses the cache of its empty row's last run.
+# own; a filled row reuses the cache as its empty row's start left it (copied before the bits
+# check, whose steps are traced with the step cache off).
 ROWS = {
     "engine-no-helpers": ("64 seqs x 2048 tokens, empty cache, no helper processes", "engine", _NO_HELPERS),
     "engine": ("64 seqs x 2048 tokens, empty cache", "engine", {}),
@@ -219,12 +229,15 @@ def main() -> int:
         last = {}  # row -> the cache of its last run
         for i, row in enumerate(rows_wanted):
             name, kind, env = ROWS[row]
+            snapshot = None
             if row.endswith("-filled"):
                 cache = last[row[: -len("-filled")]]
             else:
-                cache = last[row] = os.path.join(base, f"{i}-{row}")
+                cache = os.path.join(base, f"{i}-{row}")
                 os.makedirs(cache)
-            r = run_child(kind, a.model, cache, env)
+                if f"{row}-filled" in rows_wanted:
+                    snapshot = last[row] = cache + "-left"
+            r = run_child(kind, a.model, cache, env, snapshot)
             print(name, json.dumps(r), flush=True)
             rows.append((name, r))
     for name, r in rows:

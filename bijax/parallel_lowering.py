@@ -88,7 +88,7 @@ def default_processes() -> int:
     return min(MAX_PROCESSES, cores // 2)
 
 
-_SPEC = {"shape", "dtype", "weak_type", "committed"}
+_SPEC = {"shape", "dtype", "weak_type"}
 
 
 def _spec_of(x) -> dict:
@@ -96,7 +96,6 @@ def _spec_of(x) -> dict:
         shape=tuple(x.shape),
         dtype=x.dtype,
         weak_type=bool(getattr(x, "weak_type", False)),
-        committed=bool(getattr(x, "committed", True)),
     )
 
 
@@ -304,18 +303,13 @@ def _child(path: str, part: int, parts: int) -> int:
     step_cache._apply_settings(job["settings"])
     sharding = SingleDeviceSharding(jax.devices()[0], memory_kind=job["memory_kind"])
 
-    def runner(named: bool):
-        """A runner whose weights and cache are avals placed as the parent's: with their
-        sharding (``named``: what the parent's step keys see) or as JAX lowers them (an
-        uncommitted array carries no sharding into the program, a committed one does)."""
+    def runner():
+        """A runner whose weights and cache are avals placed as the parent's (with their
+        sharding: what the parent's step keys see, and what ``step_cache`` lowers for)."""
 
         def aval(spec):
-            placed = named or spec["committed"]
             return jax.ShapeDtypeStruct(
-                spec["shape"],
-                spec["dtype"],
-                sharding=sharding if placed else None,
-                weak_type=spec["weak_type"],
+                spec["shape"], spec["dtype"], sharding=sharding, weak_type=spec["weak_type"]
             )
 
         def is_spec(x):
@@ -330,7 +324,7 @@ def _child(path: str, part: int, parts: int) -> int:
             job["switches"],
         )
 
-    naming, lowering = runner(True), runner(False)
+    naming = lowering = runner()
     for i in range(part, len(job["programs"]), parts):
         key, name = job["programs"][i]
         try:

@@ -9,7 +9,8 @@ here, and a later start reads it back and compiles it, which the persistent cach
 
 A file's name is a hash of everything the traced program depends on: the source of ``bijax``,
 ``pallas_kernels`` and ``models``; the jax, jaxlib, flax, numpy and ml_dtypes versions; the
-backend, its version and its devices; ``XLA_FLAGS``; JAX's configuration; and the step's static
+backend, its version and its devices; ``XLA_FLAGS``; JAX's configuration (less where the caches
+are and what is logged); and the step's static
 arguments and its inputs' tree, shapes, dtypes, weak types and shardings (each part by its
 ``repr``, which must be complete and stable). A change in any of them names another file, so a
 stale program is never read. Files live next to the persistent cache (``<cache dir>/bijax-steps``,
@@ -91,6 +92,28 @@ def _apply_settings(values: tuple) -> None:
         setattr(importlib.import_module(f"pallas_kernels.{m}"), a, v)
 
 
+# JAX settings that say where compiled code is kept and what is logged - not what a traced
+# program is: left out of the key (with the cache directory in it, a cache copied elsewhere or
+# ``BIJAX_CACHE_DIR`` spelled another way named every program anew).
+_UNTRACED = (
+    "jax_compilation_cache_",
+    "jax_persistent_cache_",
+    "jax_enable_compilation_cache",
+    "jax_raise_persistent_cache_errors",
+    "jax_log_compiles",
+    "jax_explain_cache_misses",
+    "jax_debug_log_modules",
+    "jax_logging_level",
+    "jax_compiler_detailed_logging_min_ops",
+    "jax_dump_ir_",
+)
+
+
+def _traced_config() -> list:
+    """JAX's configuration, less ``_UNTRACED``."""
+    return sorted((k, v) for k, v in jax.config.values.items() if not k.startswith(_UNTRACED))
+
+
 def key(*parts) -> str:
     """A file name for the program described by ``parts`` (static arguments, input avals and
     shardings, ...; each by its repr) built by this process's code, libraries and devices."""
@@ -112,7 +135,7 @@ def key(*parts) -> str:
         backend.platform_version,
         [(d.id, d.device_kind) for d in jax.devices()],
         os.environ.get("XLA_FLAGS", ""),
-        sorted(jax.config.values.items()),
+        _traced_config(),
         _settings(),
         *parts,
     ):
@@ -268,12 +291,28 @@ def _flat(fn, tree, kw: dict, donate: int | None):
     return flat
 
 
+def _specs(leaves: list) -> list:
+    """``leaves`` with each array as a ShapeDtypeStruct placed as it is. A program is exported
+    and lowered for these, not for the arrays: an array made by ``jnp.zeros`` (the KV cache at
+    the start) is not committed to its device, the same array once a step returned it is, and
+    the lowered text - so the persistent cache's key - differs between the two (a sharding
+    annotation). A program lowered after the first step (tiered's background compiles, a bucket
+    compiled as it comes) would then be compiled again by the next start, which lowers it
+    before any. (``parallel_lowering``'s helpers lower for the same placed avals.)"""
+    return [
+        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding, weak_type=x.weak_type)
+        if isinstance(x, jax.Array)
+        else x
+        for x in leaves
+    ]
+
+
 def lower_flat(fn, args: tuple, kw: dict, *, donate: int | None) -> FlatStep:
     """``fn(*args, **kw)`` lowered as ``lower`` does, but traced here and never saved (the step
     cache off): a ``FlatStep`` all the same."""
     leaves, tree = jax.tree_util.tree_flatten(args)
     donated_tree, donate_argnums = _donation(args, donate)
-    lowered = jax.jit(_flat(fn, tree, kw, donate), donate_argnums=donate_argnums).lower(*leaves)
+    lowered = jax.jit(_flat(fn, tree, kw, donate), donate_argnums=donate_argnums).lower(*_specs(leaves))
     return FlatStep(lowered, tree, donated_tree)
 
 
@@ -288,7 +327,7 @@ def lower(fn, args: tuple, kw: dict, *, donate: int | None, name: str) -> FlatSt
 
     def via(exported):
         return FlatStep(
-            jax.jit(exported.call, donate_argnums=donate_argnums).lower(*leaves), tree, donated_tree
+            jax.jit(exported.call, donate_argnums=donate_argnums).lower(*_specs(leaves)), tree, donated_tree
         )
 
     exported = load(name)
@@ -307,7 +346,7 @@ def export_step(fn, args: tuple, kw: dict, *, donate: int | None, name: str) -> 
     ``args``, returning the donated argument's leaves) and saves it under ``name``; returns it
     as read back. ``args`` may be ShapeDtypeStructs (``parallel_lowering``'s helpers)."""
     leaves, tree = jax.tree_util.tree_flatten(args)
-    return save(name, export_fn(jax.jit(_flat(fn, tree, kw, donate)), *leaves))
+    return save(name, export_fn(jax.jit(_flat(fn, tree, kw, donate)), *_specs(leaves)))
 
 
 def step_key(label: str, args: tuple, kw: dict) -> str:

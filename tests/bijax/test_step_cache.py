@@ -32,6 +32,21 @@ def test_key_follows_the_kernel_choices_tracing_reads(monkeypatch):
     assert len({a, b, step_cache.key("step", (2, 16))}) == 3
 
 
+def test_key_leaves_out_where_caches_live_and_what_is_logged_not_what_is_traced():
+    """The name does not change with the cache's directory or JAX's logging (a cache copied
+    elsewhere is still found); it changes with a setting tracing reads (control)."""
+    a = step_cache.key("step", (2, 16))
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        with jax.log_compiles(True):
+            jax.config.update("jax_compilation_cache_dir", "/elsewhere/bijax-cache")
+            assert step_cache.key("step", (2, 16)) == a
+        with jax.numpy_rank_promotion("raise"):
+            assert step_cache.key("step", (2, 16)) != a
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+
+
 def test_saved_programs_read_back_and_the_oldest_are_pruned(tmp_path, monkeypatch):
     monkeypatch.setattr(compile_cache, "directory", lambda: str(tmp_path))
     monkeypatch.setattr(step_cache, "MAX_FILES", 2)

@@ -4,12 +4,13 @@ head) and as one program: the same bits, whichever runs which token bucket
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import bijax
-from bijax import step_programs
+from bijax import compile_cache, step_cache, step_programs
 from models.configs import preset
 from models.llama import Llama
 from tests.conftest import bits
@@ -221,6 +222,16 @@ def test_tiered_runs_the_chain_then_the_whole_forward_with_the_same_bits(runs, m
         _model(), max_model_len=128, max_num_seqs=2, max_num_batched_tokens=32, num_kv_blocks=24
     )
     pairs = sorted({(k[1], k[2]) for k in queued})
+    hits, misses = compile_cache.counts()
     other.engine.runner.warmup(pairs)
     kinds = {k[0] for k in other.engine.runner._aot}
     assert kinds == {"forward", "sample"} and not other.engine.runner._upgrading
+    # ... and loads them from the persistent cache: the whole forwards lowered after steps (the
+    # KV cache committed to its device by then) have the text of ones lowered before any step.
+    assert compile_cache.counts()[1] == misses and compile_cache.counts()[0] >= hits + len(queued)
+    # (Control: lowered for the arrays themselves, the two caches give different texts.)
+    fresh, used = other.engine.runner.cache[0][0], llm.engine.runner.cache[0][0]
+    texts = [jax.jit(lambda c: c + 1).lower(*leaves).as_text() for leaves in ([fresh], [used])]
+    assert texts[0] != texts[1]
+    specs = [jax.jit(lambda c: c + 1).lower(*step_cache._specs(x)).as_text() for x in ([fresh], [used])]
+    assert specs[0] == specs[1]
