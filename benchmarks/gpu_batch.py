@@ -137,7 +137,7 @@ STEPS = {
     "startup-programs": (
         _startup("engine-layers,engine-whole,single-layers,single-whole"),
         420,
-        "start-up, empty caches: the forward as a chain of programs / as one program (the GPU's default)",
+        "start-up, empty caches: the forward as a chain of programs / as one program",
     ),
     "startup-threshold": (
         _startup("engine-from256,engine-whole"),
@@ -165,6 +165,11 @@ STEPS = {
         ),
         480,
         "start-up: tiered (the 4-layer chain first, whole forwards in the background), empty and filled caches / one program",
+    ),
+    "startup-default": (
+        _startup("engine,engine-filled,single,single-filled,engine-whole"),
+        420,
+        "start-up with the defaults (tiered on GPUs since 2026-12-04), empty and filled caches / one program",
     ),
     "startup-single-ab": (
         _startup("single-helper,single"),

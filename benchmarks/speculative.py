@@ -92,6 +92,7 @@ def timed(llm, prompts, params):
     (async scheduling), host seconds in the speculator."""
     llm.reset_prefix_cache()
     llm.generate(prompts, params, use_tqdm=False)  # warm-up: the same run
+    llm.wait_for_upgrades()  # tiered (the GPU default): whole forwards ready before timing
     llm.reset_prefix_cache()
     before = llm.engine.stats()
     steps = [0]

@@ -353,7 +353,8 @@ class LLM:
         return took
 
     def wait_for_upgrades(self, timeout: float | None = None) -> float:
-        """With ``BIJAX_STEP_PROGRAMS=tiered`` (``bijax.step_programs``) ``warmup`` - and a step
+        """Tiered step programs (``bijax.step_programs``: the GPUs' default, or
+        ``BIJAX_STEP_PROGRAMS=tiered``): ``warmup`` - and a step
         of a bucket it did not compile - leaves each bucket's faster whole-forward program
         compiling in the background (the same bits, run from when it is ready); this waits for
         all of them and returns the seconds waited (0 otherwise). Benchmarks call it before

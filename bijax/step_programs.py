@@ -20,12 +20,11 @@ Which form (measured 2026-12-02 session 28, RESULTS.md): on CPU the chain for ev
 half the time (llama3-8b, 64 x 2048 engine, empty cache: warm-up 21.4 s vs 39.4 s) but runs a
 decode step 1.7-2x slower: the host takes ~0.2-0.3 ms to launch each of a step's 34 programs.
 (Session 28 blamed re-recorded CUDA graphs; session 29 measured that it is not: each call
-costs the host ~0.1 ms beyond the whole forward's.) So the GPU default is the whole
-forward, and ``BIJAX_STEP_PROGRAMS`` sets it (a measurement switch, read when an engine is made):
+costs the host ~0.1 ms beyond the whole forward's.) So the GPU default was the whole
+forward (until ``tiered``, below), and ``BIJAX_STEP_PROGRAMS`` sets it (a measurement switch, read when an engine is made):
 ``layers`` (the chain everywhere), ``whole`` (nowhere), or an integer N (the chain for token
-buckets of N or more: long steps, where the device time dominates). Since (2026-12-03 session
-30): the chain's prefill step takes the whole
-forward's device time; 4 layers a program (11 calls a step, under PJRT's 32 executions in
+buckets of N or more: long steps, where the device time dominates), or ``tiered``. Since
+(2026-12-03 session 30): the chain's prefill step takes the whole forward's device time; 4 layers a program (11 calls a step, under PJRT's 32 executions in
 flight) start fast but still run engine decode steps 35-40% slower, and from 256 tokens they
 save 4-9 s of a 29-33 s warm-up at ~1% of a 64-sequence step (noise) and, unexplained, 4% of
 one stream's in three pairs of four (RESULTS.md). ``tiered`` takes both: every bucket warms
@@ -33,6 +32,13 @@ up the chain (fast to compile) and its whole forward then compiles in a backgrou
 which the bucket's steps run from when it is ready (``ModelRunner._upgrade``; the same bits,
 so a request may switch forms between steps); a bucket whose whole forward an earlier start
 exported warms that up directly. ``LLM.wait_for_upgrades`` waits for the background.
+
+Since 2026-12-04 (session 32) ``tiered`` with 4 layers a program is the GPUs' default: on the
+H200 (llama3-8b) its steps, once upgraded, take the whole forward's time (A/B, two pairs: 5.24 /
+5.21 vs 5.21 / 5.55 ms at one sequence, 7.44 / 7.57 vs 7.34 / 7.99 ms at 64), and a 64 x 2048
+engine warms up in 17.6 s against the whole forward's 24.9 s (same run, empty caches; one
+request: 6.3 s). A process that exits while whole forwards compile waits for the compiles in
+flight (no new one starts): their programs are then in the caches for the next start.
 
 Every program takes the weights as an argument (swapped without recompiling) and donates the
 KV cache it writes (the whole cache, or its layers'). With tensor parallelism each runs inside
@@ -71,13 +77,17 @@ from models.paged import PagedBatch
 LAYERS, WHOLE, TIERED = "layers", "whole", "tiered"
 
 
+def _setting() -> str:
+    """``BIJAX_STEP_PROGRAMS``, or its default: ``layers`` on CPU, ``tiered`` on GPUs (see top)."""
+    raw = os.environ.get("BIJAX_STEP_PROGRAMS", "").strip()
+    return raw or (LAYERS if jax.default_backend() == "cpu" else TIERED)
+
+
 def chain_from() -> int | None:
     """The smallest token bucket whose forward runs as the chain (None: none, every forward is
-    one program): ``BIJAX_STEP_PROGRAMS`` (see top), by default every bucket on CPU and none on
-    GPUs; a value it does not take is an error naming the variable."""
-    raw = os.environ.get("BIJAX_STEP_PROGRAMS", "").strip()
-    if not raw:
-        return 0 if jax.default_backend() == "cpu" else None
+    one program): ``BIJAX_STEP_PROGRAMS`` (see top), by default every bucket (on GPUs first:
+    ``tiered``); a value it does not take is an error naming the variable."""
+    raw = _setting()
     if raw in (LAYERS, TIERED):
         return 0
     if raw == WHOLE:
@@ -99,8 +109,8 @@ def tiered() -> bool:
     each bucket's whole forward compiled in the background after ``warmup`` (or after the
     bucket's first step), which that bucket's steps run from when it is ready - the same bits
     (the two forms are the same operations), the whole forward's step time after the switch.
-    (``chain_from`` is then 0.)"""
-    return os.environ.get("BIJAX_STEP_PROGRAMS", "").strip() == TIERED
+    (``chain_from`` is then 0.) The GPUs' default."""
+    return _setting() == TIERED
 
 
 def _switch(name: str, default: bool) -> bool:
@@ -121,12 +131,13 @@ def layer_switches() -> tuple[bool, bool]:
 
 def layers_per_program() -> int:
     """How many consecutive layers one ``block_program`` of the chain runs:
-    ``BIJAX_LAYERS_PER_PROGRAM`` (read when an engine is made), by default 1. More layers a
-    program: fewer calls a step (PJRT lets the host enqueue at most 32 programs ahead of the
-    device; a chain of one layer a program is 35 a step for 32 layers) and a longer compile."""
+    ``BIJAX_LAYERS_PER_PROGRAM`` (read when an engine is made), by default 1 on CPU and 4 on
+    GPUs. More layers a program: fewer calls a step (PJRT lets the host enqueue at most 32
+    programs ahead of the device; a chain of one layer a program is 35 a step for 32 layers)
+    and a longer compile."""
     raw = os.environ.get("BIJAX_LAYERS_PER_PROGRAM", "").strip()
     if not raw:
-        return 1
+        return 1 if jax.default_backend() == "cpu" else 4
     try:
         n = int(raw)
     except ValueError:

@@ -1,6 +1,7 @@
 """A step's forward as a chain of programs (the embedding, one layer program per layer, the LM
 head) and as one program: the same bits, whichever runs which token bucket
-(``bijax.step_programs``; the GPU's default is the whole forward, the CPU's the chain)."""
+(``bijax.step_programs``; the GPU's default is tiered - the chain, then the whole forward -
+the CPU's the chain)."""
 
 from __future__ import annotations
 
@@ -127,7 +128,9 @@ def test_runs_of_layers_and_their_programs():
 
 def test_layers_per_program_is_checked(monkeypatch):
     monkeypatch.delenv("BIJAX_LAYERS_PER_PROGRAM", raising=False)
-    assert step_programs.layers_per_program() == 1
+    for platform, want in (("cpu", 1), ("gpu", 4)):
+        monkeypatch.setattr(step_programs.jax, "default_backend", lambda p=platform: p)
+        assert step_programs.layers_per_program() == want
     monkeypatch.setenv("BIJAX_LAYERS_PER_PROGRAM", "4")
     assert step_programs.layers_per_program() == 4
     for bad in ("0", "two", "-2"):
@@ -138,9 +141,10 @@ def test_layers_per_program_is_checked(monkeypatch):
 
 def test_the_setting_is_checked_and_defaults_by_platform(monkeypatch):
     monkeypatch.delenv("BIJAX_STEP_PROGRAMS", raising=False)
-    for platform, want in (("cpu", 0), ("gpu", None)):  # CPU: every bucket as the chain; GPU: none
+    # CPU: every bucket as the chain; GPU: tiered (the chain first, then the whole forward)
+    for platform, tiered in (("cpu", False), ("gpu", True)):
         monkeypatch.setattr(step_programs.jax, "default_backend", lambda p=platform: p)
-        assert step_programs.chain_from() == want
+        assert step_programs.chain_from() == 0 and step_programs.tiered() == tiered
     for value, want in (("layers", 0), ("whole", None), ("256", 256), ("tiered", 0)):
         monkeypatch.setenv("BIJAX_STEP_PROGRAMS", value)
         assert step_programs.chain_from() == want
