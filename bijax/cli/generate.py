@@ -171,4 +171,10 @@ def run(args: argparse.Namespace) -> int:
     dt = time.perf_counter() - t1
     seeds = ", ".join(str(results[i].seed) for i in range(len(prompts)))
     info(f"{n_tokens} tokens in {dt:.2f}s ({n_tokens / dt:.1f} tok/s); seeds: {seeds}")
+    pending = llm.engine.pending_upgrades()  # tiered (the GPUs' default): whole forwards compiling
+    if pending:
+        info(
+            f"exiting once the whole-forward compiles in flight finish ({pending} not ready; "
+            "what finishes is cached: the next start loads it)"
+        )
     return 0
