@@ -232,6 +232,8 @@ def main() -> int:
             snapshot = None
             if row.endswith("-filled"):
                 cache = last[row[: -len("-filled")]]
+                if not os.path.isdir(cache):
+                    raise SystemExit(f"{row}: its empty row left no copy of its cache ({cache})")
             else:
                 cache = os.path.join(base, f"{i}-{row}")
                 os.makedirs(cache)

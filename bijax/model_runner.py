@@ -19,6 +19,7 @@ the same tokens from the same gathered logits.
 from __future__ import annotations
 
 import concurrent.futures
+import concurrent.futures.thread  # its exit hook registered before ``_stopping``'s (see there)
 import dataclasses
 import functools
 import itertools
@@ -31,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax._src import config as jax_config  # trace_context: the settings tracing reads
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -121,8 +123,9 @@ _compiles = [0]  # step programs compiled by every runner of this process
 _shared: dict = {}
 
 
-# Tiered runners' background compiles stop starting new programs when the interpreter exits
-# (before it joins their thread: registered with threading's own exit hooks, which run first).
+# Tiered runners' background compiles stop starting new programs when the interpreter exits,
+# before the thread pools are joined: threading runs its exit hooks last registered first, and
+# ``concurrent.futures.thread`` (imported above) registers the pools' join on import.
 _stopping = threading.Event()
 getattr(threading, "_register_atexit", lambda fn: None)(_stopping.set)
 
@@ -190,6 +193,7 @@ class ModelRunner:
         self._tiered = tiered()
         self._upgrader = None  # that thread (a one-worker pool), made when first needed
         self._upgrading: set = set()  # whole-forward keys given to it
+        self._kept_chain: set = set()  # ... of them, not compiled there (``_upgrade``)
         self._upgrades: list = []  # its pending batches (futures)
         self._generation = 0  # the weights' structure: a background program of another is dropped
         self.programs_upgraded = 0  # whole forwards it kept
@@ -600,11 +604,28 @@ class ModelRunner:
         if self._upgrader is None:
             self._upgrader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bijax-upgrade")
         gen = self._generation
+        # JAX settings made for this thread only (``with jax.default_matmul_precision(...)``)
+        # are not the background thread's: a whole forward traced there would not be the
+        # program this thread's chain runs (nor the one its name says). Then no upgrade.
+        context = jax_config.trace_context()
 
         def compile_in_background():
+            if jax_config.trace_context() != context:
+                self._kept_chain.update(todo)
+                warnings.warn(
+                    "bijax: JAX settings made in this thread only (a `with jax...` block) are "
+                    "not the background thread's, so these buckets keep running the chain of "
+                    "programs (the same bits, slower steps) instead of compiling whole forwards "
+                    "there",
+                    RuntimeWarning,
+                    stacklevel=1,
+                )
+                return 0.0
             try:
                 return self._make(todo, [], {}, None, None, None, _stopping, gen)
             except Exception as e:
+                if _stopping.is_set():
+                    return 0.0  # the interpreter is exiting: nothing more is compiled
                 warnings.warn(
                     f"bijax: compiling whole-forward step programs in the background failed "
                     f"({type(e).__name__}: {e}); those buckets keep running the chain of programs "
@@ -618,7 +639,7 @@ class ModelRunner:
 
     def pending_upgrades(self) -> int:
         """Whole forwards given to the background thread and not ready yet (tiered)."""
-        return sum(1 for k in list(self._upgrading) if k not in self._aot)
+        return sum(1 for k in list(self._upgrading) if k not in self._aot and k not in self._kept_chain)
 
     def wait_upgrades(self, timeout: float | None = None) -> float:
         """Waits for the background compiles that ``_upgrade`` started (tiered); returns the

@@ -300,7 +300,7 @@ def _specs(leaves: list) -> list:
     compiled as it comes) would then be compiled again by the next start, which lowers it
     before any. (``parallel_lowering``'s helpers lower for the same placed avals.)"""
     return [
-        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding, weak_type=x.weak_type)
+        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding, weak_type=getattr(x, "weak_type", False))
         if isinstance(x, jax.Array)
         else x
         for x in leaves

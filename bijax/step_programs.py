@@ -78,9 +78,22 @@ LAYERS, WHOLE, TIERED = "layers", "whole", "tiered"
 
 
 def _setting() -> str:
-    """``BIJAX_STEP_PROGRAMS``, or its default: ``layers`` on CPU, ``tiered`` on GPUs (see top)."""
+    """``BIJAX_STEP_PROGRAMS``, or its default: ``layers`` on CPU, ``tiered`` on GPUs (see top) -
+    in one process: across processes every process must run the same programs at every step
+    (their collectives meet), and each would switch a bucket to its whole forward when its own
+    background compile ended, so there the default is ``whole`` and ``tiered`` an error."""
     raw = os.environ.get("BIJAX_STEP_PROGRAMS", "").strip()
-    return raw or (LAYERS if jax.default_backend() == "cpu" else TIERED)
+    several = jax.process_count() > 1
+    if raw == TIERED and several:
+        raise ValueError(
+            f"BIJAX_STEP_PROGRAMS={TIERED} runs in one process only ({jax.process_count()} processes "
+            "here: they would switch programs at different steps); use 'whole' or 'layers'"
+        )
+    if raw:
+        return raw
+    if jax.default_backend() == "cpu":
+        return LAYERS
+    return WHOLE if several else TIERED
 
 
 def chain_from() -> int | None:

@@ -239,3 +239,45 @@ def test_tiered_runs_the_chain_then_the_whole_forward_with_the_same_bits(runs, m
     assert texts[0] != texts[1]
     specs = [jax.jit(lambda c: c + 1).lower(*step_cache._specs(x)).as_text() for x in ([fresh], [used])]
     assert specs[0] == specs[1]
+
+
+def test_no_upgrade_traced_under_settings_the_background_thread_lacks(runs):
+    """A whole forward queued inside a ``with jax.default_matmul_precision(...)`` block (a
+    setting of that thread only) is not compiled in the background thread, which would trace it
+    without the setting: its bucket keeps the chain. Control: queued outside, it compiles."""
+    import warnings
+
+    runner = runs["layers"][1].engine.runner
+    inside, outside = ("forward", 1, 16, 1), ("forward", 2, 16, 2)
+    assert inside not in runner._aot and outside not in runner._aot
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the background's note that it kept the chain
+        with jax.default_matmul_precision("highest"):
+            runner._upgrade([inside])
+        runner.wait_upgrades()
+    assert inside in runner._kept_chain and inside not in runner._aot
+    runner._upgrade([outside])
+    runner.wait_upgrades()
+    assert outside in runner._aot and runner.pending_upgrades() == 0
+
+
+def test_tiered_is_one_process_only_and_stops_before_the_pools_join(monkeypatch):
+    """Across processes every process must run the same programs each step: the default is
+    then the whole forward and ``tiered`` an error. At exit the background stops starting
+    compiles before the thread pools are joined (threading runs its exit hooks last registered
+    first)."""
+    import concurrent.futures.thread
+    import threading
+
+    from bijax import model_runner
+
+    monkeypatch.setattr(step_programs.jax, "default_backend", lambda: "gpu")
+    monkeypatch.delenv("BIJAX_STEP_PROGRAMS", raising=False)
+    assert step_programs.tiered()
+    monkeypatch.setattr(step_programs.jax, "process_count", lambda: 2)
+    assert not step_programs.tiered() and step_programs.chain_from() is None
+    monkeypatch.setenv("BIJAX_STEP_PROGRAMS", "tiered")
+    with pytest.raises(ValueError, match="one process only"):
+        step_programs.tiered()
+    hooks = [getattr(h, "func", h) for h in threading._threading_atexits]  # (functools.partials)
+    assert hooks.index(model_runner._stopping.set) > hooks.index(concurrent.futures.thread._python_exit)
