@@ -8,6 +8,7 @@ running ``benchmarks/async_scheduling.py`` with the arguments after the side.
     PYTHONPATH=. python3 benchmarks/ab.py decode-lanes splits|lanes [async_scheduling.py args]
     PYTHONPATH=. python3 benchmarks/ab.py decode-kernel old|new [async_scheduling.py args]
     PYTHONPATH=. python3 benchmarks/ab.py step-programs layers|whole [async_scheduling.py args]
+    PYTHONPATH=. python3 benchmarks/ab.py matmul-shared each|shared [async_scheduling.py args]
 
 ``decode-launch``: ``matmul_triton.gpu_tiles``'s 16-row launch (64 columns, 4 warps, 8 stages)
 off (``old``: 32 columns, 2 warps, 4 stages) or on (``new``, committed). ``prefill-kernel``:
@@ -24,6 +25,10 @@ the default since session 28).
 (``layers``: the embedding, a program per layer, the LM head; the CPU's default) or one
 program (``whole``, the GPU's) - ``BIJAX_STEP_PROGRAMS`` (``bijax.step_programs``); ``copies`` / ``nocmdbuf``: the
 chain with ``BIJAX_LAYER_COPIES=1`` / ``BIJAX_LAYER_COMMAND_BUFFERS=0``.
+``matmul-shared``: ``matmul_triton.SHARED_LAUNCH`` off (``each``: q, k, v and gate, up a launch
+each) or on (``shared``: one launch per group where the launch shapes agree; the default).
+``--script NAME args``: runs ``benchmarks/NAME`` with ``args`` under the switch instead (e.g.
+``profile_step.py --cases decode1 --paths invariant``).
 Default arguments: llama3-8b, 1 and 64 sequences x (64 + 128) tokens, 3 timed runs; for a
 prefill-bound run e.g. ``--seqs 8 --input-len 4096 --output-len 8``. Alternate the sides.
 """
@@ -59,6 +64,10 @@ SWITCHES = {
             ("attention_triton", "DECODE_PROGRAMS", lanes),
         )
         for side, rows, lanes in (("old", False, None), ("new", True, 1024))
+    },
+    "matmul-shared": {
+        side: (("matmul_triton", "SHARED_LAUNCH", value),)
+        for side, value in (("each", False), ("shared", True))
     },
     "step-programs": {
         "layers": ((None, "BIJAX_STEP_PROGRAMS", "layers"),),
@@ -101,6 +110,11 @@ if __name__ == "__main__":
         else:
             setattr(importlib.import_module(f"pallas_kernels.{module}"), attribute, value)
     print(f"# A/B {switch} = {side}", flush=True)
+    if rest[:1] == ["--script"]:  # another benchmark under the switch, e.g. profile_step.py
+        script, rest = rest[1], rest[2:]
+        sys.argv = [script, *rest]
+        runpy.run_path(f"benchmarks/{script}", run_name="__main__")
+        sys.exit(0)
     default = ["--model", "llama3-8b", "--seqs", "1,64", "--output-len", "128", "--repeats", "3"]
     sys.argv = ["async_scheduling.py", *default, *rest]  # later arguments override the defaults
     runpy.run_path("benchmarks/async_scheduling.py", run_name="__main__")

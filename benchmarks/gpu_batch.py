@@ -77,8 +77,21 @@ _AB = {
         ("programs-from256x4", "step-programs", "from256x4", _LONG),
         ("programs-layersx4", "step-programs", "layersx4", _LONG),
         ("programs-tieredx4", "step-programs", "tieredx4", _LONG),
+        ("shared-each", "matmul-shared", "each", _LONG),
+        ("shared-on", "matmul-shared", "shared", _LONG),
     )
 }
+_PROFILE_DECODE = ("--script", "profile_step.py", "--cases", "decode1,decode64", "--paths", "invariant")
+_AB.update(
+    {
+        f"profile-shared-{side}": (
+            _py("ab.py", "matmul-shared", side, *_PROFILE_DECODE),
+            200,
+            f"profile, {side}",
+        )
+        for side in ("each", "shared")
+    }
+)
 # name -> (command, time limit s, what it is for)
 STEPS = {
     "digests": (_py("gpu_digests.py"), 220, "engine bits vs the records (4 configs)"),
@@ -101,6 +114,12 @@ STEPS = {
     ),
     "kernels": (_py("kernels.py", "--skip-checks"), 200, "matmul / rows kernel time vs XLA"),
     "decode-sweep": (_py("kernels.py", "--decode-sweep"), 150, "decode-row matmul launches"),
+    "kernels-mid-tiles": (_py("kernels.py", "--mid-tiles"), 200, "Mosaic GPU launches at M 256, 384"),
+    "kernels-shared": (
+        _py("kernels.py", "--shared", "--mid-m"),
+        200,
+        "weights sharing x in one launch; 64 < M < 512: Triton vs Mosaic GPU",
+    ),
     "spec": (
         _py("speculative.py", "--workloads", "repeat,random"),
         280,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import importlib
 import math
 import statistics
@@ -297,6 +298,150 @@ def decode_sweep():
         )
 
 
+# Weights that share their input, per layer: (name, [(K, N), ...]).
+SHARED_GROUPS = [
+    ("llama3-8b q,k,v", [(4096, 4096), (4096, 1024), (4096, 1024)]),
+    ("llama3-8b gate,up", [(4096, 14336), (4096, 14336)]),
+    ("qwen2.5-7b q,k,v", [(3584, 3584), (3584, 512), (3584, 512)]),
+    ("smollm2 q,k,v", [(576, 576), (576, 192), (576, 192)]),
+]
+
+
+def group_us(op, x, sets) -> float:
+    """Median kernel time of ``op(x, ws)`` per weight set, cycling over ``sets`` in one call."""
+    size = len(sets[0])
+    fn = jax.jit(lambda x, *flat: [op(x, flat[i : i + size]) for i in range(0, len(flat), size)])
+    return kernel_us(fn, x, *[w for ws in sets for w in ws]) / len(sets)
+
+
+def shared_launch():
+    """Weights that share x (a layer's q, k, v; gate, up) in one launch (``pk.matmul_shared``)
+    against a launch each (``pk.matmul`` per weight) and XLA's dots, at decode rows: every
+    output's bits equal to its own ``pk.matmul``'s (a check), CUPTI kernel time of the group
+    (every kernel of the call: the leaves' combines too), weights rotated past L2."""
+    rows = []
+    for name, shapes in SHARED_GROUPS:
+        nbytes = sum(k * n * 2 for k, n in shapes)
+        sets = [
+            [rand(61 + 7 * i + j, (k, n), jnp.bfloat16, 1 / math.sqrt(k)) for j, (k, n) in enumerate(shapes)]
+            for i in range(copies_for(nbytes))
+        ]
+        for m in (1, 16, 32):
+            x = rand(60, (m, shapes[0][0]), jnp.bfloat16)
+            want = [bits(pk.matmul(x, w)) for w in sets[0]]
+            got = [bits(y) for y in pk.matmul_shared(x, sets[0])]
+            check(
+                f"shared launch {name} M={m} == a launch each",
+                all(np.array_equal(a, b) for a, b in zip(got, want, strict=True)),
+            )
+
+            t_xla = group_us(lambda x, ws: [x @ w for w in ws], x, sets)
+            t_each = group_us(lambda x, ws: [pk.matmul(x, w) for w in ws], x, sets)
+            t_shared = group_us(lambda x, ws: pk.matmul_shared(x, ws), x, sets)
+            rows.append((name, m, nbytes, t_xla, t_each, t_shared))
+            print(
+                f"SHARED {name} M={m}: xla {t_xla:.1f} us, a launch each {t_each:.1f} us, shared {t_shared:.1f} us",
+                flush=True,
+            )
+        del sets
+    print(
+        "\n| weights | M | MB | XLA us | a launch each us | shared us | shared / each | shared / XLA | shared TB/s |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, m, nbytes, t_xla, t_each, t_sh in rows:
+        print(
+            f"| {name} | {m} | {nbytes / 1e6:.0f} | {t_xla:.1f} | {t_each:.1f} | {t_sh:.1f} | {t_sh / t_each:.2f} "
+            f"| {t_sh / t_xla:.2f} | {nbytes / t_sh / 1e6:.2f} |"
+        )
+
+
+MID_MS = (96, 128, 256, 384)
+
+
+def triton(x, w, *, plan):
+    return mm_mod.triton_partial(
+        x, w, plan=plan, num_shards=1, out_dtype=jnp.bfloat16, tiles=None, interpret=False
+    )
+
+
+def mid_m():
+    """64 < M < 512 (untimed for the Mosaic GPU kernel so far; Triton runs there): the Triton
+    kernel (the default), the Mosaic GPU kernel forced, and XLA, per Llama-3-8B weight; the
+    Mosaic outputs' bits equal to Triton's (a check)."""
+    mg = importlib.import_module("pallas_kernels.matmul_mgpu")
+    rows = []
+    for name, (k, n) in LLAMA3_8B.items():
+        if name == "lm_head":
+            continue
+        plan = mm_mod.plan_matmul(k, n, jnp.bfloat16)
+        ws = [rand(71 + i, (k, n), jnp.bfloat16, 1 / math.sqrt(k)) for i in range(copies_for(k * n * 2))]
+
+        mosaic = functools.partial(mg.mgpu_partial, plan=plan, num_shards=1, out_dtype=jnp.bfloat16)
+
+        for m in MID_MS:
+            x = rand(70, (m, k), jnp.bfloat16)
+            tri = functools.partial(triton, plan=plan)
+            same = np.array_equal(bits(jax.jit(mosaic)(x, ws[0])), bits(jax.jit(tri)(x, ws[0])))
+            check(f"mid-M {name} M={m} Mosaic == Triton", same)
+            t_xla = rotated_us(lambda x, w: x @ w, x, ws)
+            t_tri = rotated_us(tri, x, ws)
+            t_mg = rotated_us(mosaic, x, ws)
+            t_def = rotated_us(lambda x, w: pk.matmul(x, w), x, ws)
+            rows.append((name, k, n, m, t_xla, t_tri, t_mg, t_def))
+            print(
+                f"MID {name} M={m}: xla {t_xla:.1f}, triton {t_tri:.1f}, mosaic {t_mg:.1f}, default {t_def:.1f} us",
+                flush=True,
+            )
+        del ws
+    print("\n| weight | M | XLA us | Triton us (/ XLA) | Mosaic us (/ XLA) | default us |")
+    print("|---|---|---|---|---|---|")
+    for name, k, n, m, t_xla, t_tri, t_mg, t_def in rows:
+        print(
+            f"| {name} {k}x{n} | {m} | {t_xla:.1f} | {t_tri:.1f} ({t_tri / t_xla:.2f}) | {t_mg:.1f} ({t_mg / t_xla:.2f}) "
+            f"| {t_def:.1f} |"
+        )
+
+
+def mid_tiles():
+    """Mosaic GPU launch shapes for the mid-M cells where its default launch was slow (o and down
+    at M = 256 and 384: 64 or 96 CTAs of 128 x 256): each launch's bits equal to Triton's (a
+    check) and its kernel time next to XLA's."""
+    mg = importlib.import_module("pallas_kernels.matmul_mgpu")
+    M = mg.MgpuTiles
+    cands = [
+        M(128, 128, 2, "n", 4),
+        M(128, 64, 2, "n", 4),
+        M(64, 64, 2, "m", 4, step_k=128),
+        M(64, 128, 2, "m", 4),
+        M(64, 64, 1, "n", 8),
+    ]
+    for name in ("o", "down", "qkv"):
+        k, n = LLAMA3_8B[name]
+        plan = mm_mod.plan_matmul(k, n, jnp.bfloat16)
+        ws = [rand(81 + i, (k, n), jnp.bfloat16, 1 / math.sqrt(k)) for i in range(copies_for(k * n * 2))]
+        for m in (256, 384):
+            x = rand(80, (m, k), jnp.bfloat16)
+            want = bits(jax.jit(functools.partial(triton, plan=plan))(x, ws[0]))
+            t_xla = rotated_us(lambda x, w: x @ w, x, ws)
+            default = mg.mgpu_tiles(n, plan.num_leaves, m)
+            for t in [default] + [c for c in cands if c != default]:
+                op = functools.partial(
+                    mg.mgpu_partial, plan=plan, num_shards=1, out_dtype=jnp.bfloat16, tiles=t
+                )
+                try:
+                    same = np.array_equal(bits(jax.jit(op)(x, ws[0])), want)
+                    us = rotated_us(op, x, ws)
+                except Exception as e:  # noqa: BLE001 - a launch that does not compile is a finding
+                    print(f"INFO mid tiles {name} M={m} {t}: {type(e).__name__}: {str(e)[:160]}")
+                    continue
+                check(f"mid tiles {name} M={m} {t} == Triton", same)
+                tag = "default " if t == default else ""
+                print(
+                    f"MIDT {name} M={m} {tag}{t}: {us:.1f} us ({us / t_xla:.2f}x XLA {t_xla:.1f})", flush=True
+                )
+        del ws
+
+
 def time_rows():
     rows = []
     for t in (1, 64, 1024, 8192):
@@ -320,9 +465,23 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="also time alternative launch shapes")
     ap.add_argument("--rows-only", action="store_true", help="only rms_norm / softmax checks and times")
     ap.add_argument("--decode-sweep", action="store_true", help="only the decode-row launch sweep")
+    ap.add_argument(
+        "--shared", action="store_true", help="only weights sharing x: one launch vs a launch each"
+    )
+    ap.add_argument("--mid-m", action="store_true", help="only 64 < M < 512: Triton vs Mosaic GPU vs XLA")
+    ap.add_argument("--mid-tiles", action="store_true", help="only Mosaic GPU launches at M 256 and 384")
     args = ap.parse_args()
     dev = jax.devices()[0]
     print(f"# {datetime.date.today()} {dev.device_kind} jax {jax.__version__}")
+    if args.shared or args.mid_m or args.mid_tiles:
+        if args.mid_tiles:
+            mid_tiles()
+        if args.shared:
+            shared_launch()
+        if args.mid_m:
+            mid_m()
+        print(f"\nchecks failed: {len(FAILURES)} {FAILURES}")
+        sys.exit(1 if FAILURES else 0)
     if args.decode_sweep:
         decode_sweep()
         print(f"\nchecks failed: {len(FAILURES)} {FAILURES}")

@@ -78,6 +78,7 @@ _SETTINGS = (
     ("attention_triton", "STORE_USED_SPLITS_ONLY"),
     ("attention_triton", "DECODE_ROWS_IN_REGISTERS"),
     ("attention_triton", "DECODE_PROGRAMS"),
+    ("matmul_triton", "SHARED_LAUNCH"),
 )
 
 

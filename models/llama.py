@@ -60,7 +60,7 @@ from jax import lax
 
 import pallas_kernels as pk
 from models.configs import LlamaConfig
-from models.ops import TensorParallel, col_mm, moe, norm, rope, row_mm
+from models.ops import TensorParallel, col_mm, col_mm_shared, moe, norm, rope, row_mm
 from models.paged import KVCache, PackedLayout, PagedBatch, init_kv_cache
 from pallas_kernels import K_SHARDS
 
@@ -235,20 +235,14 @@ class Decoder:
         """Projections of x [T, H] at positions pos [T] -> q [T, Hq, D], k, v [T, Hkv, D]
         (under ``tp``: this rank's heads)."""
         c = self.config
-
-        def proj(w, b):
-            w = w[...]
-            if b is None:
-                y = col_mm(x, w, invariant=invariant, col_blocks=self.k_shards, tp=tp)
-            else:
-                y = col_mm(x, w, invariant=invariant, col_blocks=self.k_shards, tp=tp, out_dtype=jnp.float32)
-                y = (y + b[...].astype(jnp.float32)).astype(x.dtype)
-            return y.reshape(x.shape[0], w.shape[1] // c.head_dim, c.head_dim)
-
         bias = c.attention_bias
-        q = proj(layer.wq, layer.bq if bias else None)
-        k = proj(layer.wk, layer.bk if bias else None)
-        v = proj(layer.wv, layer.bv if bias else None)
+        ws = [layer.wq[...], layer.wk[...], layer.wv[...]]
+        out_dtype = jnp.float32 if bias else None
+        ys = col_mm_shared(x, ws, invariant=invariant, col_blocks=self.k_shards, tp=tp, out_dtype=out_dtype)
+        if bias:
+            biases = (layer.bq, layer.bk, layer.bv)
+            ys = [(y + b[...].astype(jnp.float32)).astype(x.dtype) for y, b in zip(ys, biases, strict=True)]
+        q, k, v = (y.reshape(x.shape[0], -1, c.head_dim) for y in ys)
         if c.qk_norm:  # each head's vector through the (invariant) rms_norm: rows are tokens x heads
             head_norm = lambda y, w: norm(  # noqa: E731
                 y.reshape(-1, c.head_dim), w[...], c.rms_norm_eps, invariant=invariant
@@ -277,6 +271,8 @@ class Decoder:
                 k_shards=self.k_shards,
             )
         cb = self.k_shards
+        # gate and up a launch each: one launch of both was slower at decode rows (H200, llama3-8b
+        # at M = 1 and 16: 68.7 vs 61.8 us; RESULTS.md, session 33), unlike q, k, v
         g = col_mm(x, mlp.w_gate[...], invariant=invariant, col_blocks=cb, tp=tp).astype(jnp.float32)
         u = col_mm(x, mlp.w_up[...], invariant=invariant, col_blocks=cb, tp=tp).astype(jnp.float32)
         h = (g * jax.nn.sigmoid(g) * u).astype(x.dtype)  # SwiGLU in float32, rounded once

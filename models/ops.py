@@ -32,6 +32,16 @@ def col_mm(x, w, *, invariant: bool, col_blocks: int, tp: TensorParallel | None,
     return pk.matmul(x, w, out_dtype=out_dtype, col_blocks=col_blocks, full_n=full_n)
 
 
+def col_mm_shared(x, ws, *, invariant: bool, col_blocks: int, tp: TensorParallel | None, out_dtype=None):
+    """``[col_mm(x, w, ...) for w in ws]`` with the same bits, for weights that share x (q, k, v;
+    gate, up): the invariant path runs them in one kernel launch where it can
+    (``pk.matmul_shared``)."""
+    if not invariant:
+        return [pk.matmul_reference(x, w, out_dtype=out_dtype) for w in ws]
+    full_ns = [w.shape[1] * (1 if tp is None else tp.size) for w in ws]
+    return list(pk.matmul_shared(x, ws, out_dtype=out_dtype, col_blocks=col_blocks, full_ns=full_ns))
+
+
 def row_mm(x, w, *, invariant: bool, k_shards: int, tp_parts: int, tp: TensorParallel | None):
     """Row-parallel x[M, K] @ w[K, N] (o, down): ``w`` is the whole weight, or under ``tp`` this
     rank's K/P rows. Each rank reduces its k_shards/P shards (the tree's lower levels), the

@@ -28,7 +28,7 @@ from pallas_kernels.attention import (
 from pallas_kernels.attention_xla import attention_xla
 from pallas_kernels.collectives import gather_last, tree_psum
 from pallas_kernels.grouped_matmul import group_rows, grouped_matmul, grouped_matmul_reference
-from pallas_kernels.matmul import matmul, matmul_partial, matmul_reference
+from pallas_kernels.matmul import matmul, matmul_partial, matmul_reference, matmul_shared
 from pallas_kernels.plan import K_SHARDS, MatmulPlan, plan_matmul, tree_sum
 from pallas_kernels.rms_norm import rms_norm, rms_norm_reference
 from pallas_kernels.sampling import (
@@ -73,6 +73,7 @@ __all__ = [
     "matmul",
     "matmul_partial",
     "matmul_reference",
+    "matmul_shared",
     "plan_matmul",
     "rms_norm",
     "rms_norm_reference",

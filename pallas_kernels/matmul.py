@@ -139,15 +139,20 @@ def _matmul(x, w, *, out_dtype, k_shards, cols, backend, interpret, tiles):
     return _matmul_vjp(x, w, out_dtype, k_shards, cols, backend, interpret, tiles)
 
 
-def _matmul_impl(x, w, out_dtype, k_shards, cols, backend, interpret, tiles):
-    """``cols`` = (col_blocks, full_n): the plan is made for the full [K, full_n] weight, of
-    which ``w`` holds whole column blocks (a column-parallel rank's shard)."""
+def _planned(w, k_shards, cols, platform) -> MatmulPlan:
+    """The plan of ``w`` [K, N] for ``cols`` = (col_blocks, full_n): made for the full [K,
+    full_n] weight, of which ``w`` holds whole column blocks (a column-parallel rank's shard)."""
     k, n = w.shape
     col_blocks, full_n = cols
+    plan = plan_matmul(k, full_n, w.dtype, k_shards=k_shards, col_blocks=col_blocks, platform=platform)
+    return plan if n == full_n else dataclasses.replace(plan, n=n, col_blocks=col_blocks * n // full_n)
+
+
+def _matmul_impl(x, w, out_dtype, k_shards, cols, backend, interpret, tiles):
+    """``cols`` = (col_blocks, full_n): see ``_planned``."""
 
     def planned(platform):
-        plan = plan_matmul(k, full_n, w.dtype, k_shards=k_shards, col_blocks=col_blocks, platform=platform)
-        return plan if n == full_n else dataclasses.replace(plan, n=n, col_blocks=col_blocks * n // full_n)
+        return _planned(w, k_shards, cols, platform)
 
     def cpu(x, w):
         plan = planned("cpu")
@@ -176,13 +181,7 @@ def _gpu_partial(x, w, *, plan, num_shards, out_dtype, tiles, interpret, allow_m
     choice may follow M. Everything else: the Triton kernel."""
     from pallas_kernels import matmul_mgpu
 
-    if (
-        allow_mgpu
-        and tiles is None
-        and not interpret
-        and runtime.is_hopper()
-        and matmul_mgpu.prefer_mgpu(plan, x.shape[0])
-    ):
+    if allow_mgpu and tiles is None and not interpret and _runs_mgpu(plan, x.shape[0]):
         return matmul_mgpu.mgpu_partial(x, w, plan=plan, num_shards=num_shards, out_dtype=out_dtype)
     return triton_partial(
         x, w, plan=plan, num_shards=num_shards, out_dtype=out_dtype, tiles=tiles, interpret=interpret
@@ -246,6 +245,128 @@ def matmul(
         interpret=interpret,
         tiles=tiles,
     )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _shared_vjp(x, ws, out_dtype, cols, backend, interpret):
+    return _shared_impl(x, ws, out_dtype, cols, backend, interpret)
+
+
+def _shared_vjp_fwd(x, ws, out_dtype, cols, backend, interpret):
+    return _shared_impl(x, ws, out_dtype, cols, backend, interpret), (x, ws)
+
+
+def _shared_vjp_bwd(out_dtype, cols, backend, interpret, res, gs):
+    x, ws = res
+    grads = [_dot_bwd(x, w, g) for w, g in zip(ws, gs, strict=True)]
+    dx = functools.reduce(lambda a, b: a + b, [d.astype(jnp.float32) for d, _ in grads]).astype(x.dtype)
+    return dx, tuple(dw for _, dw in grads)
+
+
+_shared_vjp.defvjp(_shared_vjp_fwd, _shared_vjp_bwd)
+
+
+@runtime.kernel_op("matmul_shared", static_argnames=("out_dtype", "cols", "backend", "interpret"))
+def _matmul_shared(x, ws, *, out_dtype, cols, backend, interpret):
+    return _shared_vjp(x, ws, out_dtype, cols, backend, interpret)
+
+
+def _shared_impl(x, ws, out_dtype, cols, backend, interpret):
+    """``cols``: one (col_blocks, full_n) per weight (``_planned``)."""
+
+    def cpu(x, *ws):
+        return tuple(
+            _jnp_partial(x, w, plan=_planned(w, 1, c, "cpu"), num_shards=1, out_dtype=out_dtype)
+            for w, c in zip(ws, cols, strict=True)
+        )
+
+    def gpu(x, *ws):
+        from pallas_kernels import matmul_triton
+
+        plans = [_planned(w, 1, c, "gpu") for w, c in zip(ws, cols, strict=True)]
+        m, auto = x.shape[0], backend == "auto"
+        if interpret:
+            tiles = GpuTiles(16, plans[0].tile_n, 4, 3)  # matmul's interpret tile (see triton_partial)
+        elif matmul_triton.SHARED_LAUNCH and not (auto and any(_runs_mgpu(p, m) for p in plans)):
+            tiles = matmul_triton.shared_tiles(plans, m)
+        else:
+            tiles = None
+        if tiles is None:  # launch shapes that do not agree: a launch each (the same bits)
+            return tuple(
+                _gpu_partial(
+                    x,
+                    w,
+                    plan=p,
+                    num_shards=1,
+                    out_dtype=out_dtype,
+                    tiles=None,
+                    interpret=False,
+                    allow_mgpu=auto,
+                )
+                for w, p in zip(ws, plans, strict=True)
+            )
+        return tuple(
+            matmul_triton.shared_partial(
+                x, list(ws), plans=plans, num_shards=1, out_dtype=out_dtype, tiles=tiles, interpret=interpret
+            )
+        )
+
+    return runtime.dispatch(backend, cpu, gpu, x, *ws)
+
+
+def _runs_mgpu(plan, m: int) -> bool:
+    """Whether ``_gpu_partial`` (backend "auto") runs this plan at M rows on the Mosaic GPU kernel."""
+    from pallas_kernels import matmul_mgpu
+
+    return runtime.is_hopper() and matmul_mgpu.prefer_mgpu(plan, m)
+
+
+def matmul_shared(
+    x: jax.Array,
+    ws,
+    *,
+    out_dtype=None,
+    col_blocks: int = 1,
+    full_ns=None,
+    backend: str = "auto",
+    interpret: bool = False,
+) -> tuple[jax.Array, ...]:
+    """``tuple(matmul(x, w, out_dtype=..., col_blocks=..., full_n=f) for w, f in zip(ws, full_ns))``
+    with the same bits, for weights that share their input (a layer's q, k and v): on the GPU in
+    one kernel launch where the weights' launch shapes agree (``matmul_triton.shared_partial``:
+    each program is the program its weight's own launch runs), else a launch each.
+
+    Args:
+      x: [M, K]; ws: a sequence of [K, N_i] weights of x's dtype.
+      out_dtype, col_blocks, backend, interpret: as ``matmul``'s (one k_shards: 1).
+      full_ns: each weight's full N under column parallelism (``matmul``'s ``full_n``);
+        default: the weights' own N.
+    Differentiable like ``matmul``.
+    """
+    ws = tuple(ws)
+    if not ws:
+        raise ValueError("matmul_shared: no weights")
+    full_ns = tuple(w.shape[1] for w in ws) if full_ns is None else tuple(full_ns)
+    if len(full_ns) != len(ws):
+        raise ValueError(f"matmul_shared: {len(ws)} weights but {len(full_ns)} full_ns")
+    for w in ws:
+        out_dtype = _check_operands(x, w, out_dtype)
+    if col_blocks not in K_SHARDS:
+        raise ValueError(f"matmul_shared: col_blocks must be one of {K_SHARDS}, got {col_blocks!r}")
+    for w, full_n in zip(ws, full_ns, strict=True):
+        n = w.shape[1]
+        if isinstance(full_n, bool) or not isinstance(full_n, int) or full_n % col_blocks or full_n < n:
+            raise ValueError(
+                f"matmul_shared: full_n={full_n!r} must be an int >= N={n} and a multiple of col_blocks"
+            )
+        if n % (full_n // col_blocks):
+            raise ValueError(
+                f"matmul_shared: a weight's {n} columns are not whole column blocks of {full_n // col_blocks} "
+                f"(full_n={full_n})"
+            )
+    runtime.check_backend(backend, interpret)
+    cols = tuple((col_blocks, f) for f in full_ns)
+    return _matmul_shared(x, ws, out_dtype=out_dtype, cols=cols, backend=backend, interpret=interpret)
 
 
 def matmul_partial(
@@ -334,6 +455,7 @@ __all__ = [
     "MatmulPlan",
     "matmul",
     "matmul_partial",
+    "matmul_shared",
     "matmul_reference",
     "plan_matmul",
     "tree_sum",

@@ -104,10 +104,18 @@ _NARROW_M = (  # M <= 64: one 64-row tile, weight streaming
 )
 # Decode rows (M <= 16) stream the weight best in 256-deep K steps (fewer barrier round trips).
 _DECODE_64 = MgpuTiles(64, 64, 1, "n", 4, step_k=256)
+# 128 < M <= 256 (two 128-row tiles) where CTAs of 128 x 256 would not fill the SMs: 128 x 128
+# (H200, h200_mid_m_tiles_2026-12-04.log, M = 256: o 20.5 vs 27.4 us, down 50.5 vs 73.5, qkv
+# 25.3 vs 30.7 for the launch the table gave; at M = 384 the table's launch was the best).
+_MID_256 = MgpuTiles(128, 64, 2, "n", 4)
 
 
 def mgpu_tiles(n: int, num_leaves: int, m: int, *, num_sms: int = H200_SMS) -> MgpuTiles:
     """Default launch shape from (N, leaves, M): only the launch, never the bits, follows M."""
+    if 128 < m <= 256:
+        wide = _WIDE_M[0][0]
+        if num_leaves * -(-m // wide.cta_m) * -(-n // wide.cta_n) < num_sms:
+            return _MID_256
     cands = _WIDE_M if m > 64 else _NARROW_M
     for t, least in cands:
         cols = -(-n // t.cta_n)
@@ -129,11 +137,15 @@ def prefer_mgpu(plan, m: int) -> bool:
     through 64 x 64 tiles (N * leaves < 16896: 0.50-0.91x; Triton's 64-row tiles are slow
     there, and it uses them for every M in 33..64 while the Mosaic kernel's work does not
     change with M <= 64). Decode rows (M <= 16) and wide-N weights at M <= 64 tie or lose
-    (0.98-1.5x): Triton. 17 <= M <= 32 and 64 < M < 512 were not timed: Triton until measured.
+    (0.98-1.5x): Triton. 17 <= M <= 32 was not timed: Triton until measured.
+    64 < M < 512 (benchmarks/h200_shared_launch_mid_m_2026-12-04.log and
+    h200_mid_m_tiles_2026-12-04.log: Llama-3-8B's four layer weights at M 96, 128, 256, 384):
+    Mosaic took 0.51-0.91x Triton's time in 14 of 16 cells (M = 256 with ``_MID_256``'s
+    launch), 1.02-1.03x on gate_up at M 96 and 128.
     """
     if plan.platform != "gpu" or jnp.dtype(plan.dtype) not in MGPU_DTYPES:
         return False
-    if m >= 512:
+    if m > 64:
         return True
     return 32 < m <= 64 and plan.k >= 4096 and plan.n * plan.num_leaves < 16896
 

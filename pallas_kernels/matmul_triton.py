@@ -27,6 +27,10 @@ _GPU_GROUP_M = 8
 # GPU row tiles chosen from M (rows are bit-identical across these; proven on
 # the H200 by benchmarks/kernels.py, which compares every choice bit for bit).
 GPU_TILE_M = (16, 32, 64, 128)
+# Weights that share their input (a layer's q, k and v; gate and up) run in one launch when
+# their launch shapes agree (``shared_partial``): each program is the program a launch of its
+# own weight would run, so the same bits, with one kernel's ramp and tail instead of several.
+SHARED_LAUNCH = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,3 +182,111 @@ def triton_partial(x, w, *, plan, num_shards, out_dtype, tiles, interpret):
         tiles=tiles,
         interpret=interpret,
     )
+
+
+# --------------------------------------------------------------------------- weights sharing x
+
+
+def shared_tiles(plans, m: int) -> GpuTiles | None:
+    """The one launch shape for ``plans``' weights at M rows, or None where their own launch
+    shapes (``gpu_tiles``) differ in anything but the column tile (one launch has one row
+    tile, warp count and pipeline depth)."""
+    tiles = [gpu_tiles(p, m) for p in plans]
+    first = tiles[0]
+    if any(
+        (t.tile_m, t.num_warps, t.num_stages) != (first.tile_m, first.num_warps, first.num_stages)
+        for t in tiles
+    ):
+        return None
+    return first
+
+
+def _shared_kernel(*refs, specs, num_x: int, tile_k: int, tile_m: int):
+    """The programs of several weights' launches in one grid: weight i owns programs
+    [start_i, start_i + leaves_i * row_tiles * col_tiles_i) and runs ``_matmul_kernel``'s K loop
+    on them, reading x (its leaf layout ``x_index``) and its weight whole, at the offsets its
+    own launch's BlockSpecs would give."""
+    x_refs, rest = refs[:num_x], refs[num_x:]
+    w_refs, o_refs = rest[: len(specs)], rest[len(specs) :]
+    pid = pl.program_id(0)
+    for (x_index, leaf_k, leaves, rt, ct, tn, start), w_ref, o_ref in zip(specs, w_refs, o_refs, strict=True):
+
+        def run(
+            x_ref=x_refs[x_index],
+            w_ref=w_ref,
+            o_ref=o_ref,
+            leaf_k=leaf_k,
+            leaves=leaves,
+            rt=rt,
+            ct=ct,
+            tn=tn,
+            start=start,
+        ):
+            leaf, i, j = swizzle(pid - start, rt, ct)
+            k0, r0, n0 = leaf * leaf_k, i * tile_m, j * tn
+            acc = k_loop(
+                lambda c: x_ref[pl.ds(r0, tile_m), pl.ds(k0 + c * tile_k, tile_k)],
+                lambda c: w_ref[pl.ds(k0 + c * tile_k, tile_k), pl.ds(n0, tn)],
+                leaf_k // tile_k,
+                (tile_m, tn),
+            )
+            if leaves == 1:
+                o_ref[pl.ds(r0, tile_m), pl.ds(n0, tn)] = acc.astype(o_ref.dtype)
+            else:
+                o_ref[leaf, pl.ds(r0, tile_m), pl.ds(n0, tn)] = acc
+
+        pl.when((pid >= start) & (pid < start + leaves * rt * ct))(run)
+
+
+def shared_partial(x, ws, *, plans, num_shards, out_dtype, tiles: GpuTiles, interpret):
+    """``[triton_partial(x, w, plan=p, ...) for w, p in zip(ws, plans)]`` in one launch of
+    ``tiles`` (row tile, warps, stages; each weight keeps its own plan's column tile where
+    ``tiles`` is an interpret-mode tile, else ``tiles.tile_n``): the same programs, so the
+    same bits."""
+    m = x.shape[0]
+    tm = tiles.tile_m
+    mp = -(-m // tm) * tm
+    rt = mp // tm
+    layouts, xls, specs, wls, out_shapes = {}, [], [], [], []
+    start = 0
+    for w, plan in zip(ws, plans, strict=True):
+        key = (plan.k_shards, plan.split_k, plan.leaf_k, plan.shard_k)
+        if key not in layouts:
+            xl = to_leaves(x, plan, num_shards, axis=1)
+            layouts[key] = len(xls)
+            xls.append(jnp.pad(xl, ((0, mp - m), (0, 0))) if mp != m else xl)
+        tn = plan.tile_n if interpret else tiles.tile_n
+        n = w.shape[1]
+        np_ = -(-n // tn) * tn
+        wl = to_leaves(w, plan, num_shards, axis=0)
+        wls.append(jnp.pad(wl, ((0, 0), (0, np_ - n))) if np_ != n else wl)
+        leaves = num_shards * plan.split_k
+        ct = np_ // tn
+        specs.append((layouts[key], plan.leaf_k, leaves, rt, ct, tn, start))
+        start += leaves * rt * ct
+        shape = (mp, np_) if leaves == 1 else (leaves, mp, np_)
+        out_shapes.append(jax.ShapeDtypeStruct(shape, out_dtype if leaves == 1 else jnp.float32))
+
+    def whole(a):
+        zeros = (0,) * len(a.shape)
+        return pl.BlockSpec(a.shape, lambda pid: zeros)
+
+    outs = pl.pallas_call(
+        functools.partial(
+            _shared_kernel, specs=tuple(specs), num_x=len(xls), tile_k=plans[0].tile_k, tile_m=tm
+        ),
+        grid=(start,),
+        in_specs=[whole(a) for a in xls + wls],
+        out_specs=[whole(s) for s in out_shapes],
+        out_shape=out_shapes,
+        compiler_params=pltriton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
+        interpret=interpret,
+        name="bijax_matmul_shared",
+    )(*xls, *wls)
+    results = []
+    for out, w, plan, (_, _, leaves, *_rest) in zip(outs, ws, plans, specs, strict=True):
+        out = out[..., :m, : w.shape[1]]
+        if leaves > 1:
+            out = combine_leaves([out[g] for g in range(leaves)], plan.split_k).astype(out_dtype)
+        results.append(out)
+    return results

@@ -20,7 +20,7 @@ CASES = {
     ),
     "matmul_split_k_8_shards": (
         lambda x, w: pk.matmul(x, w, k_shards=8),
-        (S((255, 14336), BF16), S((14336, 4096), BF16)),
+        (S((17, 14336), BF16), S((14336, 4096), BF16)),
         "bijax_matmul",
     ),
     "matmul_odd": (
@@ -31,6 +31,16 @@ CASES = {
     "matmul_mosaic_gpu_prefill": (
         lambda x, w: pk.matmul(x, w),
         (S((512, 4096), BF16), S((4096, 6144), BF16)),
+        "bijax_matmul_mgpu",
+    ),
+    "matmul_shared_decode": (
+        lambda x, wq, wk, wv: pk.matmul_shared(x, (wq, wk, wv)),
+        (S((1, 4096), BF16), S((4096, 4096), BF16), S((4096, 1024), BF16), S((4096, 1024), BF16)),
+        "bijax_matmul_shared",
+    ),
+    "matmul_mosaic_gpu_mid_m": (
+        lambda x, w: pk.matmul(x, w),
+        (S((256, 14336), BF16), S((14336, 4096), BF16)),
         "bijax_matmul_mgpu",
     ),
     "rms_norm_residual": (
@@ -76,3 +86,23 @@ def test_mosaic_gpu_path_only_on_hopper():
     f32 = (S((512, 4096), jnp.float32), S((4096, 6144), jnp.float32))
     text = cuda_export(lambda x, w: pk.matmul(x, w), *f32)
     assert TRITON_CUSTOM_CALL in text and MOSAIC_GPU_CUSTOM_CALL not in text
+
+
+def test_shared_launch_only_where_the_weights_launches_agree():
+    """q, k, v at 64 rows run the Mosaic GPU kernel on Hopper (a launch each, no shared
+    kernel); decode rows run the shared kernel, or with it switched off a launch per weight."""
+    from pallas_kernels import matmul_triton
+
+    ws = (S((4096, 4096), BF16), S((4096, 1024), BF16), S((4096, 1024), BF16))
+    fn = lambda x, *ws: pk.matmul_shared(x, ws)  # noqa: E731
+    text = cuda_export(fn, S((64, 4096), BF16), *ws)
+    assert "bijax_matmul_shared" not in text and text.count(MOSAIC_GPU_CUSTOM_CALL) >= 3
+    assert "bijax_matmul_shared" in cuda_export(fn, S((1, 4096), BF16), *ws)
+    try:  # a module setting read when tracing: traced anew (jit caches cleared) under each value
+        matmul_triton.SHARED_LAUNCH = False
+        jax.clear_caches()
+        text = cuda_export(fn, S((1, 4096), BF16), *ws)
+    finally:
+        matmul_triton.SHARED_LAUNCH = True
+        jax.clear_caches()
+    assert "bijax_matmul_shared" not in text and text.count('name = "bijax_matmul"') == 3

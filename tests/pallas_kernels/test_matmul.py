@@ -257,3 +257,76 @@ def test_runs_under_jit_and_vmap_free_tracing():
     f = jax.jit(lambda x: pk.matmul(x, w) * 2)
     x = rand((5, 576))
     np.testing.assert_array_equal(bits(f(x)), bits(pk.matmul(x, w) * 2))
+
+
+# --------------------------------------------------------------------------- weights sharing x
+
+
+def _shared_case():
+    """x and three weights whose GPU plans differ: one leaf (N 4352), two leaves (N 64, 128)."""
+    k = 2048
+    x = rand((3, k), jnp.bfloat16)
+    ws = [rand((k, n), jnp.bfloat16, k**-0.5) for n in (4352, 64, 128)]
+    leaves = [plan_matmul(k, w.shape[1], w.dtype, platform="gpu").split_k for w in ws]
+    assert leaves == [1, 2, 2]
+    return x, ws
+
+
+@pytest.mark.parametrize("backend,interpret", [("triton", True), ("jnp", False)])
+def test_shared_launch_gives_each_weight_its_own_bits(backend, interpret):
+    """matmul_shared's outputs are matmul's, weight by weight, bit for bit: on the CPU's path and
+    through the one-launch kernel (interpret mode), with weights of different plans in one grid.
+    Control: the same comparison against matmul with another reduction tree fails."""
+    x, ws = _shared_case()
+    f32 = dict(out_dtype=jnp.float32, backend=backend, interpret=interpret)
+    got = pk.matmul_shared(x, ws, **f32)
+    assert [g.shape for g in got] == [(3, w.shape[1]) for w in ws]
+    for g, w in zip(got, ws, strict=True):
+        np.testing.assert_array_equal(bits(g), bits(pk.matmul(x, w, **f32)))
+    assert not np.array_equal(bits(got[1]), bits(pk.matmul(x, ws[1], k_shards=8, **f32)))
+    got = pk.matmul_shared(x, ws, backend=backend, interpret=interpret)  # the input's dtype out
+    assert [g.dtype for g in got] == [jnp.bfloat16] * 3
+    np.testing.assert_array_equal(
+        bits(got[0]), bits(pk.matmul(x, ws[0], backend=backend, interpret=interpret))
+    )
+
+
+def test_shared_launch_column_shards_and_float32_out():
+    """A column-parallel rank's shards (``full_ns``) and a float32 output give matmul's bits."""
+    x, ws = _shared_case()
+    shards = [w[:, : w.shape[1] // 2] for w in ws]
+    full_ns = [w.shape[1] for w in ws]
+    got = pk.matmul_shared(x, shards, out_dtype=jnp.float32, col_blocks=2, full_ns=full_ns)
+    for g, w, n in zip(got, shards, full_ns, strict=True):
+        assert g.dtype == jnp.float32
+        want = pk.matmul(x, w, out_dtype=jnp.float32, col_blocks=2, full_n=n)
+        np.testing.assert_array_equal(bits(g), bits(want))
+
+
+def test_shared_launch_gradients_are_each_weights():
+    x, ws = _shared_case()
+    ws = ws[1:]
+
+    def loss(fn):
+        return lambda x, ws: sum(jnp.sum(y.astype(jnp.float32) ** 2) for y in fn(x, ws))
+
+    got = jax.grad(loss(pk.matmul_shared), argnums=(0, 1))(x, ws)
+    want = jax.grad(loss(lambda x, ws: [pk.matmul(x, w) for w in ws]), argnums=(0, 1))(x, ws)
+    np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32), rtol=2e-2)
+    for a, b in zip(got[1], want[1], strict=True):
+        np.testing.assert_array_equal(bits(a), bits(b))
+
+
+@pytest.mark.parametrize(
+    "ws,kwargs,match",
+    [
+        ([], {}, "no weights"),
+        ([np.ones((4, 6), np.float32), np.ones((5, 6), np.float32)], {}, "K mismatch"),
+        ([np.ones((4, 6), np.float32)], {"full_ns": [6, 6]}, "1 weights but 2 full_ns"),
+        ([np.ones((4, 6), np.float32)], {"full_ns": [4]}, "full_n"),
+        ([np.ones((4, 6), np.float32)], {"col_blocks": 3}, "col_blocks"),
+    ],
+)
+def test_shared_bad_input(ws, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        pk.matmul_shared(np.ones((2, 4), np.float32), ws, **kwargs)
