@@ -258,9 +258,15 @@ def _shared_vjp_fwd(x, ws, out_dtype, cols, backend, interpret):
 
 def _shared_vjp_bwd(out_dtype, cols, backend, interpret, res, gs):
     x, ws = res
-    grads = [_dot_bwd(x, w, g) for w, g in zip(ws, gs, strict=True)]
-    dx = functools.reduce(lambda a, b: a + b, [d.astype(jnp.float32) for d, _ in grads]).astype(x.dtype)
-    return dx, tuple(dw for _, dw in grads)
+    f32, hi = jnp.float32, lax.Precision.HIGHEST
+    xf = x.astype(f32)
+    dx, dws = None, []
+    for w, g in zip(ws, gs, strict=True):  # as _dot_bwd, the weights' dx summed in float32, cast once
+        gf = g.astype(f32)
+        d = jnp.dot(gf, w.astype(f32).T, precision=hi, preferred_element_type=f32)
+        dx = d if dx is None else dx + d
+        dws.append(jnp.dot(xf.T, gf, precision=hi, preferred_element_type=f32).astype(w.dtype))
+    return dx.astype(x.dtype), tuple(dws)
 
 
 _shared_vjp.defvjp(_shared_vjp_fwd, _shared_vjp_bwd)
@@ -343,14 +349,31 @@ def matmul_shared(
         default: the weights' own N.
     Differentiable like ``matmul``.
     """
+    if not isinstance(ws, (list, tuple)):
+        raise TypeError(
+            f"matmul_shared: ws must be a list or tuple of [K, N] weights, got {type(ws).__name__}"
+        )
     ws = tuple(ws)
     if not ws:
         raise ValueError("matmul_shared: no weights")
-    full_ns = tuple(w.shape[1] for w in ws) if full_ns is None else tuple(full_ns)
+    for i, w in enumerate(ws):
+        if getattr(w, "ndim", None) != 2:
+            raise ValueError(
+                f"matmul_shared: ws[{i}] must be a 2-D array, got {type(w).__name__} "
+                f"of shape {getattr(w, 'shape', None)}"
+            )
+    if full_ns is None:
+        full_ns = tuple(w.shape[1] for w in ws)
+    elif not isinstance(full_ns, (list, tuple)):
+        raise TypeError(f"matmul_shared: full_ns must be a list or tuple (one per weight), got {full_ns!r}")
+    full_ns = tuple(full_ns)
     if len(full_ns) != len(ws):
         raise ValueError(f"matmul_shared: {len(ws)} weights but {len(full_ns)} full_ns")
-    for w in ws:
-        out_dtype = _check_operands(x, w, out_dtype)
+    for i, w in enumerate(ws):
+        try:
+            out_dtype = _check_operands(x, w, out_dtype)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"matmul_shared: ws[{i}]: {e}") from None
     if col_blocks not in K_SHARDS:
         raise ValueError(f"matmul_shared: col_blocks must be one of {K_SHARDS}, got {col_blocks!r}")
     for w, full_n in zip(ws, full_ns, strict=True):

@@ -27,9 +27,11 @@ _GPU_GROUP_M = 8
 # GPU row tiles chosen from M (rows are bit-identical across these; proven on
 # the H200 by benchmarks/kernels.py, which compares every choice bit for bit).
 GPU_TILE_M = (16, 32, 64, 128)
-# Weights that share their input (a layer's q, k and v; gate and up) run in one launch when
-# their launch shapes agree (``shared_partial``): each program is the program a launch of its
-# own weight would run, so the same bits, with one kernel's ramp and tail instead of several.
+# Weights that share their input (a layer's q, k and v) run in one launch when their launch
+# shapes agree (``shared_partial``): each program is the program a launch of its own weight
+# would run, so the same bits, with one kernel's ramp and tail instead of several. Read when a
+# program is traced (set it before the first trace: jit caches do not key on it; the engine's
+# step cache does); interpret mode always takes the one launch.
 SHARED_LAUNCH = True
 
 
@@ -188,9 +190,9 @@ def triton_partial(x, w, *, plan, num_shards, out_dtype, tiles, interpret):
 
 
 def shared_tiles(plans, m: int) -> GpuTiles | None:
-    """The one launch shape for ``plans``' weights at M rows, or None where their own launch
-    shapes (``gpu_tiles``) differ in anything but the column tile (one launch has one row
-    tile, warp count and pipeline depth)."""
+    """The launch settings one launch of ``plans``' weights at M rows shares (row tile, warps,
+    pipeline depth; ``tile_n`` is the first weight's, each weight keeps its own), or None where
+    the weights' own launch shapes (``gpu_tiles``) differ in them."""
     tiles = [gpu_tiles(p, m) for p in plans]
     first = tiles[0]
     if any(
@@ -239,10 +241,10 @@ def _shared_kernel(*refs, specs, num_x: int, tile_k: int, tile_m: int):
 
 
 def shared_partial(x, ws, *, plans, num_shards, out_dtype, tiles: GpuTiles, interpret):
-    """``[triton_partial(x, w, plan=p, ...) for w, p in zip(ws, plans)]`` in one launch of
-    ``tiles`` (row tile, warps, stages; each weight keeps its own plan's column tile where
-    ``tiles`` is an interpret-mode tile, else ``tiles.tile_n``): the same programs, so the
-    same bits."""
+    """``[triton_partial(x, w, plan=p, ...) for w, p in zip(ws, plans)]`` in one launch with
+    ``tiles``' row tile, warps and stages: each weight keeps the column tile its own launch
+    would take (``gpu_tiles``, or in interpret mode its plan's), so its programs are its own
+    launch's programs and its bits that launch's."""
     m = x.shape[0]
     tm = tiles.tile_m
     mp = -(-m // tm) * tm
@@ -255,7 +257,7 @@ def shared_partial(x, ws, *, plans, num_shards, out_dtype, tiles: GpuTiles, inte
             xl = to_leaves(x, plan, num_shards, axis=1)
             layouts[key] = len(xls)
             xls.append(jnp.pad(xl, ((0, mp - m), (0, 0))) if mp != m else xl)
-        tn = plan.tile_n if interpret else tiles.tile_n
+        tn = plan.tile_n if interpret else gpu_tiles(plan, m).tile_n
         n = w.shape[1]
         np_ = -(-n // tn) * tn
         wl = to_leaves(w, plan, num_shards, axis=0)
