@@ -442,6 +442,49 @@ def mid_tiles():
         del ws
 
 
+SWEEP_GROUPS = [  # (K, weights' N, col_blocks, tensor-parallel ranks the weights are a shard of)
+    (4096, (4096, 1024, 1024), 1, 1),  # llama3-8b q, k, v
+    (4096, (2048, 512, 512), 8, 2),  # a TP 2 rank's shard of them, k_shards 8
+    (4160, (4352, 2048, 64), 1, 1),  # K padded per leaf; 1 and 4 leaves
+    (1000, (100, 64, 200), 1, 1),  # ragged everything
+]
+
+
+def bits_sweep():
+    """Bits only, no timing: ``matmul_shared``'s outputs equal ``matmul``'s per weight (backends
+    "triton" and "auto", bf16 and f32, M from 1 to 300, bf16 and f32 outputs), and the Mosaic GPU
+    rows equal Triton's for 65 <= M <= 511 (backend "auto" against "triton"; k_shards 1 and 8)."""
+    for k, ns, cb, tp in SWEEP_GROUPS:
+        for dtype in (jnp.bfloat16, jnp.float32):
+            bad = []
+            for m in (1, 16, 17, 40, 64, 100, 129, 300):
+                x = rand(90 + m, (m, k), dtype)
+                ws = [rand(91 + i, (k, n), dtype, 1 / math.sqrt(k)) for i, n in enumerate(ns)]
+                full = [n * tp for n in ns]
+                for backend in ("triton", "auto"):
+                    for out in (None, jnp.float32):
+                        kw = dict(out_dtype=out, col_blocks=cb, backend=backend)
+                        got = pk.matmul_shared(x, ws, full_ns=full, **kw)
+                        for i, (g, w, f) in enumerate(zip(got, ws, full, strict=True)):
+                            if not np.array_equal(bits(g), bits(pk.matmul(x, w, full_n=f, **kw))):
+                                bad.append((m, backend, out, i))
+            name = f"K {k} N {ns} col_blocks {cb} of {tp} {jnp.dtype(dtype).name}"
+            check(f"bits sweep shared == a launch each, {name}", not bad, str(bad[:8]))
+    for k, n in ((4096, 6144), (4096, 28672), (14336, 4096), (4096, 1024), (576, 1536)):
+        w = rand(95, (k, n), jnp.bfloat16, 1 / math.sqrt(k))
+        for k_shards in (1, 8):
+            bad = []
+            for m in (65, 100, 128, 129, 200, 256, 257, 300, 384, 511):
+                x = rand(96 + m, (m, k), jnp.bfloat16)
+                for out in (None, jnp.float32):
+                    kw = dict(out_dtype=out, k_shards=k_shards)
+                    if not np.array_equal(
+                        bits(pk.matmul(x, w, **kw)), bits(pk.matmul(x, w, backend="triton", **kw))
+                    ):
+                        bad.append((m, out))
+            check(f"bits sweep Mosaic (auto) == Triton, {k}x{n} k_shards {k_shards}", not bad, str(bad[:8]))
+
+
 def time_rows():
     rows = []
     for t in (1, 64, 1024, 8192):
@@ -470,10 +513,15 @@ def main():
     )
     ap.add_argument("--mid-m", action="store_true", help="only 64 < M < 512: Triton vs Mosaic GPU vs XLA")
     ap.add_argument("--mid-tiles", action="store_true", help="only Mosaic GPU launches at M 256 and 384")
+    ap.add_argument(
+        "--bits-sweep", action="store_true", help="only bits: shared launch, Mosaic vs Triton rows"
+    )
     args = ap.parse_args()
     dev = jax.devices()[0]
     print(f"# {datetime.date.today()} {dev.device_kind} jax {jax.__version__}")
-    if args.shared or args.mid_m or args.mid_tiles:
+    if args.shared or args.mid_m or args.mid_tiles or args.bits_sweep:
+        if args.bits_sweep:
+            bits_sweep()
         if args.mid_tiles:
             mid_tiles()
         if args.shared:
