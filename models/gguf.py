@@ -12,6 +12,7 @@ import dataclasses
 import os
 import struct
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -344,5 +345,5 @@ def load_gguf(
             w = _unpermute(w, heads)
         if transpose:
             w = np.swapaxes(w, -1, -2)  # [out, in] -> [in, out]; per expert for [E, out, in]
-        variable(model, ours).set_value(jnp.asarray(np.ascontiguousarray(w).astype(dtype)))
+        variable(model, ours).set_value(jax.device_put(np.ascontiguousarray(w).astype(dtype)))
     return model
