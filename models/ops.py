@@ -33,8 +33,8 @@ def col_mm(x, w, *, invariant: bool, col_blocks: int, tp: TensorParallel | None,
 
 
 def col_mm_shared(x, ws, *, invariant: bool, col_blocks: int, tp: TensorParallel | None, out_dtype=None):
-    """``[col_mm(x, w, ...) for w in ws]`` with the same bits, for weights that share x (q, k, v;
-    gate, up): the invariant path runs them in one kernel launch where it can
+    """``[col_mm(x, w, ...) for w in ws]`` with the same bits, for weights that share x (a
+    layer's q, k, v): the invariant path runs them in one kernel launch where it can
     (``pk.matmul_shared``)."""
     if not invariant:
         return [pk.matmul_reference(x, w, out_dtype=out_dtype) for w in ws]

@@ -43,7 +43,7 @@ from pallas_kernels.plan import (
     H200_SMS,
     K_SHARDS,
     MatmulPlan,
-    combine_leaves,
+    leaf_result,
     plan_matmul,
     to_leaves,
 )
@@ -170,9 +170,7 @@ def _grouped_pallas(xbuf, tile_group, wl, *, plan, num_leaves, num_groups, out_d
         name="bijax_grouped_matmul",
     )(tile_group, xbuf, wl)
     out = out[..., :n]
-    if num_leaves == 1:
-        return out
-    return combine_leaves([out[g] for g in range(num_leaves)], plan.split_k).astype(out_dtype)
+    return leaf_result(out, num_leaves, plan.split_k, out_dtype)
 
 
 def _gpu(x, w, group_sizes, *, plan, out_dtype, tiles, interpret):

@@ -98,6 +98,19 @@ def _check_operands(x, w, out_dtype):
     return out_dtype
 
 
+def _check_cols(op: str, name: str, n: int, col_blocks, full_n) -> None:
+    """``col_blocks`` and ``full_n`` for a weight ``name`` of N = ``n`` columns (its column shard
+    planned as the whole [K, full_n] weight: whole column blocks of it)."""
+    if col_blocks not in K_SHARDS:
+        raise ValueError(f"{op}: col_blocks must be one of {K_SHARDS}, got {col_blocks!r}")
+    if isinstance(full_n, bool) or not isinstance(full_n, int) or full_n % col_blocks or full_n < n:
+        raise ValueError(f"{op}: full_n={full_n!r} must be an int >= N={n} and a multiple of col_blocks")
+    if n % (full_n // col_blocks):
+        raise ValueError(
+            f"{op}: {name}'s {n} columns are not whole column blocks of {full_n // col_blocks} (full_n={full_n})"
+        )
+
+
 # --------------------------------------------------------------------------- autodiff
 #
 # The kernels are wrapped in ``jax.custom_vjp``: the forward is the kernel itself (its bits do
@@ -105,14 +118,20 @@ def _check_operands(x, w, out_dtype):
 # only correct). Both entry points below share it.
 
 
-def _dot_bwd(x, w, g):
-    """Cotangents of ``x @ w`` for the output cotangent ``g``: float32 XLA dots (full-precision
-    products), cast to the primal dtypes."""
+def _dot_bwd_f32(x, w, g):
+    """float32 cotangents (dx, dw) of ``x @ w`` for the output cotangent ``g``: float32 XLA dots
+    (full-precision products)."""
     f32 = jnp.float32
     gf = g.astype(f32)
     hi = lax.Precision.HIGHEST
     dx = jnp.dot(gf, w.astype(f32).T, precision=hi, preferred_element_type=f32)
     dw = jnp.dot(x.astype(f32).T, gf, precision=hi, preferred_element_type=f32)
+    return dx, dw
+
+
+def _dot_bwd(x, w, g):
+    """``_dot_bwd_f32`` cast to the primal dtypes."""
+    dx, dw = _dot_bwd_f32(x, w, g)
     return dx.astype(x.dtype), dw.astype(w.dtype)
 
 
@@ -222,16 +241,8 @@ def matmul(
     out_dtype = _check_operands(x, w, out_dtype)
     if k_shards not in K_SHARDS:
         raise ValueError(f"matmul: k_shards must be one of {K_SHARDS}, got {k_shards!r}")
-    n = w.shape[1]
-    full_n = n if full_n is None else full_n
-    if col_blocks not in K_SHARDS:
-        raise ValueError(f"matmul: col_blocks must be one of {K_SHARDS}, got {col_blocks!r}")
-    if isinstance(full_n, bool) or not isinstance(full_n, int) or full_n % col_blocks or full_n < n:
-        raise ValueError(f"matmul: full_n={full_n!r} must be an int >= N={n} and a multiple of col_blocks")
-    if n % (full_n // col_blocks):
-        raise ValueError(
-            f"matmul: w's {n} columns are not whole column blocks of {full_n // col_blocks} (full_n={full_n})"
-        )
+    full_n = w.shape[1] if full_n is None else full_n
+    _check_cols("matmul", "w", w.shape[1], col_blocks, full_n)
     runtime.check_backend(backend, interpret)
     if tiles is not None and not isinstance(tiles, GpuTiles):
         raise TypeError(f"matmul: tiles must be a GpuTiles, got {type(tiles).__name__}")
@@ -258,15 +269,9 @@ def _shared_vjp_fwd(x, ws, out_dtype, cols, backend, interpret):
 
 def _shared_vjp_bwd(out_dtype, cols, backend, interpret, res, gs):
     x, ws = res
-    f32, hi = jnp.float32, lax.Precision.HIGHEST
-    xf = x.astype(f32)
-    dx, dws = None, []
-    for w, g in zip(ws, gs, strict=True):  # as _dot_bwd, the weights' dx summed in float32, cast once
-        gf = g.astype(f32)
-        d = jnp.dot(gf, w.astype(f32).T, precision=hi, preferred_element_type=f32)
-        dx = d if dx is None else dx + d
-        dws.append(jnp.dot(xf.T, gf, precision=hi, preferred_element_type=f32).astype(w.dtype))
-    return dx.astype(x.dtype), tuple(dws)
+    grads = [_dot_bwd_f32(x, w, g) for w, g in zip(ws, gs, strict=True)]
+    dx = functools.reduce(lambda a, b: a + b, [d for d, _ in grads])  # summed in float32, cast once
+    return dx.astype(x.dtype), tuple(dw.astype(w.dtype) for (_, dw), w in zip(grads, ws, strict=True))
 
 
 _shared_vjp.defvjp(_shared_vjp_fwd, _shared_vjp_bwd)
@@ -374,19 +379,8 @@ def matmul_shared(
             out_dtype = _check_operands(x, w, out_dtype)
         except (TypeError, ValueError) as e:
             raise type(e)(f"matmul_shared: ws[{i}]: {e}") from None
-    if col_blocks not in K_SHARDS:
-        raise ValueError(f"matmul_shared: col_blocks must be one of {K_SHARDS}, got {col_blocks!r}")
-    for w, full_n in zip(ws, full_ns, strict=True):
-        n = w.shape[1]
-        if isinstance(full_n, bool) or not isinstance(full_n, int) or full_n % col_blocks or full_n < n:
-            raise ValueError(
-                f"matmul_shared: full_n={full_n!r} must be an int >= N={n} and a multiple of col_blocks"
-            )
-        if n % (full_n // col_blocks):
-            raise ValueError(
-                f"matmul_shared: a weight's {n} columns are not whole column blocks of {full_n // col_blocks} "
-                f"(full_n={full_n})"
-            )
+    for i, (w, full_n) in enumerate(zip(ws, full_ns, strict=True)):
+        _check_cols("matmul_shared", f"ws[{i}]", w.shape[1], col_blocks, full_n)
     runtime.check_backend(backend, interpret)
     cols = tuple((col_blocks, f) for f in full_ns)
     return _matmul_shared(x, ws, out_dtype=out_dtype, cols=cols, backend=backend, interpret=interpret)

@@ -38,7 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.plan import H200_SMS, TILE_K, combine_leaves, to_leaves
+from pallas_kernels.plan import H200_SMS, TILE_K, leaf_result, to_leaves
 
 MGPU_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # H100/H200 dynamic shared memory per block (227 KiB), less room for barriers.
@@ -395,9 +395,7 @@ def mgpu_partial(
         pad_small_m=pad_small_m,
         interpret=interpret,
     )
-    if num_leaves == 1:
-        return out
-    return combine_leaves([out[g] for g in range(num_leaves)], plan.split_k).astype(out_dtype)
+    return leaf_result(out, num_leaves, plan.split_k, out_dtype)
 
 
 __all__ = [

@@ -17,7 +17,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.plan import GPU_MIN_TILE_N, H200_SMS, MatmulPlan, combine_leaves, to_leaves
+from pallas_kernels.plan import GPU_MIN_TILE_N, H200_SMS, MatmulPlan, leaf_result, to_leaves
 
 # Decode-row launches (16-row tiles, 2-byte weights) take 64-column tiles from this many programs
 # on (Llama-3-8B's 4096-column weights give 64); narrower weights keep 32-column tiles.
@@ -163,9 +163,7 @@ def _matmul_pallas(x, w, *, plan: MatmulPlan, num_leaves: int, out_dtype, tiles:
         name="bijax_matmul",
     )(x, w)
     out = out[..., :m, :n]
-    if num_leaves == 1:
-        return out
-    return combine_leaves([out[g] for g in range(num_leaves)], plan.split_k).astype(out_dtype)
+    return leaf_result(out, num_leaves, plan.split_k, out_dtype)
 
 
 def triton_partial(x, w, *, plan, num_shards, out_dtype, tiles, interpret):
@@ -287,8 +285,5 @@ def shared_partial(x, ws, *, plans, num_shards, out_dtype, tiles: GpuTiles, inte
     )(*xls, *wls)
     results = []
     for out, w, plan, (_, _, leaves, *_rest) in zip(outs, ws, plans, specs, strict=True):
-        out = out[..., :m, : w.shape[1]]
-        if leaves > 1:
-            out = combine_leaves([out[g] for g in range(leaves)], plan.split_k).astype(out_dtype)
-        results.append(out)
+        results.append(leaf_result(out[..., :m, : w.shape[1]], leaves, plan.split_k, out_dtype))
     return results

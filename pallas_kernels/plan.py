@@ -143,3 +143,12 @@ def combine_leaves(parts, fold: int):
             total = total + p
         shards.append(total)
     return tree_sum(shards)
+
+
+def leaf_result(out, num_leaves: int, split_k: int, out_dtype):
+    """A GPU matmul kernel's output as the op's result: with one leaf ``out`` is the [M, N]
+    result already; else ``out`` holds the fp32 [L, M, N] leaf partials, combined by
+    ``combine_leaves`` and cast to ``out_dtype``."""
+    if num_leaves == 1:
+        return out
+    return combine_leaves([out[g] for g in range(num_leaves)], split_k).astype(out_dtype)
