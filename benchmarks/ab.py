@@ -9,6 +9,7 @@ running ``benchmarks/async_scheduling.py`` with the arguments after the side.
     PYTHONPATH=. python3 benchmarks/ab.py decode-kernel old|new [async_scheduling.py args]
     PYTHONPATH=. python3 benchmarks/ab.py step-programs layers|whole [async_scheduling.py args]
     PYTHONPATH=. python3 benchmarks/ab.py matmul-shared each|shared [async_scheduling.py args]
+    PYTHONPATH=. python3 benchmarks/ab.py fusions off|on [async_scheduling.py args]
 
 ``decode-launch``: ``matmul_triton.gpu_tiles``'s 16-row launch (64 columns, 4 warps, 8 stages)
 off (``old``: 32 columns, 2 warps, 4 stages) or on (``new``, committed). ``prefill-kernel``:
@@ -27,6 +28,9 @@ program (``whole``, the GPU's) - ``BIJAX_STEP_PROGRAMS`` (``bijax.step_programs`
 chain with ``BIJAX_LAYER_COPIES=1`` / ``BIJAX_LAYER_COMMAND_BUFFERS=0``.
 ``matmul-shared``: ``matmul_triton.SHARED_LAUNCH`` off (``each``: q, k, v and gate, up a launch
 each) or on (``shared``: one launch per group where the launch shapes agree; the default).
+``fusions``: ``matmul_norm.FUSED`` and ``rope.FUSED`` off (``off``: o / down's leaf partials
+combined by XLA before the norm kernel; RoPE and the KV write as XLA's five kernels) or on
+(``on``: the norm kernel combines the leaves; one RoPE + KV-write kernel a layer; the default).
 ``--script NAME args``: runs ``benchmarks/NAME`` with ``args`` under the switch instead (e.g.
 ``profile_step.py --cases decode1 --paths invariant``).
 Default arguments: llama3-8b, 1 and 64 sequences x (64 + 128) tokens, 3 timed runs; for a
@@ -68,6 +72,10 @@ SWITCHES = {
     "matmul-shared": {
         side: (("matmul_triton", "SHARED_LAUNCH", value),)
         for side, value in (("each", False), ("shared", True))
+    },
+    "fusions": {
+        "off": (("matmul_norm", "FUSED", False), ("rope", "FUSED", False)),
+        "on": (),
     },
     "step-programs": {
         "layers": ((None, "BIJAX_STEP_PROGRAMS", "layers"),),

@@ -79,6 +79,8 @@ _AB = {
         ("programs-tieredx4", "step-programs", "tieredx4", _LONG),
         ("shared-each", "matmul-shared", "each", _LONG),
         ("shared-on", "matmul-shared", "shared", _LONG),
+        ("fusions-off", "fusions", "off", _LONG),
+        ("fusions-on", "fusions", "on", _LONG),
     )
 }
 _PROFILE_DECODE = ("--script", "profile_step.py", "--cases", "decode1,decode64", "--paths", "invariant")
@@ -90,6 +92,16 @@ _AB.update(
             f"profile, {side}",
         )
         for side in ("each", "shared")
+    }
+)
+_AB.update(
+    {
+        f"profile-fusions-{side}": (
+            _py("ab.py", "fusions", side, *_PROFILE_DECODE),
+            200,
+            f"profile, fusions {side}",
+        )
+        for side in ("off", "on")
     }
 )
 # name -> (command, time limit s, what it is for)
@@ -115,6 +127,7 @@ STEPS = {
     "kernels": (_py("kernels.py", "--skip-checks"), 200, "matmul / rows kernel time vs XLA"),
     "decode-sweep": (_py("kernels.py", "--decode-sweep"), 150, "decode-row matmul launches"),
     "bits-sweep": (_py("kernels.py", "--bits-sweep"), 300, "bits: shared launch, Mosaic vs Triton rows"),
+    "fusions": (_py("kernels.py", "--fusions"), 300, "matmul_norm, rope_write_kv: bits and time vs unfused"),
     "kernels-mid-tiles": (_py("kernels.py", "--mid-tiles"), 200, "Mosaic GPU launches at M 256, 384"),
     "kernels-shared": (
         _py("kernels.py", "--shared", "--mid-m"),

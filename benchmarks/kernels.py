@@ -91,6 +91,17 @@ def kernel_us(fn, *args, iterations: int = 20) -> float:
     return statistics.median(times) * 1e3
 
 
+def named_kernel_us(fn, *args, iterations: int = 20) -> tuple[float, list[str]]:
+    """Median summed kernel time of fn, leaving out the copies XLA adds when an aliased cache is
+    not donated (both sides copy the same caches); returns the names of the kernels summed."""
+    from jax.experimental.mosaic.gpu import profiler
+
+    _, per_iter = profiler.measure(fn, aggregate=False, iterations=iterations)(*args)
+    keep = [name for name, _ in per_iter[0] if "copy" not in name.lower()]
+    totals = [sum(t for name, t in it if "copy" not in name.lower()) for it in per_iter]
+    return statistics.median(totals) * 1e3, keep
+
+
 def rotated_us(op, x, ws) -> float:
     """Median kernel time of op(x, w) per weight copy, cycling over the copies inside one call."""
     fn = jax.jit(lambda x, *ws: [op(x, w) for w in ws])
@@ -485,6 +496,119 @@ def bits_sweep():
             check(f"bits sweep Mosaic (auto) == Triton, {k}x{n} k_shards {k_shards}", not bad, str(bad[:8]))
 
 
+ROW_WEIGHTS = {  # name: (K, N) of a row-parallel weight
+    "llama3-8b o": (4096, 4096),
+    "llama3-8b down": (14336, 4096),
+    "qwen2.5-7b down": (18944, 3584),
+    "smollm2 down": (1536, 576),
+}
+HEADS = {"llama3-8b": (32, 8, 128), "qwen2.5-7b": (28, 4, 128), "smollm2": (9, 3, 64)}
+
+
+def _rope_kv_inputs(t, hq, hkv, d, seed=0):
+    num_blocks, block_size = 512, 16
+    q, k, v = (rand(seed + i, (t, h, d), jnp.bfloat16) for i, h in enumerate((hq, hkv, hkv)))
+    ang = rand(seed + 3, (t, 1, d // 2), jnp.float32, 30.0)
+    cs = jnp.concatenate([jnp.cos(ang), jnp.sin(ang)], axis=1)
+    perm = np.random.default_rng(seed).permutation(np.arange(block_size, num_blocks * block_size))[:t]
+    slots = jnp.asarray(np.where(np.arange(t) % 5 == 4, -1, perm), jnp.int32)  # every 5th: padding
+    caches = [rand(seed + 4 + i, (num_blocks, block_size, hkv, d), jnp.bfloat16) for i in range(2)]
+    return q, k, v, cs, caches, slots
+
+
+def fusions():
+    """``pk.matmul_norm`` against ``pk.matmul`` then ``pk.rms_norm``, and ``pk.rope_write_kv``
+    against ``pk.rope`` and ``pk.write_kv``: bits (every row count where the matmul runs Triton or
+    Mosaic GPU, k_shards 1 and 8, bf16 and f32; every token count) and CUPTI kernel time at
+    decode rows (weights rotated past L2). A negative control: the RoPE kernel with plain
+    multiplies, which the compiler may fuse into the adds."""
+    rope_mod = importlib.import_module("pallas_kernels.rope")
+
+    eps = 1e-5
+    for name, (k, n) in ROW_WEIGHTS.items():
+        for dtype in (jnp.bfloat16, jnp.float32):
+            w = rand(70, (k, n), dtype, 1 / math.sqrt(k))
+            g = rand(71, (n,), dtype)
+            for k_shards in (1, 8):
+                if dtype == jnp.float32 and k_shards == 1:
+                    continue  # compile-bound: float32 (Triton at every M) with 8 shards only
+                bad = []
+                # Triton decode rows (1, 17), Mosaic GPU (65, 200: 128 x 128 CTAs, 2048), and
+                # float32's Triton launches at 65 and 300 rows
+                for m in (1, 17, 65, 200, 2048) if dtype == jnp.bfloat16 else (1, 65, 300):
+                    x, r = rand(72 + m, (m, k), dtype), rand(73 + m, (m, n), dtype)
+                    got = pk.matmul_norm(x, w, g, r, eps=eps, k_shards=k_shards)
+                    y = pk.matmul(x, w, k_shards=k_shards)
+                    want = pk.rms_norm(y, g, eps=eps, residual=r)
+                    if not all(np.array_equal(bits(a), bits(b)) for a, b in zip(got, want, strict=True)):
+                        bad.append(m)
+                check(
+                    f"matmul_norm == matmul + rms_norm, {name} {jnp.dtype(dtype).name} k_shards {k_shards}",
+                    not bad,
+                    str(bad),
+                )
+    rows = []
+    for name in ("llama3-8b o", "llama3-8b down"):
+        k, n = ROW_WEIGHTS[name]
+        ws = [rand(80 + i, (k, n), jnp.bfloat16, 1 / math.sqrt(k)) for i in range(copies_for(k * n * 2))]
+        g = rand(79, (n,), jnp.bfloat16)
+        for m in (1, 16, 64):
+            x, r = rand(81, (m, k), jnp.bfloat16), rand(82, (m, n), jnp.bfloat16)
+            t_un = rotated_us(
+                lambda x, w, g=g, r=r: pk.rms_norm(pk.matmul(x, w), g, eps=eps, residual=r), x, ws
+            )
+            t_fu = rotated_us(lambda x, w, g=g, r=r: pk.matmul_norm(x, w, g, r, eps=eps), x, ws)
+            t_xla = rotated_us(
+                lambda x, w, g=g, r=r: pk.rms_norm_reference(x @ w, g, eps=eps, residual=r), x, ws
+            )
+            rows.append((f"{name} + norm", m, t_xla, t_un, t_fu))
+        del ws
+    for model, (hq, hkv, d) in HEADS.items():
+        bad, plain_differs = [], []
+        for t in (1, 16, 64, 300, 2048):
+            q, k, v, cs, (kc, vc), slots = _rope_kv_inputs(t, hq, hkv, d, seed=t)
+            want_q = pk.rope(q, cs)
+            want_k, want_v = pk.write_kv(jnp.array(kc), jnp.array(vc), pk.rope(k, cs), v, slots)
+            got_q, got_k, got_v = pk.rope_write_kv(q, k, v, cs, jnp.array(kc), jnp.array(vc), slots)
+            same = [
+                np.array_equal(
+                    bits(a)[1:] if a.ndim == 4 else bits(a), bits(b)[1:] if b.ndim == 4 else bits(b)
+                )
+                for a, b in ((got_q, want_q), (got_k, want_k), (got_v, want_v))
+            ]
+            if not all(same):
+                bad.append((t, same))
+            plain = jax.jit(
+                functools.partial(
+                    rope_mod._rope_kv_pallas,
+                    interpret=False,
+                    products=lambda pairs: tuple(a * b for a, b in pairs),
+                )
+            )(q, k, v, cs, jnp.array(kc), jnp.array(vc), slots)
+            if not np.array_equal(bits(plain[0]), bits(want_q)):
+                plain_differs.append(t)
+        check(f"rope_write_kv == rope + write_kv, {model} heads {hq}/{hkv} x {d}", not bad, str(bad))
+        print(
+            f"INFO negative control: plain multiplies in the kernel differ from rope at T = {plain_differs}"
+        )
+        if model == "llama3-8b":
+            for t in (16, 64):
+                q, k, v, cs, (kc, vc), slots = _rope_kv_inputs(t, hq, hkv, d, seed=t)
+
+                def unfused(q, k, v, cs, kc, vc, slots):
+                    kc, vc = pk.write_kv(kc, vc, pk.rope(k, cs), v, slots)
+                    return pk.rope(q, cs), kc, vc
+
+                t_un, names_un = named_kernel_us(jax.jit(unfused), q, k, v, cs, kc, vc, slots)
+                t_fu, names_fu = named_kernel_us(jax.jit(pk.rope_write_kv), q, k, v, cs, kc, vc, slots)
+                print(f"INFO T = {t} kernels timed, unfused: {names_un}; fused: {names_fu}")
+                rows.append((f"rope + write_kv {model}", t, float("nan"), t_un, t_fu))
+    print("\n| op | rows | XLA us | unfused us | fused us | fused / unfused |")
+    print("|---|---|---|---|---|---|")
+    for op, m, t_xla, t_un, t_fu in rows:
+        print(f"| {op} | {m} | {t_xla:.1f} | {t_un:.1f} | {t_fu:.1f} | {t_fu / t_un:.2f} |")
+
+
 def time_rows():
     rows = []
     for t in (1, 64, 1024, 8192):
@@ -516,10 +640,15 @@ def main():
     ap.add_argument(
         "--bits-sweep", action="store_true", help="only bits: shared launch, Mosaic vs Triton rows"
     )
+    ap.add_argument(
+        "--fusions", action="store_true", help="only matmul_norm and rope_write_kv: bits and time"
+    )
     args = ap.parse_args()
     dev = jax.devices()[0]
     print(f"# {datetime.date.today()} {dev.device_kind} jax {jax.__version__}")
-    if args.shared or args.mid_m or args.mid_tiles or args.bits_sweep:
+    if args.shared or args.mid_m or args.mid_tiles or args.bits_sweep or args.fusions:
+        if args.fusions:
+            fusions()
         if args.bits_sweep:
             bits_sweep()
         if args.mid_tiles:

@@ -79,6 +79,8 @@ _SETTINGS = (
     ("attention_triton", "DECODE_ROWS_IN_REGISTERS"),
     ("attention_triton", "DECODE_PROGRAMS"),
     ("matmul_triton", "SHARED_LAUNCH"),
+    ("matmul_norm", "FUSED"),
+    ("rope", "FUSED"),
 )
 
 

@@ -60,7 +60,7 @@ from jax import lax
 
 import pallas_kernels as pk
 from models.configs import LlamaConfig
-from models.ops import TensorParallel, col_mm, col_mm_shared, moe, norm, rope, row_mm
+from models.ops import TensorParallel, col_mm, col_mm_shared, moe, norm, row_mm_norm
 from models.paged import KVCache, PackedLayout, PagedBatch, init_kv_cache
 from pallas_kernels import K_SHARDS
 
@@ -202,14 +202,21 @@ class Decoder:
     ):
         """One layer on its normed input ``h`` [T, H] and the residual stream, then the norm of
         the layer after it (``next_norm``: its attn_norm weight, or the final norm's) ->
-        (normed, residual). ``attend(q, k, v)`` -> [T, Hq, D] is this layer's attention."""
+        (normed, residual). ``attend(q, k, v, cos_sin)`` -> [T, Hq, D] is this layer's attention
+        of q, k, v before RoPE, which it applies (``pk.rope``, or fused with the KV write:
+        ``pk.rope_write_kv``) with ``cos_sin`` [T, 2, D/2], the tokens' rows of ``rope_table``."""
         eps = self.config.rms_norm_eps
-        q, k, v = self.qkv(blk.attn, h, pos, rope_table, invariant=invariant, tp=tp)
-        o = attend(q, k, v).reshape(h.shape[0], -1)
-        x = self.row(o, blk.attn.wo[...], invariant=invariant, tp=tp)
-        h, residual = norm(x, blk.mlp_norm[...], eps, invariant=invariant, residual=residual)
-        x = self.mlp(blk.mlp, h, invariant=invariant, tp=tp)
-        return norm(x, next_norm, eps, invariant=invariant, residual=residual)
+        q, k, v = self.qkv(blk.attn, h, invariant=invariant, tp=tp)
+        cos_sin = rope_table[jnp.clip(pos, 0, self.config.max_position_embeddings - 1)]  # [T, 2, D/2]
+        o = attend(q, k, v, cos_sin).reshape(h.shape[0], -1)
+        h, residual = self.row_norm(
+            o, blk.attn.wo[...], blk.mlp_norm[...], residual, invariant=invariant, tp=tp
+        )
+        if isinstance(blk.mlp, MoE):
+            x = self.moe(blk.mlp, h, invariant=invariant, tp=tp)
+            return norm(x, next_norm, eps, invariant=invariant, residual=residual)
+        x = self.swiglu(blk.mlp, h, invariant=invariant, tp=tp)
+        return self.row_norm(x, blk.mlp.w_down[...], next_norm, residual, invariant=invariant, tp=tp)
 
     def head(self, w, x, *, invariant: bool, tp: TensorParallel | None = None):
         """float32 logits [T, V] of x [T, H]; ``w`` is the LM head [H, V], or the embedding
@@ -231,9 +238,9 @@ class Decoder:
             y = pk.gather_last(y, tp.axis)
         return y[:, :v] if vp != v else y
 
-    def qkv(self, layer: Attention, x, pos, rope_table, *, invariant: bool, tp: TensorParallel | None = None):
-        """Projections of x [T, H] at positions pos [T] -> q [T, Hq, D], k, v [T, Hkv, D]
-        (under ``tp``: this rank's heads)."""
+    def qkv(self, layer: Attention, x, *, invariant: bool, tp: TensorParallel | None = None):
+        """Projections of x [T, H] -> q [T, Hq, D], k, v [T, Hkv, D] (under ``tp``: this rank's
+        heads), q and k normed per head where the model does (Qwen3), before RoPE."""
         c = self.config
         bias = c.attention_bias
         ws = [layer.wq[...], layer.wk[...], layer.wv[...]]
@@ -248,35 +255,38 @@ class Decoder:
                 y.reshape(-1, c.head_dim), w[...], c.rms_norm_eps, invariant=invariant
             ).reshape(y.shape)
             q, k = head_norm(q, layer.q_norm), head_norm(k, layer.k_norm)
-        cos_sin = rope_table[jnp.clip(pos, 0, c.max_position_embeddings - 1)]  # [T, 2, D/2]
-        return rope(q, cos_sin), rope(k, cos_sin), v
+        return q, k, v
 
-    def row(self, x, w, *, invariant: bool, tp: TensorParallel | None):
-        return row_mm(x, w, invariant=invariant, k_shards=self.k_shards, tp_parts=self.tp_parts, tp=tp)
+    def row_norm(self, x, w, norm_weight, residual, *, invariant: bool, tp: TensorParallel | None):
+        """A row-parallel projection (o, down) of x, the residual add and the norm after it ->
+        (normed, residual stream)."""
+        kw = dict(invariant=invariant, k_shards=self.k_shards, tp_parts=self.tp_parts, tp=tp)
+        return row_mm_norm(x, w, norm_weight, residual, self.config.rms_norm_eps, **kw)
 
-    def mlp(self, mlp: MLP | MoE, x, *, invariant: bool, tp: TensorParallel | None = None):
-        if isinstance(mlp, MoE):
-            if tp is not None:
-                raise ValueError("tensor parallelism is not supported for mixture-of-experts layers")
-            c = self.config
-            return moe(
-                x,
-                mlp.router[...],
-                mlp.experts_gate[...],
-                mlp.experts_up[...],
-                mlp.experts_down[...],
-                top_k=c.num_experts_per_tok,
-                norm_topk_prob=c.norm_topk_prob,
-                invariant=invariant,
-                k_shards=self.k_shards,
-            )
+    def moe(self, mlp: MoE, x, *, invariant: bool, tp: TensorParallel | None = None):
+        if tp is not None:
+            raise ValueError("tensor parallelism is not supported for mixture-of-experts layers")
+        c = self.config
+        return moe(
+            x,
+            mlp.router[...],
+            mlp.experts_gate[...],
+            mlp.experts_up[...],
+            mlp.experts_down[...],
+            top_k=c.num_experts_per_tok,
+            norm_topk_prob=c.norm_topk_prob,
+            invariant=invariant,
+            k_shards=self.k_shards,
+        )
+
+    def swiglu(self, mlp: MLP, x, *, invariant: bool, tp: TensorParallel | None = None):
+        """A dense MLP's hidden activation SiLU(x @ gate) * (x @ up), before down."""
         cb = self.k_shards
         # gate and up a launch each: one launch of both was slower at decode rows (H200, llama3-8b
         # at M = 1 and 16: 68.7 vs 61.8 us; RESULTS.md, session 33), unlike q, k, v
         g = col_mm(x, mlp.w_gate[...], invariant=invariant, col_blocks=cb, tp=tp).astype(jnp.float32)
         u = col_mm(x, mlp.w_up[...], invariant=invariant, col_blocks=cb, tp=tp).astype(jnp.float32)
-        h = (g * jax.nn.sigmoid(g) * u).astype(x.dtype)  # SwiGLU in float32, rounded once
-        return self.row(h, mlp.w_down[...], invariant=invariant, tp=tp)
+        return (g * jax.nn.sigmoid(g) * u).astype(x.dtype)  # SwiGLU in float32, rounded once
 
 
 # --------------------------------------------------------------------------- the paged forward's pieces
@@ -308,13 +318,16 @@ def paged_block(
     and logit rows are not read (they may be None). Returns ((normed, residual), updated kv)."""
     b, out = batch, []
 
-    def attend(q, k, v):
+    def attend(q, k, v, cos_sin):
         kc, vc = kv
+        index = (b.block_tables, b.context_lens, b.token_seq, b.token_pos)
+        if invariant:  # RoPE and the KV write in one op (one kernel on the GPU)
+            q, kc, vc = pk.rope_write_kv(q, k, v, cos_sin, kc, vc, b.slot_mapping)
+            out.append((kc, vc))
+            return pk.attention(q, kc, vc, *index)
+        q, k = pk.rope(q, cos_sin), pk.rope(k, cos_sin)
         kc, vc = pk.write_kv(kc, vc, k.astype(kc.dtype), v.astype(vc.dtype), b.slot_mapping)
         out.append((kc, vc))
-        index = (b.block_tables, b.context_lens, b.token_seq, b.token_pos)
-        if invariant:
-            return pk.attention(q, kc, vc, *index)
         return pk.attention_xla(q, k, v, kc, vc, *index)
 
     h, residual = decoder.block(
@@ -478,7 +491,8 @@ class Llama(nnx.Module):
         return weight_at(self, next_norm_path(i, len(self.layers)))
 
     def _layers(self, x, pos, attend, *, invariant: bool, tp: TensorParallel | None = None):
-        """The decoder stack over flat tokens x [T, H]; ``attend(i, q, k, v)`` -> [T, Hq, D]."""
+        """The decoder stack over flat tokens x [T, H]; ``attend(i, q, k, v, cos_sin)`` -> [T, Hq, D]
+        (``Decoder.block``'s ``attend`` of layer i)."""
         d, rope_table = self.decoder, self.rope[...]
         h, residual = d.first_norm(x, weight_at(self, FIRST_NORM_PATH)[...], invariant=invariant)
         for i, blk in enumerate(self.layers):
@@ -536,7 +550,8 @@ class Llama(nnx.Module):
         layout = PackedLayout.create(segment_ids, max_segments)
         pos = layout.token_pos
 
-        def attend(i, q, k, v):
+        def attend(i, q, k, v, cos_sin):
+            q, k = pk.rope(q, cos_sin), pk.rope(k, cos_sin)
             if invariant:
                 index = (layout.block_tables, layout.context_lens, layout.token_seq, pos)
                 return pk.attention(q, layout.pages(k), layout.pages(v), *index)

@@ -67,6 +67,27 @@ def row_mm(x, w, *, invariant: bool, k_shards: int, tp_parts: int, tp: TensorPar
     return pk.tree_sum(parts).astype(x.dtype)
 
 
+def row_mm_norm(
+    x,
+    w,
+    norm_weight,
+    residual,
+    eps,
+    *,
+    invariant: bool,
+    k_shards: int,
+    tp_parts: int,
+    tp: TensorParallel | None,
+):
+    """``norm(row_mm(x, w, ...), norm_weight, eps, residual=residual)``: a row-parallel
+    projection, the residual add and the next norm -> (normed, residual stream). On one device
+    the invariant path is one op (``pk.matmul_norm``: the same bits, a kernel fewer)."""
+    if invariant and tp is None and tp_parts == 1:
+        return pk.matmul_norm(x, w, norm_weight, residual, eps=eps, k_shards=k_shards)
+    y = row_mm(x, w, invariant=invariant, k_shards=k_shards, tp_parts=tp_parts, tp=tp)
+    return norm(y, norm_weight, eps, invariant=invariant, residual=residual)
+
+
 def moe(x, router, w_gate, w_up, w_down, *, top_k: int, norm_topk_prob: bool, invariant: bool, k_shards: int):
     """Qwen3-MoE's sparse block on x [T, H]: router [H, E]; experts w_gate, w_up [E, H, I],
     w_down [E, I, H]. Each token goes to the ``top_k`` experts of the largest router logits,
@@ -122,16 +143,3 @@ def norm(x, w, eps, *, invariant: bool, residual=None):
     if invariant:
         return pk.rms_norm(x, w, eps=eps, residual=residual)
     return pk.rms_norm_reference(x, w, eps=eps, residual=residual)
-
-
-def rope(x, cos_sin):
-    """x [T, H, D] rotated by the half-split convention (HF's rotate_half), in float32."""
-    cos, sin = cos_sin[:, None, 0], cos_sin[:, None, 1]  # [T, 1, D/2]
-    xf = x.astype(jnp.float32)
-    x1, x2 = jnp.split(xf, 2, axis=-1)
-    # The products are rounded before the add, in every program: without the barrier XLA may
-    # fuse a product into the add (one rounding, an FMA) in one program and not in another
-    # (a trainer's grad step keeps them for the backward), and a bit would differ.
-    a, b, c, d = lax.optimization_barrier((x1 * cos, x2 * sin, x2 * cos, x1 * sin))
-    out = jnp.concatenate([a - b, c + d], axis=-1)
-    return out.astype(x.dtype)

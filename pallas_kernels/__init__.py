@@ -29,8 +29,10 @@ from pallas_kernels.attention_xla import attention_xla
 from pallas_kernels.collectives import gather_last, tree_psum
 from pallas_kernels.grouped_matmul import group_rows, grouped_matmul, grouped_matmul_reference
 from pallas_kernels.matmul import matmul, matmul_partial, matmul_reference, matmul_shared
+from pallas_kernels.matmul_norm import matmul_norm
 from pallas_kernels.plan import K_SHARDS, MatmulPlan, plan_matmul, tree_sum
 from pallas_kernels.rms_norm import rms_norm, rms_norm_reference
+from pallas_kernels.rope import rope, rope_write_kv
 from pallas_kernels.sampling import (
     argmax,
     greedy_rows,
@@ -71,12 +73,15 @@ __all__ = [
     "logsumexp",
     "logsumexp_reference",
     "matmul",
+    "matmul_norm",
     "matmul_partial",
     "matmul_reference",
     "matmul_shared",
     "plan_matmul",
     "rms_norm",
     "rms_norm_reference",
+    "rope",
+    "rope_write_kv",
     "sample",
     "tempered",
     "tempered_log_softmax",

@@ -41,6 +41,7 @@ __all__ = [
     "AttentionSpec",
     "attention",
     "attention_reference",
+    "check_write_kv",
     "segment_attention_reference",
     "write_kv",
 ]
@@ -251,30 +252,40 @@ def _write_kv(k_cache, v_cache, k, v, slots):
     return k_cache.at[blk, off].set(k), v_cache.at[blk, off].set(v)
 
 
+def check_write_kv(op: str, k_cache, v_cache, k, v, slot_mapping, *, cast: bool = False) -> None:
+    """``write_kv``'s input checks (``cast``: k, v may have another dtype than the caches)."""
+    for name, a in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if getattr(a, "ndim", None) != 4:
+            raise ValueError(
+                f"{op}: {name} must be [num_blocks, block_size, Hkv, D], got {getattr(a, 'shape', None)}"
+            )
+    if k.shape != v.shape or k.shape[1:] != k_cache.shape[2:] or v_cache.shape != k_cache.shape:
+        raise ValueError(f"{op}: k {k.shape} / v {v.shape} do not fit cache rows {k_cache.shape[2:]}")
+    if not cast and (k.dtype != k_cache.dtype or v.dtype != v_cache.dtype):
+        raise TypeError(f"{op}: dtype mismatch k={k.dtype}, cache={k_cache.dtype}")
+    if tuple(getattr(slot_mapping, "shape", ())) != (k.shape[0],):
+        raise ValueError(
+            f"{op}: slot_mapping must have shape ({k.shape[0]},), got {getattr(slot_mapping, 'shape', None)}"
+        )
+    if not jnp.issubdtype(slot_mapping.dtype, jnp.integer):
+        raise TypeError(f"{op}: slot_mapping must be an integer array, got {slot_mapping.dtype}")
+    slots = _concrete(slot_mapping)
+    capacity = k_cache.shape[0] * k_cache.shape[1]
+    if slots is not None:
+        if (slots >= capacity).any():
+            raise ValueError(f"{op}: slot {int(slots.max())} is outside the cache's {capacity} slots")
+        real = slots[slots >= 0]
+        if len(np.unique(real)) != len(real):
+            raise ValueError(f"{op}: two tokens write the same cache slot")
+
+
 def write_kv(k_cache, v_cache, k, v, slot_mapping):
     """Stores k, v [T, Hkv, D] at ``slot_mapping`` [T] (= block * block_size + offset) of the caches.
 
     Slots of real tokens must be unique; a negative slot marks a padding token, which writes
     into the reserved null block 0 (never read unmasked). The caches are donated.
     """
-    if k.shape != v.shape or k.shape[1:] != k_cache.shape[2:]:
-        raise ValueError(f"write_kv: k {k.shape} / v {v.shape} do not fit cache rows {k_cache.shape[2:]}")
-    if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
-        raise TypeError(f"write_kv: dtype mismatch k={k.dtype}, cache={k_cache.dtype}")
-    if tuple(getattr(slot_mapping, "shape", ())) != (k.shape[0],):
-        raise ValueError(
-            f"write_kv: slot_mapping must have shape ({k.shape[0]},), got {getattr(slot_mapping, 'shape', None)}"
-        )
-    if not jnp.issubdtype(slot_mapping.dtype, jnp.integer):
-        raise TypeError(f"write_kv: slot_mapping must be an integer array, got {slot_mapping.dtype}")
-    slots = _concrete(slot_mapping)
-    capacity = k_cache.shape[0] * k_cache.shape[1]
-    if slots is not None:
-        if (slots >= capacity).any():
-            raise ValueError(f"write_kv: slot {int(slots.max())} is outside the cache's {capacity} slots")
-        real = slots[slots >= 0]
-        if len(np.unique(real)) != len(real):
-            raise ValueError("write_kv: two tokens write the same cache slot")
+    check_write_kv("write_kv", k_cache, v_cache, k, v, slot_mapping)
     return _write_kv(k_cache, v_cache, k, v, jnp.asarray(slot_mapping, jnp.int32))
 
 

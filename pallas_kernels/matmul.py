@@ -193,18 +193,18 @@ def _matmul_impl(x, w, out_dtype, k_shards, cols, backend, interpret, tiles):
     return runtime.dispatch(backend, cpu, gpu, x, w)
 
 
-def _gpu_partial(x, w, *, plan, num_shards, out_dtype, tiles, interpret, allow_mgpu):
+def _gpu_partial(x, w, *, plan, num_shards, out_dtype, tiles, interpret, allow_mgpu, combine=True):
     """Hopper, bf16/f16: the Mosaic GPU kernel where it is faster (``prefer_mgpu``); it gives
     the Triton kernel's bits (same fp32 chain: one accumulator over 16-wide k-steps in
     ascending K; benchmarks/mgpu_matmul.py checks 140 shapes bit for bit on the H200), so the
-    choice may follow M. Everything else: the Triton kernel."""
+    choice may follow M. Everything else: the Triton kernel. ``combine`` False: the kernel's
+    own output, before ``plan.leaf_result`` (its rows and columns may be padded)."""
     from pallas_kernels import matmul_mgpu
 
+    kw = dict(plan=plan, num_shards=num_shards, out_dtype=out_dtype, combine=combine)
     if allow_mgpu and tiles is None and not interpret and _runs_mgpu(plan, x.shape[0]):
-        return matmul_mgpu.mgpu_partial(x, w, plan=plan, num_shards=num_shards, out_dtype=out_dtype)
-    return triton_partial(
-        x, w, plan=plan, num_shards=num_shards, out_dtype=out_dtype, tiles=tiles, interpret=interpret
-    )
+        return matmul_mgpu.mgpu_partial(x, w, **kw)
+    return triton_partial(x, w, tiles=tiles, interpret=interpret, **kw)
 
 
 def matmul(

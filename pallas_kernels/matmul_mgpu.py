@@ -377,6 +377,7 @@ def mgpu_partial(
     tiles: MgpuTiles | None = None,
     pad_small_m: bool = False,
     interpret=None,
+    combine: bool = True,
 ):
     """Mosaic GPU twin of ``matmul_triton.triton_partial`` (same arguments, same bits)."""
 
@@ -395,7 +396,7 @@ def mgpu_partial(
         pad_small_m=pad_small_m,
         interpret=interpret,
     )
-    return leaf_result(out, num_leaves, plan.split_k, out_dtype)
+    return leaf_result(out, num_leaves, plan.split_k, out_dtype) if combine else out
 
 
 __all__ = [

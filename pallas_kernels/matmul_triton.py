@@ -130,8 +130,20 @@ def leaf_output(ids, num_leaves: int, shape, block, out_dtype):
     return pl.BlockSpec((pl.squeezed, *block), o_map), jax.ShapeDtypeStruct((num_leaves, *shape), jnp.float32)
 
 
-def _matmul_pallas(x, w, *, plan: MatmulPlan, num_leaves: int, out_dtype, tiles: GpuTiles, interpret: bool):
-    """x[M, L*leaf_k], w[L*leaf_k, N] (leaf layout) -> combined result in out_dtype."""
+def _matmul_pallas(
+    x,
+    w,
+    *,
+    plan: MatmulPlan,
+    num_leaves: int,
+    out_dtype,
+    tiles: GpuTiles,
+    interpret: bool,
+    combine: bool = True,
+):
+    """x[M, L*leaf_k], w[L*leaf_k, N] (leaf layout) -> combined result in out_dtype; with
+    ``combine`` False the kernel's own output (``leaf_result``'s input), rows and columns
+    padded to whole tiles."""
     m, n = x.shape[0], w.shape[1]
     tm, tn = tiles.tile_m, tiles.tile_n
     mp, np_ = -(-m // tm) * tm, -(-n // tn) * tn
@@ -162,11 +174,13 @@ def _matmul_pallas(x, w, *, plan: MatmulPlan, num_leaves: int, out_dtype, tiles:
         interpret=interpret,
         name="bijax_matmul",
     )(x, w)
+    if not combine:
+        return out
     out = out[..., :m, :n]
     return leaf_result(out, num_leaves, plan.split_k, out_dtype)
 
 
-def triton_partial(x, w, *, plan, num_shards, out_dtype, tiles, interpret):
+def triton_partial(x, w, *, plan, num_shards, out_dtype, tiles, interpret, combine: bool = True):
     xl = to_leaves(x, plan, num_shards, axis=1)
     wl = to_leaves(w, plan, num_shards, axis=0)
     if tiles is None:
@@ -181,6 +195,7 @@ def triton_partial(x, w, *, plan, num_shards, out_dtype, tiles, interpret):
         out_dtype=out_dtype,
         tiles=tiles,
         interpret=interpret,
+        combine=combine,
     )
 
 

@@ -18,6 +18,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import runtime
 from pallas_kernels.checks import check_eps, check_float_dtype, check_rank, check_rows, check_same_dtype
+from pallas_kernels.plan import combine_leaves
 
 CPU_TILE_T = 16
 
@@ -35,14 +36,21 @@ def _round_like(xf, dtype):
     return xf.astype(dtype).astype(jnp.float32)
 
 
-def _rms_norm_kernel(*refs, eps: float, h: int, has_residual: bool):
+def _rms_norm_kernel(*refs, eps: float, h: int, has_residual: bool, fold: int | None = None):
+    """One row. ``fold`` None: x's row is the input; else x holds float32 leaf partials [L, W]
+    (W >= h) of a matmul's row, combined here as ``plan.leaf_result`` combines them
+    (``combine_leaves``, then rounded to the output dtype) - the same bits."""
     if has_residual:
         x_ref, r_ref, w_ref, o_ref, s_ref = refs
     else:
         x_ref, w_ref, o_ref = refs
     cols = jnp.arange(pl.next_power_of_2(h))
     mask = cols < h
-    xf = pltriton.load(x_ref.at[cols], mask=mask, other=0.0).astype(jnp.float32)
+    if fold is None:
+        xf = pltriton.load(x_ref.at[cols], mask=mask, other=0.0).astype(jnp.float32)
+    else:
+        parts = [pltriton.load(x_ref.at[leaf, cols], mask=mask, other=0.0) for leaf in range(x_ref.shape[0])]
+        xf = _round_like(combine_leaves(parts, fold), o_ref.dtype)
     if has_residual:
         xf = _round_like(
             xf + pltriton.load(r_ref.at[cols], mask=mask, other=0.0).astype(jnp.float32), s_ref.dtype
@@ -53,15 +61,22 @@ def _rms_norm_kernel(*refs, eps: float, h: int, has_residual: bool):
     pltriton.store(o_ref.at[cols], (xf * rstd * w).astype(o_ref.dtype), mask=mask)
 
 
-def _rms_norm_pallas(x, weight, residual, *, eps: float, interpret: bool):
-    t, h = x.shape
+def rms_norm_pallas(x, weight, residual, *, eps: float, interpret: bool, fold: int | None = None, dtype=None):
+    """The GPU kernel on x [T, H], or with ``residual`` [T, H] on a matmul kernel's own output
+    (its rows and columns may be padded past T and H): x [T', W] in the output dtype, or with
+    ``fold`` float32 leaf partials [L, T', W] (see ``_rms_norm_kernel``) and ``dtype`` the
+    output dtype."""
+    h = weight.shape[0]
+    t = x.shape[-2] if residual is None else residual.shape[0]
+    dtype = x.dtype if fold is None else dtype
     has_residual = residual is not None
     row = pl.BlockSpec((pl.squeezed, h), lambda i: (i, 0))
     vec = pl.BlockSpec((h,), lambda i: (0,))
-    in_specs = [row, row, vec] if has_residual else [row, vec]
-    out_shape = jax.ShapeDtypeStruct((t, h), x.dtype)
+    x_spec = row if fold is None else pl.BlockSpec((x.shape[0], pl.squeezed, x.shape[2]), lambda i: (0, i, 0))
+    in_specs = [x_spec, row, vec] if has_residual else [x_spec, vec]
+    out_shape = jax.ShapeDtypeStruct((t, h), dtype)
     out = pl.pallas_call(
-        functools.partial(_rms_norm_kernel, eps=eps, h=h, has_residual=has_residual),
+        functools.partial(_rms_norm_kernel, eps=eps, h=h, has_residual=has_residual, fold=fold),
         grid=(t,),
         in_specs=in_specs,
         out_specs=[row, row] if has_residual else row,
@@ -73,7 +88,7 @@ def _rms_norm_pallas(x, weight, residual, *, eps: float, interpret: bool):
     return tuple(out) if has_residual else out
 
 
-def _rms_norm_jnp(x, weight, residual, *, eps: float):
+def rms_norm_jnp(x, weight, residual, *, eps: float):
     t, h = x.shape
     tp = -(-t // CPU_TILE_T) * CPU_TILE_T
     wf = weight.astype(jnp.float32)
@@ -124,8 +139,8 @@ _rms_norm_vjp.defvjp(_rms_norm_vjp_fwd, _rms_norm_vjp_bwd)
 def _rms_norm_impl(x, weight, residual, eps, backend, interpret):
     return runtime.dispatch(
         backend,
-        lambda x, w, r: _rms_norm_jnp(x, w, r, eps=eps),
-        lambda x, w, r: _rms_norm_pallas(x, w, r, eps=eps, interpret=interpret),
+        lambda x, w, r: rms_norm_jnp(x, w, r, eps=eps),
+        lambda x, w, r: rms_norm_pallas(x, w, r, eps=eps, interpret=interpret),
         x,
         weight,
         residual,

@@ -43,6 +43,24 @@ CASES = {
         (S((256, 14336), BF16), S((14336, 4096), BF16)),
         "bijax_matmul_mgpu",
     ),
+    "matmul_norm_decode": (  # the norm kernel reads the matmul's float32 leaf partials
+        lambda x, w, g, r: pk.matmul_norm(x, w, g, r, eps=1e-5),
+        (S((1, 14336), BF16), S((14336, 4096), BF16), S((4096,), BF16), S((1, 4096), BF16)),
+        "bijax_rms_norm",
+    ),
+    "rope_write_kv": (
+        lambda q, k, v, cs, kc, vc, slots: pk.rope_write_kv(q, k, v, cs, kc, vc, slots),
+        (
+            S((16, 32, 128), BF16),
+            S((16, 8, 128), BF16),
+            S((16, 8, 128), BF16),
+            S((16, 2, 64), jnp.float32),
+            S((64, 16, 8, 128), BF16),
+            S((64, 16, 8, 128), BF16),
+            S((16,), jnp.int32),
+        ),
+        "bijax_rope_kv",
+    ),
     "rms_norm_residual": (
         lambda x, g, r: pk.rms_norm(x, g, eps=1e-5, residual=r),
         (S((7, 1536), BF16), S((1536,), BF16), S((7, 1536), BF16)),

@@ -1,0 +1,205 @@
+"""Rotary position embedding (the half-split convention, HF's rotate_half) and, for a paged
+forward, RoPE fused with the KV-cache write.
+
+``rope(x, cos_sin)`` rotates x [T, H, D] in float32: with x1, x2 its halves,
+``(x1 * cos - x2 * sin, x2 * cos + x1 * sin)``, every product rounded to float32 before its add
+(no fused multiply-add), the result rounded once to x's dtype. The rounding of the products is
+part of the numerics: it is the same in every program - an XLA program would otherwise fuse a
+product into its add in one program (an inference step) and not in another (a trainer's step
+that keeps the products for its backward), and a bit would differ.
+
+``rope_write_kv(q, k, v, cos_sin, k_cache, v_cache, slot_mapping)`` is ``rope(q)``, and
+``write_kv`` of ``rope(k)`` and v, in one op: on the GPU one Triton launch per layer (a program
+per token: q rotated, k rotated into its cache slot, v copied into its slot) instead of the
+five XLA kernels the two ops take - the same bits (the kernel's products are ``mul.rn.f32``,
+which the compiler cannot fuse into an add). On the CPU it is the two ops.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels import runtime
+from pallas_kernels.attention import check_write_kv, write_kv
+
+# True (the default): ``rope_write_kv`` is one kernel on the GPU. False: ``rope`` and ``write_kv``
+# there too (XLA's kernels, the same bits; the A/B switch of benchmarks/ab.py fusions).
+FUSED = True
+
+
+def _rotate(x1, x2, cos, sin, products):
+    """The rotated halves of x1, x2 (float32) by cos, sin: ``products`` forms the four products,
+    each rounded to float32 on its own (the one formula; see the module docstring)."""
+    a, b, c, d = products(((x1, cos), (x2, sin), (x2, cos), (x1, sin)))
+    return a - b, c + d
+
+
+def _xla_products(pairs):
+    # The barrier keeps the products apart from their adds in any XLA program.
+    return lax.optimization_barrier(tuple(p * q for p, q in pairs))
+
+
+def _mul_rn(a, b):
+    """a * b rounded to float32 (``mul.rn``: never contracted into a fused multiply-add)."""
+    [out] = pltriton.elementwise_inline_asm(
+        "mul.rn.f32 $0, $1, $2;",
+        args=[a, b],
+        constraints="=f,f,f",
+        pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)],
+    )
+    return out
+
+
+def _triton_products(pairs):
+    return tuple(_mul_rn(p, q) for p, q in pairs)
+
+
+def rope(x: jax.Array, cos_sin: jax.Array) -> jax.Array:
+    """x [T, H, D] rotated by cos_sin [T, 2, D/2] (float32 cos and sin of each token's position),
+    in float32, the result in x's dtype."""
+    cos, sin = cos_sin[:, None, 0], cos_sin[:, None, 1]  # [T, 1, D/2]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    lo, hi = _rotate(x1, x2, cos, sin, _xla_products)
+    return jnp.concatenate([lo, hi], axis=-1).astype(x.dtype)
+
+
+# --------------------------------------------------------------------------- fused with the KV write
+
+
+def _rope_kv_kernel(
+    slot_ref, cs_ref, q_ref, k_ref, v_ref, _kc_in, _vc_in, q_out, kc_ref, vc_ref, *, products
+):
+    """One token: q rotated into ``q_out``; k rotated and v into the caches' row ``slot`` (viewed
+    as [slots, Hkv, D]); a padding token (slot < 0) writes no cache row."""
+    slot = slot_ref[pl.program_id(0)]
+    half = q_ref.shape[-1] // 2
+    cos, sin = cs_ref[0], cs_ref[1]  # [D/2]
+
+    def rotated(ref):
+        heads = ref.shape[0]
+        rows = pl.next_power_of_2(heads)
+        mask = (jnp.arange(rows) < heads)[:, None]
+        load = lambda lo: pltriton.load(ref.at[pl.ds(0, rows), pl.ds(lo, half)], mask=mask, other=0.0)  # noqa: E731
+        x1, x2 = load(0).astype(jnp.float32), load(half).astype(jnp.float32)
+        c, s = (jnp.broadcast_to(a[None, :], x1.shape) for a in (cos, sin))
+        lo, hi = _rotate(x1, x2, c, s, products)
+        return rows, mask, (lo.astype(ref.dtype), hi.astype(ref.dtype))
+
+    def store(ref, rows, mask, halves, *lead):
+        for lo, value in zip((0, half), halves, strict=True):
+            pltriton.store(
+                ref.at[(*lead, pl.ds(0, rows), pl.ds(lo, half))], value.astype(ref.dtype), mask=mask
+            )
+
+    rows, mask, q_rot = rotated(q_ref)
+    store(q_out, rows, mask, q_rot)
+
+    @pl.when(slot >= 0)
+    def _():
+        rows, mask, k_rot = rotated(k_ref)
+        store(kc_ref, rows, mask, k_rot, slot)
+        v_rows = pl.next_power_of_2(v_ref.shape[0])
+        v_mask = (jnp.arange(v_rows) < v_ref.shape[0])[:, None]
+        d = v_ref.shape[1]
+        v = pltriton.load(v_ref.at[pl.ds(0, v_rows), pl.ds(0, d)], mask=v_mask, other=0.0)
+        pltriton.store(vc_ref.at[slot, pl.ds(0, v_rows), pl.ds(0, d)], v.astype(vc_ref.dtype), mask=v_mask)
+
+
+def _rope_kv_pallas(q, k, v, cos_sin, k_cache, v_cache, slots, *, interpret: bool, products=None):
+    """``products`` (default: ``mul.rn`` on the GPU, XLA's barrier in interpret mode) is there for
+    benchmarks/kernels.py's negative control only."""
+    if products is None:
+        products = _xla_products if interpret else _triton_products
+    t, hq, d = q.shape
+    num_blocks, block_size, hkv, _ = k_cache.shape
+    rows = (num_blocks * block_size, hkv, d)  # the caches as one row per slot: a free reshape
+    kc, vc = k_cache.reshape(rows), v_cache.reshape(rows)
+    token = lambda *shape: pl.BlockSpec((pl.squeezed, *shape), lambda i: (i,) + (0,) * len(shape))  # noqa: E731
+    whole = lambda a: pl.BlockSpec(a.shape, lambda i: (0,) * a.ndim)  # noqa: E731
+    q_rot, kc, vc = pl.pallas_call(
+        functools.partial(_rope_kv_kernel, products=products),
+        grid=(t,),
+        in_specs=[
+            whole(slots),
+            token(2, d // 2),
+            token(hq, d),
+            token(hkv, d),
+            token(hkv, d),
+            whole(kc),
+            whole(vc),
+        ],
+        out_specs=[token(hq, d), whole(kc), whole(vc)],
+        out_shape=[
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct(kc.shape, kc.dtype),
+            jax.ShapeDtypeStruct(vc.shape, vc.dtype),
+        ],
+        input_output_aliases={5: 1, 6: 2},
+        compiler_params=pltriton.CompilerParams(num_warps=1, num_stages=1),
+        interpret=interpret,
+        name="bijax_rope_kv",
+    )(slots, cos_sin, q, k, v, kc, vc)
+    return q_rot, kc.reshape(k_cache.shape), vc.reshape(v_cache.shape)
+
+
+@runtime.kernel_op("rope_write_kv", static_argnames=("backend", "interpret"), donate_argnums=(4, 5))
+def _rope_write_kv(q, k, v, cos_sin, k_cache, v_cache, slots, *, backend, interpret):
+    def cpu(q, k, v, cos_sin, k_cache, v_cache, slots):
+        k_cache, v_cache = write_kv(
+            k_cache, v_cache, rope(k, cos_sin).astype(k_cache.dtype), v.astype(v_cache.dtype), slots
+        )
+        return rope(q, cos_sin), k_cache, v_cache
+
+    def gpu(*args):
+        return _rope_kv_pallas(*args, interpret=interpret) if FUSED else cpu(*args)
+
+    return runtime.dispatch(backend, cpu, gpu, q, k, v, cos_sin, k_cache, v_cache, slots)
+
+
+def rope_write_kv(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cos_sin: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    slot_mapping: jax.Array,
+    *,
+    backend: str = "auto",
+    interpret: bool = False,
+):
+    """``(rope(q, cos_sin), *write_kv(k_cache, v_cache, rope(k, cos_sin), v, slot_mapping))``
+    (k and v cast to the caches' dtypes) with the same bits; on the GPU one kernel launch. A
+    padding token (negative slot) writes no cache row there (``write_kv`` writes it into the
+    null block 0, which no attention reads unmasked).
+
+    q [T, Hq, D], k and v [T, Hkv, D] of one dtype; cos_sin [T, 2, D/2] float32; the caches
+    [num_blocks, block_size, Hkv, D] (donated) and ``slot_mapping`` [T] as ``write_kv``'s. Not
+    differentiable (an inference step's op; ``rope`` is).
+    """
+    for name, a, nd in (("q", q, 3), ("k", k, 3), ("v", v, 3), ("cos_sin", cos_sin, 3)):
+        if getattr(a, "ndim", None) != nd:
+            raise ValueError(f"rope_write_kv: {name} must be {nd}-D, got shape {getattr(a, 'shape', None)}")
+    t, _, d = q.shape
+    if d % 2 or k.shape[0] != t or k.shape[2] != d:
+        raise ValueError(f"rope_write_kv: q {q.shape} and k {k.shape} need one T and one even head dim")
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise TypeError(f"rope_write_kv: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
+    if tuple(cos_sin.shape) != (t, 2, d // 2) or cos_sin.dtype != jnp.float32:
+        raise ValueError(
+            f"rope_write_kv: cos_sin must be float32 of shape ({t}, 2, {d // 2}), got {cos_sin.dtype}{tuple(cos_sin.shape)}"
+        )
+    check_write_kv("rope_write_kv", k_cache, v_cache, k, v, slot_mapping, cast=True)
+    runtime.check_backend(backend, interpret)
+    slots = jnp.asarray(slot_mapping, jnp.int32)
+    return _rope_write_kv(q, k, v, cos_sin, k_cache, v_cache, slots, backend=backend, interpret=interpret)
+
+
+__all__ = ["rope", "rope_write_kv"]

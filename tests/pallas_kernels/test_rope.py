@@ -1,0 +1,92 @@
+"""rope and rope_write_kv: float64 accuracy, the fused op's bits against rope + write_kv on every
+path, negative controls (a fused multiply-add, a wrong slot), bad input."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels as pk
+from tests.conftest import bits, rand
+
+BACKENDS = [("auto", False), ("triton", True)]
+
+
+def f64_rope(x, cos_sin):
+    x, cs = np.asarray(x, np.float64), np.asarray(cos_sin, np.float64)
+    cos, sin = cs[:, None, 0], cs[:, None, 1]
+    x1, x2 = np.split(x, 2, axis=-1)
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def angles(t, d):
+    ang = np.arange(t, dtype=np.float64)[:, None] * (10000.0 ** (-np.arange(d // 2) * 2 / d))[None, :] + 0.3
+    return jnp.asarray(np.stack([np.cos(ang), np.sin(ang)], axis=1), jnp.float32)
+
+
+def test_rope_is_accurate():
+    x, cs = rand((7, 3, 64), jnp.float32), angles(7, 64)
+    np.testing.assert_allclose(np.asarray(pk.rope(x, cs)), f64_rope(x, cs), rtol=1e-6, atol=1e-6)
+
+
+def inputs(t, hq, hkv, d, block_size, num_blocks, dtype=jnp.bfloat16):
+    q, k, v = rand((t, hq, d), dtype), rand((t, hkv, d), dtype), rand((t, hkv, d), dtype)
+    caches = [rand((num_blocks, block_size, hkv, d), dtype) for _ in range(2)]
+    # real tokens in blocks 1.. (block 0 is the null block), the last token padding
+    slots = jnp.asarray([block_size + 3 * i + 1 for i in range(t - 1)] + [-1], jnp.int32)
+    return q, k, v, angles(t, d) * 1.7, caches, slots
+
+
+# Head counts that are not powers of two (14 query heads), both head dims, bf16 and f32 caches.
+@pytest.mark.parametrize("backend,interpret", BACKENDS)
+@pytest.mark.parametrize(
+    "t,hq,hkv,d,block_size,cache_dtype",
+    [(5, 8, 2, 64, 16, jnp.bfloat16), (3, 14, 2, 128, 16, jnp.bfloat16), (4, 4, 4, 64, 64, jnp.float32)],
+)
+def test_rope_write_kv_is_rope_then_write_kv(backend, interpret, t, hq, hkv, d, block_size, cache_dtype):
+    q, k, v, cs, (kc, vc), slots = inputs(t, hq, hkv, d, block_size, 4)
+    kc, vc = kc.astype(cache_dtype), vc.astype(cache_dtype)
+    want_k, want_v = pk.write_kv(
+        jnp.array(kc), jnp.array(vc), pk.rope(k, cs).astype(cache_dtype), v.astype(cache_dtype), slots
+    )
+    q_rot, got_k, got_v = pk.rope_write_kv(
+        q, k, v, cs, jnp.array(kc), jnp.array(vc), slots, backend=backend, interpret=interpret
+    )
+    np.testing.assert_array_equal(bits(q_rot), bits(pk.rope(q, cs)))
+    # every block but the null block 0 (padding tokens' rows: written by write_kv only)
+    np.testing.assert_array_equal(bits(got_k)[1:], bits(want_k)[1:])
+    np.testing.assert_array_equal(bits(got_v)[1:], bits(want_v)[1:])
+    assert not np.array_equal(bits(got_k)[1:], bits(kc)[1:])  # rows were written
+
+
+def test_negative_controls():
+    """A fused multiply-add (one rounding of x1 * cos - x2 * sin) changes some bits of float32
+    rope; a token written to the wrong slot changes the cache."""
+    x, cs = rand((64, 4, 128), jnp.float32), angles(64, 128) * 1.7
+    cos, sin = np.asarray(cs[:, None, 0], np.float64), np.asarray(cs[:, None, 1], np.float64)
+    x1, x2 = np.split(np.asarray(x, np.float64), 2, axis=-1)
+    p = (np.asarray(x2, np.float32) * np.asarray(sin, np.float32)).astype(np.float64)  # rounded product
+    fma = np.concatenate([(x1 * cos - p).astype(np.float32), np.asarray(pk.rope(x, cs))[..., 64:]], axis=-1)
+    assert not np.array_equal(bits(pk.rope(x, cs)), fma.view(np.uint32))
+
+    q, k, v, cs, (kc, vc), slots = inputs(3, 4, 2, 64, 16, 4)
+    got = pk.rope_write_kv(q, k, v, cs, jnp.array(kc), jnp.array(vc), slots, backend="triton", interpret=True)
+    moved = pk.rope_write_kv(
+        q, k, v, cs, jnp.array(kc), jnp.array(vc), slots + 1, backend="triton", interpret=True
+    )
+    assert not np.array_equal(bits(got[1]), bits(moved[1]))
+
+
+def test_bad_input():
+    q, k, v, cs, (kc, vc), slots = inputs(3, 4, 2, 64, 16, 4)
+    with pytest.raises(ValueError, match="cos_sin must be float32"):
+        pk.rope_write_kv(q, k, v, cs[:, :, :16], kc, vc, slots)
+    with pytest.raises(TypeError, match="dtypes differ"):
+        pk.rope_write_kv(q.astype(jnp.float32), k, v, cs, kc, vc, slots)
+    with pytest.raises(ValueError, match="two tokens write the same cache slot"):
+        pk.rope_write_kv(q, k, v, cs, kc, vc, jnp.asarray([20, 20, -1], jnp.int32))
+    with pytest.raises(ValueError, match="outside the cache"):
+        pk.rope_write_kv(q, k, v, cs, kc, vc, jnp.asarray([20, 64, -1], jnp.int32))
+    with pytest.raises(ValueError, match="do not fit cache rows"):
+        pk.rope_write_kv(q, k[:, :1], v[:, :1], cs, kc, vc, slots)
