@@ -10,6 +10,7 @@ running ``benchmarks/async_scheduling.py`` with the arguments after the side.
     PYTHONPATH=. python3 benchmarks/ab.py step-programs layers|whole [async_scheduling.py args]
     PYTHONPATH=. python3 benchmarks/ab.py matmul-shared each|shared [async_scheduling.py args]
     PYTHONPATH=. python3 benchmarks/ab.py fusions off|on [async_scheduling.py args]
+    PYTHONPATH=. python3 benchmarks/ab.py qkv-combine xla|kernel [async_scheduling.py args]
 
 ``decode-launch``: ``matmul_triton.gpu_tiles``'s 16-row launch (64 columns, 4 warps, 8 stages)
 off (``old``: 32 columns, 2 warps, 4 stages) or on (``new``, committed). ``prefill-kernel``:
@@ -31,6 +32,8 @@ each) or on (``shared``: one launch per group where the launch shapes agree; the
 ``fusions``: ``matmul_norm.FUSED`` and ``rope.FUSED`` off (``off``: o / down's leaf partials
 combined by XLA before the norm kernel; RoPE and the KV write as XLA's five kernels) or on
 (``on``: the norm kernel combines the leaves; one RoPE + KV-write kernel a layer; the default).
+``qkv-combine``: ``rope.QKV_COMBINE_IN_KERNEL`` off (``xla``: q, k, v's leaf partials combined
+by XLA before the RoPE kernel) or on (``kernel``: the RoPE kernel combines them; the default).
 ``--script NAME args``: runs ``benchmarks/NAME`` with ``args`` under the switch instead (e.g.
 ``profile_step.py --cases decode1 --paths invariant``).
 Default arguments: llama3-8b, 1 and 64 sequences x (64 + 128) tokens, 3 timed runs; for a
@@ -76,6 +79,10 @@ SWITCHES = {
     "fusions": {
         "off": (("matmul_norm", "FUSED", False), ("rope", "FUSED", False)),
         "on": (),
+    },
+    "qkv-combine": {
+        "xla": (("rope", "QKV_COMBINE_IN_KERNEL", False),),
+        "kernel": (),
     },
     "step-programs": {
         "layers": ((None, "BIJAX_STEP_PROGRAMS", "layers"),),

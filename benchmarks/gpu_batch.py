@@ -81,6 +81,8 @@ _AB = {
         ("shared-on", "matmul-shared", "shared", _LONG),
         ("fusions-off", "fusions", "off", _LONG),
         ("fusions-on", "fusions", "on", _LONG),
+        ("qkv-xla", "qkv-combine", "xla", _LONG),
+        ("qkv-kernel", "qkv-combine", "kernel", _LONG),
     )
 }
 _PROFILE_DECODE = ("--script", "profile_step.py", "--cases", "decode1,decode64", "--paths", "invariant")
@@ -102,6 +104,16 @@ _AB.update(
             f"profile, fusions {side}",
         )
         for side in ("off", "on")
+    }
+)
+_AB.update(
+    {
+        f"profile-qkv-{side}": (
+            _py("ab.py", "qkv-combine", side, *_PROFILE_DECODE),
+            200,
+            f"profile, q, k, v combined by {side}",
+        )
+        for side in ("xla", "kernel")
     }
 )
 # name -> (command, time limit s, what it is for)
@@ -127,7 +139,12 @@ STEPS = {
     "kernels": (_py("kernels.py", "--skip-checks"), 200, "matmul / rows kernel time vs XLA"),
     "decode-sweep": (_py("kernels.py", "--decode-sweep"), 150, "decode-row matmul launches"),
     "bits-sweep": (_py("kernels.py", "--bits-sweep"), 300, "bits: shared launch, Mosaic vs Triton rows"),
-    "fusions": (_py("kernels.py", "--fusions"), 300, "matmul_norm, rope_write_kv: bits and time vs unfused"),
+    "fusions": (
+        _py("kernels.py", "--fusions"),
+        360,
+        "matmul_norm, rope_write_kv, qkv_rope_write_kv: bits and time vs unfused",
+    ),
+    "qkv-fusion": (_py("kernels.py", "--qkv"), 200, "qkv_rope_write_kv: bits and time vs unfused"),
     "kernels-mid-tiles": (_py("kernels.py", "--mid-tiles"), 200, "Mosaic GPU launches at M 256, 384"),
     "kernels-shared": (
         _py("kernels.py", "--shared", "--mid-m"),

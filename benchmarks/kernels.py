@@ -516,6 +516,60 @@ def _rope_kv_inputs(t, hq, hkv, d, seed=0):
     return q, k, v, cs, caches, slots
 
 
+def qkv_fusion(rows=None):
+    """``pk.qkv_rope_write_kv`` against ``pk.matmul_shared`` then ``pk.rope_write_kv``: bits at
+    every T where the projections run one Triton launch (decode rows) or a launch each (Mosaic
+    GPU above 64 rows), and CUPTI kernel time at decode rows. Appends table rows to ``rows``."""
+    rows = [] if rows is None else rows
+
+    def unfused(x, wq, wk, wv, cs, kc, vc, slots):
+        d = kc.shape[-1]
+        q, k, v = (y.reshape(x.shape[0], -1, d) for y in pk.matmul_shared(x, (wq, wk, wv)))
+        return pk.rope_write_kv(q, k, v, cs, kc, vc, slots)
+
+    def fused(x, wq, wk, wv, cs, kc, vc, slots):
+        return pk.qkv_rope_write_kv(x, (wq, wk, wv), cs, kc, vc, slots)
+
+    hidden = {"llama3-8b": 4096, "qwen2.5-7b": 3584, "smollm2": 576}
+    for model, (hq, hkv, d) in HEADS.items():
+        h = hidden[model]
+        ws = [rand(90 + i, (h, n * d), jnp.bfloat16, 1 / math.sqrt(h)) for i, n in enumerate((hq, hkv, hkv))]
+        bad = []
+        for t in (1, 16, 33, 64, 65, 300, 2048):
+            q, k, v, cs, (kc, vc), slots = _rope_kv_inputs(t, hq, hkv, d, seed=t)
+            x = rand(95 + t, (t, h), jnp.bfloat16)
+            want = jax.jit(unfused)(x, *ws, cs, jnp.array(kc), jnp.array(vc), slots)
+            got = jax.jit(fused)(x, *ws, cs, jnp.array(kc), jnp.array(vc), slots)
+            same = [np.array_equal(bits(got[0]), bits(want[0]))] + [
+                np.array_equal(bits(a)[1:], bits(b)[1:]) for a, b in zip(got[1:], want[1:], strict=True)
+            ]
+            if not all(same):
+                bad.append((t, same))
+        check(
+            f"qkv_rope_write_kv == matmul_shared + rope_write_kv, {model} heads {hq}/{hkv} x {d}",
+            not bad,
+            str(bad),
+        )
+        if model == "llama3-8b":
+            for t in (1, 16, 64):
+                q, k, v, cs, (kc, vc), slots = _rope_kv_inputs(t, hq, hkv, d, seed=t)
+                x = rand(95 + t, (t, h), jnp.bfloat16)
+                args = (x, *ws, cs, kc, vc, slots)
+                t_un, names_un = named_kernel_us(jax.jit(unfused), *args)
+                t_fu, names_fu = named_kernel_us(jax.jit(fused), *args)
+                print(f"INFO T = {t} kernels timed, unfused: {names_un}; fused: {names_fu}")
+                rows.append((f"q, k, v + rope_write_kv {model}", t, float("nan"), t_un, t_fu))
+        del ws
+    return rows
+
+
+def print_fusion_rows(rows):
+    print("\n| op | rows | XLA us | unfused us | fused us | fused / unfused |")
+    print("|---|---|---|---|---|---|")
+    for op, m, t_xla, t_un, t_fu in rows:
+        print(f"| {op} | {m} | {t_xla:.1f} | {t_un:.1f} | {t_fu:.1f} | {t_fu / t_un:.2f} |")
+
+
 def fusions():
     """``pk.matmul_norm`` against ``pk.matmul`` then ``pk.rms_norm``, and ``pk.rope_write_kv``
     against ``pk.rope`` and ``pk.write_kv``: bits (every row count where the matmul runs Triton or
@@ -603,10 +657,7 @@ def fusions():
                 t_fu, names_fu = named_kernel_us(jax.jit(pk.rope_write_kv), q, k, v, cs, kc, vc, slots)
                 print(f"INFO T = {t} kernels timed, unfused: {names_un}; fused: {names_fu}")
                 rows.append((f"rope + write_kv {model}", t, float("nan"), t_un, t_fu))
-    print("\n| op | rows | XLA us | unfused us | fused us | fused / unfused |")
-    print("|---|---|---|---|---|---|")
-    for op, m, t_xla, t_un, t_fu in rows:
-        print(f"| {op} | {m} | {t_xla:.1f} | {t_un:.1f} | {t_fu:.1f} | {t_fu / t_un:.2f} |")
+    print_fusion_rows(qkv_fusion(rows))
 
 
 def time_rows():
@@ -641,14 +692,19 @@ def main():
         "--bits-sweep", action="store_true", help="only bits: shared launch, Mosaic vs Triton rows"
     )
     ap.add_argument(
-        "--fusions", action="store_true", help="only matmul_norm and rope_write_kv: bits and time"
+        "--fusions",
+        action="store_true",
+        help="only matmul_norm, rope_write_kv and qkv_rope_write_kv: bits and time",
     )
+    ap.add_argument("--qkv", action="store_true", help="only qkv_rope_write_kv: bits and time")
     args = ap.parse_args()
     dev = jax.devices()[0]
     print(f"# {datetime.date.today()} {dev.device_kind} jax {jax.__version__}")
-    if args.shared or args.mid_m or args.mid_tiles or args.bits_sweep or args.fusions:
+    if args.shared or args.mid_m or args.mid_tiles or args.bits_sweep or args.fusions or args.qkv:
         if args.fusions:
             fusions()
+        elif args.qkv:
+            print_fusion_rows(qkv_fusion())
         if args.bits_sweep:
             bits_sweep()
         if args.mid_tiles:

@@ -81,6 +81,7 @@ _SETTINGS = (
     ("matmul_triton", "SHARED_LAUNCH"),
     ("matmul_norm", "FUSED"),
     ("rope", "FUSED"),
+    ("rope", "QKV_COMBINE_IN_KERNEL"),
 )
 
 

@@ -60,7 +60,7 @@ from jax import lax
 
 import pallas_kernels as pk
 from models.configs import LlamaConfig
-from models.ops import TensorParallel, col_mm, col_mm_shared, moe, norm, row_mm_norm
+from models.ops import TensorParallel, col_mm, col_mm_shared, moe, norm, qkv_rope_write_kv, row_mm_norm
 from models.paged import KVCache, PackedLayout, PagedBatch, init_kv_cache
 from pallas_kernels import K_SHARDS
 
@@ -202,13 +202,13 @@ class Decoder:
     ):
         """One layer on its normed input ``h`` [T, H] and the residual stream, then the norm of
         the layer after it (``next_norm``: its attn_norm weight, or the final norm's) ->
-        (normed, residual). ``attend(q, k, v, cos_sin)`` -> [T, Hq, D] is this layer's attention
-        of q, k, v before RoPE, which it applies (``pk.rope``, or fused with the KV write:
-        ``pk.rope_write_kv``) with ``cos_sin`` [T, 2, D/2], the tokens' rows of ``rope_table``."""
+        (normed, residual). ``attend(layer, h, cos_sin)`` -> [T, Hq, D] is this layer's attention
+        of its normed input: the projections (``qkv``, or fused with RoPE and the KV write:
+        ``qkv_rope_write_kv``), RoPE with ``cos_sin`` [T, 2, D/2] (the tokens' rows of
+        ``rope_table``) and attention."""
         eps = self.config.rms_norm_eps
-        q, k, v = self.qkv(blk.attn, h, invariant=invariant, tp=tp)
         cos_sin = rope_table[jnp.clip(pos, 0, self.config.max_position_embeddings - 1)]  # [T, 2, D/2]
-        o = attend(q, k, v, cos_sin).reshape(h.shape[0], -1)
+        o = attend(blk.attn, h, cos_sin).reshape(h.shape[0], -1)
         h, residual = self.row_norm(
             o, blk.attn.wo[...], blk.mlp_norm[...], residual, invariant=invariant, tp=tp
         )
@@ -256,6 +256,20 @@ class Decoder:
             ).reshape(y.shape)
             q, k = head_norm(q, layer.q_norm), head_norm(k, layer.k_norm)
         return q, k, v
+
+    def qkv_rope_write_kv(
+        self, layer: Attention, x, cos_sin, k_cache, v_cache, slots, *, tp: TensorParallel | None = None
+    ):
+        """The invariant path's projections of x [T, H], RoPE and the KV write -> (q rotated
+        [T, Hq, D], k_cache, v_cache): one op (``pk.qkv_rope_write_kv``: no XLA combine of the
+        projections' leaf partials on the GPU) where nothing comes between the projections and
+        RoPE, else ``qkv`` then ``pk.rope_write_kv`` - the same bits either way."""
+        c = self.config
+        if c.attention_bias or c.qk_norm:
+            q, k, v = self.qkv(layer, x, invariant=True, tp=tp)
+            return pk.rope_write_kv(q, k, v, cos_sin, k_cache, v_cache, slots)
+        ws = [layer.wq[...], layer.wk[...], layer.wv[...]]
+        return qkv_rope_write_kv(x, ws, cos_sin, k_cache, v_cache, slots, col_blocks=self.k_shards, tp=tp)
 
     def row_norm(self, x, w, norm_weight, residual, *, invariant: bool, tp: TensorParallel | None):
         """A row-parallel projection (o, down) of x, the residual add and the norm after it ->
@@ -318,13 +332,14 @@ def paged_block(
     and logit rows are not read (they may be None). Returns ((normed, residual), updated kv)."""
     b, out = batch, []
 
-    def attend(q, k, v, cos_sin):
+    def attend(layer, h, cos_sin):
         kc, vc = kv
         index = (b.block_tables, b.context_lens, b.token_seq, b.token_pos)
-        if invariant:  # RoPE and the KV write in one op (one kernel on the GPU)
-            q, kc, vc = pk.rope_write_kv(q, k, v, cos_sin, kc, vc, b.slot_mapping)
+        if invariant:  # projections, RoPE and the KV write: one kernel after the matmul on the GPU
+            q, kc, vc = decoder.qkv_rope_write_kv(layer, h, cos_sin, kc, vc, b.slot_mapping, tp=tp)
             out.append((kc, vc))
             return pk.attention(q, kc, vc, *index)
+        q, k, v = decoder.qkv(layer, h, invariant=False, tp=tp)
         q, k = pk.rope(q, cos_sin), pk.rope(k, cos_sin)
         kc, vc = pk.write_kv(kc, vc, k.astype(kc.dtype), v.astype(vc.dtype), b.slot_mapping)
         out.append((kc, vc))
@@ -491,7 +506,7 @@ class Llama(nnx.Module):
         return weight_at(self, next_norm_path(i, len(self.layers)))
 
     def _layers(self, x, pos, attend, *, invariant: bool, tp: TensorParallel | None = None):
-        """The decoder stack over flat tokens x [T, H]; ``attend(i, q, k, v, cos_sin)`` -> [T, Hq, D]
+        """The decoder stack over flat tokens x [T, H]; ``attend(i, layer, h, cos_sin)`` -> [T, Hq, D]
         (``Decoder.block``'s ``attend`` of layer i)."""
         d, rope_table = self.decoder, self.rope[...]
         h, residual = d.first_norm(x, weight_at(self, FIRST_NORM_PATH)[...], invariant=invariant)
@@ -550,7 +565,8 @@ class Llama(nnx.Module):
         layout = PackedLayout.create(segment_ids, max_segments)
         pos = layout.token_pos
 
-        def attend(i, q, k, v, cos_sin):
+        def attend(i, layer, h, cos_sin):
+            q, k, v = self.decoder.qkv(layer, h, invariant=invariant)
             q, k = pk.rope(q, cos_sin), pk.rope(k, cos_sin)
             if invariant:
                 index = (layout.block_tables, layout.context_lens, layout.token_seq, pos)

@@ -38,8 +38,21 @@ def col_mm_shared(x, ws, *, invariant: bool, col_blocks: int, tp: TensorParallel
     (``pk.matmul_shared``)."""
     if not invariant:
         return [pk.matmul_reference(x, w, out_dtype=out_dtype) for w in ws]
-    full_ns = [w.shape[1] * (1 if tp is None else tp.size) for w in ws]
-    return list(pk.matmul_shared(x, ws, out_dtype=out_dtype, col_blocks=col_blocks, full_ns=full_ns))
+    return list(pk.matmul_shared(x, ws, out_dtype=out_dtype, col_blocks=col_blocks, full_ns=_full_ns(ws, tp)))
+
+
+def _full_ns(ws, tp: TensorParallel | None):
+    """Each column-parallel weight's full N: ``ws`` are whole weights, or under ``tp`` this
+    rank's 1/P of their columns."""
+    return [w.shape[1] * (1 if tp is None else tp.size) for w in ws]
+
+
+def qkv_rope_write_kv(x, ws, cos_sin, k_cache, v_cache, slots, *, col_blocks: int, tp: TensorParallel | None):
+    """The invariant path's ``col_mm_shared(x, (wq, wk, wv))`` as heads, RoPE and the KV write in
+    one op (``pk.qkv_rope_write_kv``; same bits) -> (q rotated, k_cache, v_cache)."""
+    return pk.qkv_rope_write_kv(
+        x, ws, cos_sin, k_cache, v_cache, slots, col_blocks=col_blocks, full_ns=_full_ns(ws, tp)
+    )
 
 
 def row_mm(x, w, *, invariant: bool, k_shards: int, tp_parts: int, tp: TensorParallel | None):

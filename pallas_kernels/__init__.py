@@ -32,7 +32,7 @@ from pallas_kernels.matmul import matmul, matmul_partial, matmul_reference, matm
 from pallas_kernels.matmul_norm import matmul_norm
 from pallas_kernels.plan import K_SHARDS, MatmulPlan, plan_matmul, tree_sum
 from pallas_kernels.rms_norm import rms_norm, rms_norm_reference
-from pallas_kernels.rope import rope, rope_write_kv
+from pallas_kernels.rope import qkv_rope_write_kv, rope, rope_write_kv
 from pallas_kernels.sampling import (
     argmax,
     greedy_rows,
@@ -80,6 +80,7 @@ __all__ = [
     "plan_matmul",
     "rms_norm",
     "rms_norm_reference",
+    "qkv_rope_write_kv",
     "rope",
     "rope_write_kv",
     "sample",

@@ -282,6 +282,52 @@ def _matmul_shared(x, ws, *, out_dtype, cols, backend, interpret):
     return _shared_vjp(x, ws, out_dtype, cols, backend, interpret)
 
 
+def gpu_shared(x, ws, *, out_dtype, cols, backend, interpret, combine: bool = True):
+    """``matmul_shared``'s GPU form -> (outputs, plans): one launch where the weights' launch
+    shapes agree, else a launch each. ``combine`` False: each output is its kernel's own
+    (``plan.leaf_result``'s input: float32 leaf partials [L, M', N'] when the plan has several
+    leaves, else the result [M', N']; rows and columns may be padded past M and N)."""
+    from pallas_kernels import matmul_triton
+
+    plans = [_planned(w, 1, c, "gpu") for w, c in zip(ws, cols, strict=True)]
+    m, auto = x.shape[0], backend == "auto"
+    if interpret:
+        tiles = GpuTiles(16, plans[0].tile_n, 4, 3)  # matmul's interpret tile (see triton_partial)
+    elif matmul_triton.SHARED_LAUNCH and not (auto and any(_runs_mgpu(p, m) for p in plans)):
+        tiles = matmul_triton.shared_tiles(plans, m)
+    else:
+        tiles = None
+    if tiles is None:  # launch shapes that do not agree: a launch each (the same bits)
+        outs = tuple(
+            _gpu_partial(
+                x,
+                w,
+                plan=p,
+                num_shards=1,
+                out_dtype=out_dtype,
+                tiles=None,
+                interpret=False,
+                allow_mgpu=auto,
+                combine=combine,
+            )
+            for w, p in zip(ws, plans, strict=True)
+        )
+    else:
+        outs = tuple(
+            matmul_triton.shared_partial(
+                x,
+                list(ws),
+                plans=plans,
+                num_shards=1,
+                out_dtype=out_dtype,
+                tiles=tiles,
+                interpret=interpret,
+                combine=combine,
+            )
+        )
+    return outs, plans
+
+
 def _shared_impl(x, ws, out_dtype, cols, backend, interpret):
     """``cols``: one (col_blocks, full_n) per weight (``_planned``)."""
 
@@ -292,35 +338,8 @@ def _shared_impl(x, ws, out_dtype, cols, backend, interpret):
         )
 
     def gpu(x, *ws):
-        from pallas_kernels import matmul_triton
-
-        plans = [_planned(w, 1, c, "gpu") for w, c in zip(ws, cols, strict=True)]
-        m, auto = x.shape[0], backend == "auto"
-        if interpret:
-            tiles = GpuTiles(16, plans[0].tile_n, 4, 3)  # matmul's interpret tile (see triton_partial)
-        elif matmul_triton.SHARED_LAUNCH and not (auto and any(_runs_mgpu(p, m) for p in plans)):
-            tiles = matmul_triton.shared_tiles(plans, m)
-        else:
-            tiles = None
-        if tiles is None:  # launch shapes that do not agree: a launch each (the same bits)
-            return tuple(
-                _gpu_partial(
-                    x,
-                    w,
-                    plan=p,
-                    num_shards=1,
-                    out_dtype=out_dtype,
-                    tiles=None,
-                    interpret=False,
-                    allow_mgpu=auto,
-                )
-                for w, p in zip(ws, plans, strict=True)
-            )
-        return tuple(
-            matmul_triton.shared_partial(
-                x, list(ws), plans=plans, num_shards=1, out_dtype=out_dtype, tiles=tiles, interpret=interpret
-            )
-        )
+        kw = dict(out_dtype=out_dtype, cols=cols, backend=backend, interpret=interpret)
+        return gpu_shared(x, ws, **kw)[0]
 
     return runtime.dispatch(backend, cpu, gpu, x, *ws)
 
@@ -354,36 +373,39 @@ def matmul_shared(
         default: the weights' own N.
     Differentiable like ``matmul``.
     """
+    ws, out_dtype, cols = check_shared("matmul_shared", x, ws, out_dtype, col_blocks, full_ns)
+    runtime.check_backend(backend, interpret)
+    return _matmul_shared(x, ws, out_dtype=out_dtype, cols=cols, backend=backend, interpret=interpret)
+
+
+def check_shared(op: str, x, ws, out_dtype, col_blocks, full_ns):
+    """``matmul_shared``'s input checks (errors name ``op``) -> (ws as a tuple, out_dtype,
+    cols: one (col_blocks, full_n) per weight)."""
     if not isinstance(ws, (list, tuple)):
-        raise TypeError(
-            f"matmul_shared: ws must be a list or tuple of [K, N] weights, got {type(ws).__name__}"
-        )
+        raise TypeError(f"{op}: ws must be a list or tuple of [K, N] weights, got {type(ws).__name__}")
     ws = tuple(ws)
     if not ws:
-        raise ValueError("matmul_shared: no weights")
+        raise ValueError(f"{op}: no weights")
     for i, w in enumerate(ws):
         if getattr(w, "ndim", None) != 2:
             raise ValueError(
-                f"matmul_shared: ws[{i}] must be a 2-D array, got {type(w).__name__} "
-                f"of shape {getattr(w, 'shape', None)}"
+                f"{op}: ws[{i}] must be a 2-D array, got {type(w).__name__} of shape {getattr(w, 'shape', None)}"
             )
     if full_ns is None:
         full_ns = tuple(w.shape[1] for w in ws)
     elif not isinstance(full_ns, (list, tuple)):
-        raise TypeError(f"matmul_shared: full_ns must be a list or tuple (one per weight), got {full_ns!r}")
+        raise TypeError(f"{op}: full_ns must be a list or tuple (one per weight), got {full_ns!r}")
     full_ns = tuple(full_ns)
     if len(full_ns) != len(ws):
-        raise ValueError(f"matmul_shared: {len(ws)} weights but {len(full_ns)} full_ns")
+        raise ValueError(f"{op}: {len(ws)} weights but {len(full_ns)} full_ns")
     for i, w in enumerate(ws):
         try:
             out_dtype = _check_operands(x, w, out_dtype)
         except (TypeError, ValueError) as e:
-            raise type(e)(f"matmul_shared: ws[{i}]: {e}") from None
+            raise type(e)(f"{op}: ws[{i}]: {str(e).removeprefix('matmul: ')}") from None
     for i, (w, full_n) in enumerate(zip(ws, full_ns, strict=True)):
-        _check_cols("matmul_shared", f"ws[{i}]", w.shape[1], col_blocks, full_n)
-    runtime.check_backend(backend, interpret)
-    cols = tuple((col_blocks, f) for f in full_ns)
-    return _matmul_shared(x, ws, out_dtype=out_dtype, cols=cols, backend=backend, interpret=interpret)
+        _check_cols(op, f"ws[{i}]", w.shape[1], col_blocks, full_n)
+    return ws, out_dtype, tuple((col_blocks, f) for f in full_ns)
 
 
 def matmul_partial(

@@ -253,11 +253,12 @@ def _shared_kernel(*refs, specs, num_x: int, tile_k: int, tile_m: int):
         pl.when((pid >= start) & (pid < start + leaves * rt * ct))(run)
 
 
-def shared_partial(x, ws, *, plans, num_shards, out_dtype, tiles: GpuTiles, interpret):
+def shared_partial(x, ws, *, plans, num_shards, out_dtype, tiles: GpuTiles, interpret, combine: bool = True):
     """``[triton_partial(x, w, plan=p, ...) for w, p in zip(ws, plans)]`` in one launch with
     ``tiles``' row tile, warps and stages: each weight keeps the column tile its own launch
     would take (``gpu_tiles``, or in interpret mode its plan's), so its programs are its own
-    launch's programs and its bits that launch's."""
+    launch's programs and its bits that launch's. ``combine`` False: the kernel's own outputs
+    (as ``triton_partial``'s)."""
     m = x.shape[0]
     tm = tiles.tile_m
     mp = -(-m // tm) * tm
@@ -298,6 +299,8 @@ def shared_partial(x, ws, *, plans, num_shards, out_dtype, tiles: GpuTiles, inte
         interpret=interpret,
         name="bijax_matmul_shared",
     )(*xls, *wls)
+    if not combine:
+        return list(outs)
     results = []
     for out, w, plan, (_, _, leaves, *_rest) in zip(outs, ws, plans, specs, strict=True):
         results.append(leaf_result(out[..., :m, : w.shape[1]], leaves, plan.split_k, out_dtype))

@@ -27,10 +27,16 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import runtime
 from pallas_kernels.attention import check_write_kv, write_kv
+from pallas_kernels.matmul import _matmul_shared, check_shared, gpu_shared
+from pallas_kernels.plan import combine_leaves
 
 # True (the default): ``rope_write_kv`` is one kernel on the GPU. False: ``rope`` and ``write_kv``
 # there too (XLA's kernels, the same bits; the A/B switch of benchmarks/ab.py fusions).
 FUSED = True
+# True (the default): with FUSED, ``qkv_rope_write_kv``'s RoPE kernel combines the projections'
+# leaf partials itself. False: the projections' results (leaves combined by XLA), then
+# ``rope_write_kv`` (the same bits; the A/B switch of benchmarks/ab.py qkv-combine).
+QKV_COMBINE_IN_KERNEL = True
 
 
 def _rotate(x1, x2, cos, sin, products):
@@ -74,23 +80,52 @@ def rope(x: jax.Array, cos_sin: jax.Array) -> jax.Array:
 
 
 def _rope_kv_kernel(
-    slot_ref, cs_ref, q_ref, k_ref, v_ref, _kc_in, _vc_in, q_out, kc_ref, vc_ref, *, products
+    slot_ref,
+    cs_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    _kc_in,
+    _vc_in,
+    q_out,
+    kc_ref,
+    vc_ref,
+    *,
+    products,
+    heads: tuple[int, int],
+    folds: tuple[int | None, int | None, int | None],
+    dtype,
 ):
     """One token: q rotated into ``q_out``; k rotated and v into the caches' row ``slot`` (viewed
-    as [slots, Hkv, D]); a padding token (slot < 0) writes no cache row."""
+    as [slots, Hkv, D]); a padding token (slot < 0) writes no cache row. q, k, v are this token's
+    [heads, D] rows in ``dtype``, or with ``folds[i]`` a matmul's float32 leaf partials [L, heads,
+    D], combined and rounded to ``dtype`` as ``plan.leaf_result`` does."""
     slot = slot_ref[pl.program_id(0)]
-    half = q_ref.shape[-1] // 2
+    hq, hkv = heads
+    d = q_out.shape[-1]
+    half = d // 2
     cos, sin = cs_ref[0], cs_ref[1]  # [D/2]
 
-    def rotated(ref):
-        heads = ref.shape[0]
-        rows = pl.next_power_of_2(heads)
-        mask = (jnp.arange(rows) < heads)[:, None]
-        load = lambda lo: pltriton.load(ref.at[pl.ds(0, rows), pl.ds(lo, half)], mask=mask, other=0.0)  # noqa: E731
-        x1, x2 = load(0).astype(jnp.float32), load(half).astype(jnp.float32)
+    def load(ref, fold, n, lo, width):
+        """float32 [rows, width] of columns lo.. of the token's n head rows (rows: n padded to a
+        power of two, masked)."""
+        rows = pl.next_power_of_2(n)
+        mask = (jnp.arange(rows) < n)[:, None]
+
+        def part(*leaf):
+            return pltriton.load(ref.at[(*leaf, pl.ds(0, rows), pl.ds(lo, width))], mask=mask, other=0.0)
+
+        if fold is None:
+            return part().astype(jnp.float32), rows, mask
+        combined = combine_leaves([part(jnp.int32(leaf)) for leaf in range(ref.shape[0])], fold)
+        return combined.astype(dtype).astype(jnp.float32), rows, mask
+
+    def rotated(ref, fold, n):
+        x1, rows, mask = load(ref, fold, n, 0, half)
+        x2, _, _ = load(ref, fold, n, half, half)
         c, s = (jnp.broadcast_to(a[None, :], x1.shape) for a in (cos, sin))
         lo, hi = _rotate(x1, x2, c, s, products)
-        return rows, mask, (lo.astype(ref.dtype), hi.astype(ref.dtype))
+        return rows, mask, (lo.astype(dtype), hi.astype(dtype))
 
     def store(ref, rows, mask, halves, *lead):
         for lo, value in zip((0, half), halves, strict=True):
@@ -98,46 +133,71 @@ def _rope_kv_kernel(
                 ref.at[(*lead, pl.ds(0, rows), pl.ds(lo, half))], value.astype(ref.dtype), mask=mask
             )
 
-    rows, mask, q_rot = rotated(q_ref)
+    rows, mask, q_rot = rotated(q_ref, folds[0], hq)
     store(q_out, rows, mask, q_rot)
 
     @pl.when(slot >= 0)
     def _():
-        rows, mask, k_rot = rotated(k_ref)
+        rows, mask, k_rot = rotated(k_ref, folds[1], hkv)
         store(kc_ref, rows, mask, k_rot, slot)
-        v_rows = pl.next_power_of_2(v_ref.shape[0])
-        v_mask = (jnp.arange(v_rows) < v_ref.shape[0])[:, None]
-        d = v_ref.shape[1]
-        v = pltriton.load(v_ref.at[pl.ds(0, v_rows), pl.ds(0, d)], mask=v_mask, other=0.0)
-        pltriton.store(vc_ref.at[slot, pl.ds(0, v_rows), pl.ds(0, d)], v.astype(vc_ref.dtype), mask=v_mask)
+        v, rows, mask = load(v_ref, folds[2], hkv, 0, d)
+        pltriton.store(
+            vc_ref.at[slot, pl.ds(0, rows), pl.ds(0, d)], v.astype(dtype).astype(vc_ref.dtype), mask=mask
+        )
 
 
-def _rope_kv_pallas(q, k, v, cos_sin, k_cache, v_cache, slots, *, interpret: bool, products=None):
-    """``products`` (default: ``mul.rn`` on the GPU, XLA's barrier in interpret mode) is there for
-    benchmarks/kernels.py's negative control only."""
+def _rope_kv_pallas(
+    q,
+    k,
+    v,
+    cos_sin,
+    k_cache,
+    v_cache,
+    slots,
+    *,
+    interpret: bool,
+    products=None,
+    folds=(None, None, None),
+    hq: int | None = None,
+    dtype=None,
+):
+    """The kernel over T = len(slots) tokens. q, k, v: [T', H', D] rows (T' >= T, H' >= the
+    heads), or where ``folds[i]`` is set float32 leaf partials [L, T', H', D]; ``hq``: q's heads
+    (default q's H'), ``dtype``: the rows' dtype (default q's). ``products`` (default: ``mul.rn``
+    on the GPU, XLA's barrier in interpret mode) is there for benchmarks/kernels.py's negative
+    control only."""
     if products is None:
         products = _xla_products if interpret else _triton_products
-    t, hq, d = q.shape
+    t = slots.shape[0]
+    d = k_cache.shape[-1]
+    hq = q.shape[-2] if hq is None else hq
+    dtype = q.dtype if dtype is None else dtype
     num_blocks, block_size, hkv, _ = k_cache.shape
     rows = (num_blocks * block_size, hkv, d)  # the caches as one row per slot: a free reshape
     kc, vc = k_cache.reshape(rows), v_cache.reshape(rows)
     token = lambda *shape: pl.BlockSpec((pl.squeezed, *shape), lambda i: (i,) + (0,) * len(shape))  # noqa: E731
     whole = lambda a: pl.BlockSpec(a.shape, lambda i: (0,) * a.ndim)  # noqa: E731
+
+    def token_rows(a, fold):
+        if fold is None:
+            return token(*a.shape[1:])
+        return pl.BlockSpec((a.shape[0], pl.squeezed, *a.shape[2:]), lambda i: (0, i, 0, 0))
+
     q_rot, kc, vc = pl.pallas_call(
-        functools.partial(_rope_kv_kernel, products=products),
+        functools.partial(
+            _rope_kv_kernel, products=products, heads=(hq, hkv), folds=tuple(folds), dtype=dtype
+        ),
         grid=(t,),
         in_specs=[
             whole(slots),
             token(2, d // 2),
-            token(hq, d),
-            token(hkv, d),
-            token(hkv, d),
+            *(token_rows(a, f) for a, f in zip((q, k, v), folds, strict=True)),
             whole(kc),
             whole(vc),
         ],
         out_specs=[token(hq, d), whole(kc), whole(vc)],
         out_shape=[
-            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct((t, hq, d), dtype),
             jax.ShapeDtypeStruct(kc.shape, kc.dtype),
             jax.ShapeDtypeStruct(vc.shape, vc.dtype),
         ],
@@ -202,4 +262,104 @@ def rope_write_kv(
     return _rope_write_kv(q, k, v, cos_sin, k_cache, v_cache, slots, backend=backend, interpret=interpret)
 
 
-__all__ = ["rope", "rope_write_kv"]
+def _qkv_rows(outs, plans, ws, d):
+    """``gpu_shared``'s own outputs as the RoPE kernel's inputs: each [L, M', H', D] float32
+    leaf partials (fold: the plan's split_k) or [M', H', D] results (fold None)."""
+    rows, folds = [], []
+    for out, plan, w in zip(outs, plans, ws, strict=True):
+        if out.shape[-1] % d:  # padded columns that are no whole head: drop them (an XLA slice)
+            out = out[..., : w.shape[1]]
+        rows.append(out.reshape(*out.shape[:-1], out.shape[-1] // d, d))
+        folds.append(None if out.ndim == 2 else plan.split_k)
+    return rows, tuple(folds)
+
+
+@runtime.kernel_op(
+    "qkv_rope_write_kv", static_argnames=("cols", "backend", "interpret"), donate_argnums=(5, 6)
+)
+def _qkv_rope_write_kv(x, wq, wk, wv, cos_sin, k_cache, v_cache, slots, *, cols, backend, interpret):
+    t, d = x.shape[0], k_cache.shape[-1]
+
+    def ops(x, wq, wk, wv, cos_sin, k_cache, v_cache, slots, *, backend):
+        ys = _matmul_shared(
+            x, (wq, wk, wv), out_dtype=x.dtype, cols=cols, backend=backend, interpret=interpret
+        )
+        q, k, v = (y.reshape(t, -1, d) for y in ys)
+        return _rope_write_kv(q, k, v, cos_sin, k_cache, v_cache, slots, backend=backend, interpret=interpret)
+
+    def gpu(x, wq, wk, wv, cos_sin, k_cache, v_cache, slots):
+        ws = (wq, wk, wv)
+        kw = dict(out_dtype=x.dtype, cols=cols, backend=backend, interpret=interpret, combine=False)
+        rows, folds = _qkv_rows(*gpu_shared(x, ws, **kw), ws, d)
+        q_rot, kc, vc = _rope_kv_pallas(
+            *rows,
+            cos_sin,
+            k_cache,
+            v_cache,
+            slots,
+            interpret=interpret,
+            folds=folds,
+            hq=wq.shape[1] // d,
+            dtype=x.dtype,
+        )
+        return q_rot, kc, vc
+
+    args = (x, wq, wk, wv, cos_sin, k_cache, v_cache, slots)
+    if not (FUSED and QKV_COMBINE_IN_KERNEL):
+        return ops(*args, backend=backend)
+    return runtime.dispatch(backend, functools.partial(ops, backend="jnp"), gpu, *args)
+
+
+def qkv_rope_write_kv(
+    x: jax.Array,
+    ws,
+    cos_sin: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    slot_mapping: jax.Array,
+    *,
+    col_blocks: int = 1,
+    full_ns=None,
+    backend: str = "auto",
+    interpret: bool = False,
+):
+    """An attention layer's projections, RoPE and KV write: with ``q, k, v = matmul_shared(x,
+    ws, col_blocks=..., full_ns=...)`` as [T, heads, D] rows, ``rope_write_kv(q, k, v, cos_sin,
+    k_cache, v_cache, slot_mapping)`` - the same bits. On the GPU the RoPE kernel reads the
+    projections' float32 leaf partials and combines them itself (``plan.combine_leaves``, then
+    ``plan.leaf_result``'s rounding), so no XLA combine runs between the two launches.
+
+    x [T, H]; ws = (wq [H, Hq*D], wk [H, Hkv*D], wv [H, Hkv*D]) of x's dtype (a column-parallel
+    rank's shards with ``full_ns``, as ``matmul_shared``); cos_sin [T, 2, D/2] float32; the
+    caches [num_blocks, block_size, Hkv, D] (donated; D and Hkv from them) and ``slot_mapping``
+    [T] as ``write_kv``'s. Returns (q rotated [T, Hq, D], k_cache, v_cache). Not differentiable.
+    """
+    ws, out_dtype, cols = check_shared("qkv_rope_write_kv", x, ws, None, col_blocks, full_ns)
+    if len(ws) != 3:
+        raise ValueError(f"qkv_rope_write_kv: ws must be (wq, wk, wv), got {len(ws)} weights")
+    if getattr(k_cache, "ndim", None) != 4:
+        raise ValueError(
+            f"qkv_rope_write_kv: k_cache must be [num_blocks, block_size, Hkv, D], got {getattr(k_cache, 'shape', None)}"
+        )
+    t, d = x.shape[0], k_cache.shape[-1]
+    nq, nk, nv = (w.shape[1] for w in ws)
+    if d % 2 or nq % d or nk != nv or nk != k_cache.shape[2] * d:
+        raise ValueError(
+            f"qkv_rope_write_kv: weights of {nq}, {nk}, {nv} columns do not make whole heads of the "
+            f"cache's {k_cache.shape[2]} x {d} (q: a multiple of D; k, v: Hkv * D)"
+        )
+    if tuple(getattr(cos_sin, "shape", ())) != (t, 2, d // 2) or cos_sin.dtype != jnp.float32:
+        raise ValueError(
+            f"qkv_rope_write_kv: cos_sin must be float32 of shape ({t}, 2, {d // 2}), got "
+            f"{getattr(cos_sin, 'dtype', None)}{tuple(getattr(cos_sin, 'shape', ()))}"
+        )
+    kv_rows = jax.ShapeDtypeStruct((t, nk // d, d), out_dtype)
+    check_write_kv("qkv_rope_write_kv", k_cache, v_cache, kv_rows, kv_rows, slot_mapping, cast=True)
+    runtime.check_backend(backend, interpret)
+    slots = jnp.asarray(slot_mapping, jnp.int32)
+    return _qkv_rope_write_kv(
+        x, *ws, cos_sin, k_cache, v_cache, slots, cols=cols, backend=backend, interpret=interpret
+    )
+
+
+__all__ = ["qkv_rope_write_kv", "rope", "rope_write_kv"]

@@ -61,6 +61,20 @@ CASES = {
         ),
         "bijax_rope_kv",
     ),
+    "qkv_rope_write_kv_decode": (  # the RoPE kernel reads q, k, v's float32 leaf partials
+        lambda x, wq, wk, wv, cs, kc, vc, slots: pk.qkv_rope_write_kv(x, (wq, wk, wv), cs, kc, vc, slots),
+        (
+            S((16, 4096), BF16),
+            S((4096, 4096), BF16),
+            S((4096, 1024), BF16),
+            S((4096, 1024), BF16),
+            S((16, 2, 64), jnp.float32),
+            S((64, 16, 8, 128), BF16),
+            S((64, 16, 8, 128), BF16),
+            S((16,), jnp.int32),
+        ),
+        "bijax_rope_kv",
+    ),
     "rms_norm_residual": (
         lambda x, g, r: pk.rms_norm(x, g, eps=1e-5, residual=r),
         (S((7, 1536), BF16), S((1536,), BF16), S((7, 1536), BF16)),
@@ -124,3 +138,14 @@ def test_shared_launch_only_where_the_weights_launches_agree():
         matmul_triton.SHARED_LAUNCH = True
         jax.clear_caches()
     assert "bijax_matmul_shared" not in text and text.count('name = "bijax_matmul"') == 3
+
+
+def test_fused_epilogues_leave_no_leaf_combine_to_xla():
+    """``matmul_norm`` and ``qkv_rope_write_kv`` exported for CUDA at decode rows have no XLA add
+    left (their kernels combine the leaf partials); the plain matmul of the same weight has (the
+    combine in XLA: the check can fail)."""
+    for name in ("matmul_norm_decode", "qkv_rope_write_kv_decode"):
+        fn, args, _ = CASES[name]
+        assert "stablehlo.add" not in cuda_export(fn, *args), name
+    x, w = CASES["matmul_norm_decode"][1][:2]
+    assert "stablehlo.add" in cuda_export(lambda x, w: pk.matmul(x, w), x, w)

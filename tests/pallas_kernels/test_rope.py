@@ -90,3 +90,87 @@ def test_bad_input():
         pk.rope_write_kv(q, k, v, cs, kc, vc, jnp.asarray([20, 64, -1], jnp.int32))
     with pytest.raises(ValueError, match="do not fit cache rows"):
         pk.rope_write_kv(q, k[:, :1], v[:, :1], cs, kc, vc, slots)
+
+
+def qkv_operands(t, k, hq, hkv, d, dtype, num_blocks=4, block_size=16):
+    x = rand((t, k), dtype)
+    ws = [rand((k, h * d), dtype, 0.03) for h in (hq, hkv, hkv)]
+    _, _, _, cs, (kc, vc), slots = inputs(t, hq, hkv, d, block_size, num_blocks, dtype)
+    return x, ws, cs, kc, vc, slots
+
+
+def qkv_ops(x, ws, cs, kc, vc, slots, *, backend, interpret, **cols):
+    d = kc.shape[-1]
+    ys = pk.matmul_shared(x, ws, backend=backend, interpret=interpret, **cols)
+    q, k, v = (y.reshape(x.shape[0], -1, d) for y in ys)
+    return pk.rope_write_kv(q, k, v, cs, kc, vc, slots, backend=backend, interpret=interpret)
+
+
+# GPU plans (interpret) of 2 and 4 leaves and of one (no partials: the results themselves), q's
+# columns padded past its heads (192 of a 128-column tile), bf16 and f32, a column-parallel shard.
+@pytest.mark.parametrize("backend,interpret", BACKENDS)
+@pytest.mark.parametrize(
+    "t,k,hq,hkv,d,dtype,shard",
+    [
+        (5, 2048, 4, 2, 64, jnp.bfloat16, False),
+        (3, 4096, 3, 1, 64, jnp.float32, False),
+        (4, 512, 2, 1, 128, jnp.bfloat16, False),
+        (2, 2048, 4, 2, 64, jnp.bfloat16, True),
+    ],
+)
+def test_qkv_rope_write_kv_is_the_projections_then_rope_write_kv(
+    backend, interpret, t, k, hq, hkv, d, dtype, shard
+):
+    x, ws, cs, kc, vc, slots = qkv_operands(t, k, hq, hkv, d, dtype)
+    cols = {}
+    if shard:  # this rank's half of each weight's columns, planned as the whole (col_blocks 2)
+        cols = dict(col_blocks=2, full_ns=[2 * w.shape[1] for w in ws])
+    want = qkv_ops(
+        x, ws, cs, jnp.array(kc), jnp.array(vc), slots, backend=backend, interpret=interpret, **cols
+    )
+    got = pk.qkv_rope_write_kv(
+        x, ws, cs, jnp.array(kc), jnp.array(vc), slots, backend=backend, interpret=interpret, **cols
+    )
+    assert got[0].shape == (t, hq, d) and got[0].dtype == dtype
+    np.testing.assert_array_equal(bits(got[0]), bits(want[0]))
+    for g, w in zip(got[1:], want[1:], strict=True):  # the caches but the null block 0
+        np.testing.assert_array_equal(bits(g)[1:], bits(w)[1:])
+    assert not np.array_equal(bits(got[1])[1:], bits(kc)[1:])
+
+
+def test_qkv_negative_control_another_fold_order_differs():
+    """The RoPE kernel's own combine of the leaf partials is what gives the bits: folding k's 4
+    leaves as a tree (instead of one left fold) changes some (float32 rows, no rounding hides it)."""
+    from pallas_kernels.matmul import gpu_shared
+    from pallas_kernels.rope import _qkv_rows, _rope_kv_pallas
+
+    x, ws, cs, kc, vc, slots = qkv_operands(16, 4096, 2, 2, 64, jnp.float32)
+    cols = tuple((1, w.shape[1]) for w in ws)
+    outs, plans = gpu_shared(
+        x, ws, out_dtype=x.dtype, cols=cols, backend="triton", interpret=True, combine=False
+    )
+    rows, folds = _qkv_rows(outs, plans, ws, 64)
+    assert folds == (4, 4, 4)
+
+    def kernel(folds):
+        kw = dict(interpret=True, folds=folds, hq=2, dtype=x.dtype)
+        return _rope_kv_pallas(*rows, cs, jnp.array(kc), jnp.array(vc), slots, **kw)
+
+    want = qkv_ops(x, ws, cs, jnp.array(kc), jnp.array(vc), slots, backend="triton", interpret=True)
+    got = kernel(folds)
+    np.testing.assert_array_equal(bits(got[1])[1:], bits(want[1])[1:])
+    assert not np.array_equal(bits(kernel((4, 1, 4))[1])[1:], bits(want[1])[1:])
+
+
+def test_qkv_bad_input():
+    x, ws, cs, kc, vc, slots = qkv_operands(3, 512, 2, 1, 64, jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"ws must be \(wq, wk, wv\)"):
+        pk.qkv_rope_write_kv(x, ws[:2], cs, kc, vc, slots)
+    with pytest.raises(ValueError, match="do not make whole heads"):
+        pk.qkv_rope_write_kv(x, [ws[0], ws[1][:, :32], ws[2]], cs, kc, vc, slots)
+    with pytest.raises(ValueError, match="K mismatch|contract|shape"):
+        pk.qkv_rope_write_kv(x[:, :256], ws, cs, kc, vc, slots)
+    with pytest.raises(ValueError, match="cos_sin must be float32"):
+        pk.qkv_rope_write_kv(x, ws, cs[:2], kc, vc, slots)
+    with pytest.raises(ValueError, match="two tokens write the same cache slot"):
+        pk.qkv_rope_write_kv(x, ws, cs, kc, vc, jnp.asarray([20, 20, -1], jnp.int32))
