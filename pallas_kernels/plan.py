@@ -145,6 +145,25 @@ def combine_leaves(parts, fold: int):
     return tree_sum(shards)
 
 
+def round_like(xf, dtype):
+    """float32 values rounded to ``dtype``'s precision (kept in float32) in a way no compiler
+    elides: the value of ``xf.astype(dtype).astype(float32)``. bfloat16: round-to-nearest-even
+    on the bits (XLA CPU, and so Pallas interpret mode, may otherwise skip the round trip), NaN
+    kept NaN. Others: a cast."""
+    if jnp.dtype(dtype) == jnp.bfloat16:
+        u = jax.lax.bitcast_convert_type(xf, jnp.uint32)
+        u = (u + jnp.uint32(0x7FFF) + ((u >> 16) & jnp.uint32(1))) & jnp.uint32(0xFFFF0000)
+        return jnp.where(xf != xf, xf, jax.lax.bitcast_convert_type(u, jnp.float32))
+    return xf.astype(dtype).astype(jnp.float32)
+
+
+def leaf_value(parts, fold: int, dtype):
+    """Inside a kernel that reads a matmul's float32 leaf partials (``parts``): the value
+    ``leaf_result`` gives - ``combine_leaves``, rounded to the matmul's output ``dtype`` - kept
+    in float32."""
+    return round_like(combine_leaves(parts, fold), dtype)
+
+
 def leaf_result(out, num_leaves: int, split_k: int, out_dtype):
     """A GPU matmul kernel's output as the op's result: with one leaf ``out`` is the [M, N]
     result already; else ``out`` holds the fp32 [L, M, N] leaf partials, combined by

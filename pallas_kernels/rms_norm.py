@@ -18,22 +18,9 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import runtime
 from pallas_kernels.checks import check_eps, check_float_dtype, check_rank, check_rows, check_same_dtype
-from pallas_kernels.plan import combine_leaves
+from pallas_kernels.plan import leaf_value, round_like
 
 CPU_TILE_T = 16
-
-
-def _round_like(xf, dtype):
-    """Rounds fp32 values to ``dtype``'s precision (kept in fp32), in a way no compiler elides.
-
-    bfloat16: round-to-nearest-even on the bits (XLA CPU, and so Pallas interpret
-    mode, may otherwise skip an fp32 -> bf16 -> fp32 round trip). Others: a cast.
-    """
-    if jnp.dtype(dtype) == jnp.bfloat16:
-        u = lax.bitcast_convert_type(xf, jnp.uint32)
-        u = (u + jnp.uint32(0x7FFF) + ((u >> 16) & jnp.uint32(1))) & jnp.uint32(0xFFFF0000)
-        return lax.bitcast_convert_type(u, jnp.float32)
-    return xf.astype(dtype).astype(jnp.float32)
 
 
 def _rms_norm_kernel(*refs, eps: float, h: int, has_residual: bool, fold: int | None = None):
@@ -50,9 +37,9 @@ def _rms_norm_kernel(*refs, eps: float, h: int, has_residual: bool, fold: int | 
         xf = pltriton.load(x_ref.at[cols], mask=mask, other=0.0).astype(jnp.float32)
     else:
         parts = [pltriton.load(x_ref.at[leaf, cols], mask=mask, other=0.0) for leaf in range(x_ref.shape[0])]
-        xf = _round_like(combine_leaves(parts, fold), o_ref.dtype)
+        xf = leaf_value(parts, fold, o_ref.dtype)
     if has_residual:
-        xf = _round_like(
+        xf = round_like(
             xf + pltriton.load(r_ref.at[cols], mask=mask, other=0.0).astype(jnp.float32), s_ref.dtype
         )
         pltriton.store(s_ref.at[cols], xf.astype(s_ref.dtype), mask=mask)
@@ -66,6 +53,8 @@ def rms_norm_pallas(x, weight, residual, *, eps: float, interpret: bool, fold: i
     (its rows and columns may be padded past T and H): x [T', W] in the output dtype, or with
     ``fold`` float32 leaf partials [L, T', W] (see ``_rms_norm_kernel``) and ``dtype`` the
     output dtype."""
+    if fold is not None and residual is None:
+        raise ValueError("rms_norm_pallas: a matmul's partials (fold) need the residual (it gives T)")
     h = weight.shape[0]
     t = x.shape[-2] if residual is None else residual.shape[0]
     dtype = x.dtype if fold is None else dtype

@@ -28,7 +28,7 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels import runtime
 from pallas_kernels.attention import check_write_kv, write_kv
 from pallas_kernels.matmul import _matmul_shared, check_shared, gpu_shared
-from pallas_kernels.plan import combine_leaves
+from pallas_kernels.plan import leaf_value
 
 # True (the default): ``rope_write_kv`` is one kernel on the GPU. False: ``rope`` and ``write_kv``
 # there too (XLA's kernels, the same bits; the A/B switch of benchmarks/ab.py fusions).
@@ -117,8 +117,7 @@ def _rope_kv_kernel(
 
         if fold is None:
             return part().astype(jnp.float32), rows, mask
-        combined = combine_leaves([part(jnp.int32(leaf)) for leaf in range(ref.shape[0])], fold)
-        return combined.astype(dtype).astype(jnp.float32), rows, mask
+        return leaf_value([part(jnp.int32(leaf)) for leaf in range(ref.shape[0])], fold, dtype), rows, mask
 
     def rotated(ref, fold, n):
         x1, rows, mask = load(ref, fold, n, 0, half)
@@ -223,6 +222,23 @@ def _rope_write_kv(q, k, v, cos_sin, k_cache, v_cache, slots, *, backend, interp
     return runtime.dispatch(backend, cpu, gpu, q, k, v, cos_sin, k_cache, v_cache, slots)
 
 
+def _check_heads(op: str, t: int, d: int, cos_sin, k_cache, v_cache) -> None:
+    """The fused ops' checks of the head dim, ``cos_sin`` and the caches' dtypes."""
+    if d < 2 or d & (d - 1):
+        raise ValueError(f"{op}: the head dim must be a power of two, got {d}")
+    if (
+        tuple(getattr(cos_sin, "shape", ())) != (t, 2, d // 2)
+        or getattr(cos_sin, "dtype", None) != jnp.float32
+    ):
+        raise ValueError(
+            f"{op}: cos_sin must be float32 of shape ({t}, 2, {d // 2}), got "
+            f"{getattr(cos_sin, 'dtype', None)}{tuple(getattr(cos_sin, 'shape', ()))}"
+        )
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+            raise TypeError(f"{op}: {name} must be bfloat16, float16 or float32, got {c.dtype}")
+
+
 def rope_write_kv(
     q: jax.Array,
     k: jax.Array,
@@ -248,15 +264,12 @@ def rope_write_kv(
         if getattr(a, "ndim", None) != nd:
             raise ValueError(f"rope_write_kv: {name} must be {nd}-D, got shape {getattr(a, 'shape', None)}")
     t, _, d = q.shape
-    if d % 2 or k.shape[0] != t or k.shape[2] != d:
-        raise ValueError(f"rope_write_kv: q {q.shape} and k {k.shape} need one T and one even head dim")
+    if k.shape[0] != t or k.shape[2] != d:
+        raise ValueError(f"rope_write_kv: q {q.shape} and k {k.shape} need one T and one head dim")
     if q.dtype != k.dtype or q.dtype != v.dtype:
         raise TypeError(f"rope_write_kv: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
-    if tuple(cos_sin.shape) != (t, 2, d // 2) or cos_sin.dtype != jnp.float32:
-        raise ValueError(
-            f"rope_write_kv: cos_sin must be float32 of shape ({t}, 2, {d // 2}), got {cos_sin.dtype}{tuple(cos_sin.shape)}"
-        )
     check_write_kv("rope_write_kv", k_cache, v_cache, k, v, slot_mapping, cast=True)
+    _check_heads("rope_write_kv", t, d, cos_sin, k_cache, v_cache)
     runtime.check_backend(backend, interpret)
     slots = jnp.asarray(slot_mapping, jnp.int32)
     return _rope_write_kv(q, k, v, cos_sin, k_cache, v_cache, slots, backend=backend, interpret=interpret)
@@ -267,8 +280,8 @@ def _qkv_rows(outs, plans, ws, d):
     leaf partials (fold: the plan's split_k) or [M', H', D] results (fold None)."""
     rows, folds = [], []
     for out, plan, w in zip(outs, plans, ws, strict=True):
-        if out.shape[-1] % d:  # padded columns that are no whole head: drop them (an XLA slice)
-            out = out[..., : w.shape[1]]
+        # whole heads: N is heads * D and its padding a whole column tile (D and tiles: powers of 2)
+        assert w.shape[1] % d == 0 and out.shape[-1] % d == 0, (w.shape, out.shape, d)
         rows.append(out.reshape(*out.shape[:-1], out.shape[-1] // d, d))
         folds.append(None if out.ndim == 2 else plan.split_k)
     return rows, tuple(folds)
@@ -348,13 +361,9 @@ def qkv_rope_write_kv(
             f"qkv_rope_write_kv: weights of {nq}, {nk}, {nv} columns do not make whole heads of the "
             f"cache's {k_cache.shape[2]} x {d} (q: a multiple of D; k, v: Hkv * D)"
         )
-    if tuple(getattr(cos_sin, "shape", ())) != (t, 2, d // 2) or cos_sin.dtype != jnp.float32:
-        raise ValueError(
-            f"qkv_rope_write_kv: cos_sin must be float32 of shape ({t}, 2, {d // 2}), got "
-            f"{getattr(cos_sin, 'dtype', None)}{tuple(getattr(cos_sin, 'shape', ()))}"
-        )
     kv_rows = jax.ShapeDtypeStruct((t, nk // d, d), out_dtype)
     check_write_kv("qkv_rope_write_kv", k_cache, v_cache, kv_rows, kv_rows, slot_mapping, cast=True)
+    _check_heads("qkv_rope_write_kv", t, d, cos_sin, k_cache, v_cache)
     runtime.check_backend(backend, interpret)
     slots = jnp.asarray(slot_mapping, jnp.int32)
     return _qkv_rope_write_kv(

@@ -98,3 +98,36 @@ def test_mixed_dtypes_are_refused():
     x, w, g, r = operands(4, 64, 32)
     with pytest.raises(TypeError, match="dtype"):
         pk.matmul_norm(x, w, g.astype(jnp.float32), r, eps=1e-5)
+
+
+def test_padded_partials_are_not_read():
+    """The matmul kernel's padded rows and columns (past M and N) never reach the norm: NaN
+    there leaves every bit unchanged; NaN in a real column does not (the check can see it)."""
+    m, k, n = 3, 2048, 96
+    x, w, g, r = operands(m, k, n, jnp.float32)
+    plan = plan_matmul(k, n, jnp.float32, platform="gpu")
+    raw = triton_partial(
+        x, w, plan=plan, num_shards=1, out_dtype=x.dtype, tiles=None, interpret=True, combine=False
+    )
+    assert raw.ndim == 3 and raw.shape[1] > m and raw.shape[2] > n  # leaves, padded rows and columns
+
+    def norm(raw):
+        return rms_norm_pallas(raw, g, r, eps=1e-5, interpret=True, fold=plan.split_k, dtype=x.dtype)
+
+    want = [bits(a) for a in norm(raw)]
+    padded = raw.at[:, m:, :].set(jnp.nan).at[:, :, n:].set(jnp.nan)
+    for a, b in zip(norm(padded), want, strict=True):
+        np.testing.assert_array_equal(bits(a), b)
+    assert np.isnan(np.asarray(norm(raw.at[0, 1, n - 1].set(jnp.nan))[1][1, n - 1]))
+
+
+def test_round_like_keeps_nan():
+    """A NaN from the leaves stays NaN (the GPU's 0x7FFFFFFF would round to -0.0 on the bits)."""
+    from pallas_kernels.plan import round_like
+
+    nan = jnp.asarray(np.array([0x7FFFFFFF, 0xFFFFFFFF, 0x7FC00000], np.uint32).view(np.float32))
+    assert np.isnan(np.asarray(round_like(nan, jnp.bfloat16))).all()
+    finite = rand((4096,), jnp.float32) * 1e3
+    np.testing.assert_array_equal(
+        bits(round_like(finite, jnp.bfloat16)), bits(finite.astype(jnp.bfloat16).astype(jnp.float32))
+    )

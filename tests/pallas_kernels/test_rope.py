@@ -106,8 +106,8 @@ def qkv_ops(x, ws, cs, kc, vc, slots, *, backend, interpret, **cols):
     return pk.rope_write_kv(q, k, v, cs, kc, vc, slots, backend=backend, interpret=interpret)
 
 
-# GPU plans (interpret) of 2 and 4 leaves and of one (no partials: the results themselves), q's
-# columns padded past its heads (192 of a 128-column tile), bf16 and f32, a column-parallel shard.
+# GPU plans (interpret) of 2 and 4 leaves and of one (no partials: the results themselves), bf16
+# and f32, a column-parallel shard (padded rows and heads: test_padded_rows_and_heads_are_not_read).
 @pytest.mark.parametrize("backend,interpret", BACKENDS)
 @pytest.mark.parametrize(
     "t,k,hq,hkv,d,dtype,shard",
@@ -174,3 +174,29 @@ def test_qkv_bad_input():
         pk.qkv_rope_write_kv(x, ws, cs[:2], kc, vc, slots)
     with pytest.raises(ValueError, match="two tokens write the same cache slot"):
         pk.qkv_rope_write_kv(x, ws, cs, kc, vc, jnp.asarray([20, 20, -1], jnp.int32))
+
+
+def test_padded_rows_and_heads_are_not_read():
+    """The RoPE kernel reads only the real tokens' real heads of leaf partials [L, T', H', D]:
+    NaN in the padded rows (T' > T) and heads (H' > heads) leaves every bit unchanged; NaN in a
+    real head does not (the check can see it)."""
+    from pallas_kernels.rope import _rope_kv_pallas
+
+    t, hq, hkv, d, pad_t, pad_h = 3, 3, 2, 64, 8, 4
+    q_l, k_l, v_l = (rand((2, pad_t, pad_h, d), jnp.float32) for _ in range(3))
+    _, _, _, cs, (kc, vc), slots = inputs(t, hq, hkv, d, 16, 4)
+
+    def run(q_l, k_l, v_l):
+        kw = dict(interpret=True, folds=(2, 2, 2), hq=hq, dtype=jnp.bfloat16)
+        return _rope_kv_pallas(q_l, k_l, v_l, cs, jnp.array(kc), jnp.array(vc), slots, **kw)
+
+    def pad_nan(a, heads):
+        return a.at[:, t:].set(jnp.nan).at[:, :, heads:].set(jnp.nan)
+
+    want = [bits(a) for a in run(q_l, k_l, v_l)]
+    got = run(pad_nan(q_l, hq), pad_nan(k_l, hkv), pad_nan(v_l, hkv))
+    assert got[0].shape == (t, hq, d)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(bits(a), b)
+    seen = run(q_l.at[1, 0, hq - 1, 5].set(jnp.nan), k_l, v_l)[0]
+    assert np.isnan(np.asarray(seen[0, hq - 1].astype(jnp.float32))).any()
