@@ -86,34 +86,20 @@ _AB = {
     )
 }
 _PROFILE_DECODE = ("--script", "profile_step.py", "--cases", "decode1,decode64", "--paths", "invariant")
+# profile_step.py's decode cases under each side of a switch: "profile-<name>-<side>"
 _AB.update(
     {
-        f"profile-shared-{side}": (
-            _py("ab.py", "matmul-shared", side, *_PROFILE_DECODE),
+        f"profile-{name}-{side}": (
+            _py("ab.py", switch, side, *_PROFILE_DECODE),
             200,
-            f"profile, {side}",
+            f"profile, {switch} {side}",
         )
-        for side in ("each", "shared")
-    }
-)
-_AB.update(
-    {
-        f"profile-fusions-{side}": (
-            _py("ab.py", "fusions", side, *_PROFILE_DECODE),
-            200,
-            f"profile, fusions {side}",
+        for name, switch, sides in (
+            ("shared", "matmul-shared", ("each", "shared")),
+            ("fusions", "fusions", ("off", "on")),
+            ("qkv", "qkv-combine", ("xla", "kernel")),
         )
-        for side in ("off", "on")
-    }
-)
-_AB.update(
-    {
-        f"profile-qkv-{side}": (
-            _py("ab.py", "qkv-combine", side, *_PROFILE_DECODE),
-            200,
-            f"profile, q, k, v combined by {side}",
-        )
-        for side in ("xla", "kernel")
+        for side in sides
     }
 )
 # name -> (command, time limit s, what it is for)
