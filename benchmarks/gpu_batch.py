@@ -207,6 +207,11 @@ STEPS = {
         420,
         "start-up with the defaults (tiered on GPUs since 2026-12-04), empty and filled caches / one program",
     ),
+    "cmdbuf-modes": (
+        _py("cmdbuf_modes.py"),
+        200,
+        "single-stream engine step under XLA's command-buffer update modes (default, SKIP_TEMP, SKIP_PROFILED)",
+    ),
     "startup-single-ab": (
         _startup("single-helper,single"),
         150,

@@ -98,11 +98,20 @@ def trace_gaps(d: str, iters: int) -> dict:
     for _, dur, n in dev:
         kern[_group(n)][0] += 1
         kern[_group(n)][1] += dur
+    tname = {
+        (e["pid"], e.get("tid")): e["args"].get("name", "")
+        for e in ev
+        if e.get("ph") == "M" and e.get("name") == "thread_name"
+    }
     host = collections.defaultdict(lambda: [0, 0.0])
+    threads = collections.defaultdict(lambda: [0, 0.0])  # by (thread, event): who waits on whom
     for e in ev:
         if e.get("ph") == "X" and e.get("pid") not in gpu_pids:
             host[_group(e["name"])][0] += 1
             host[_group(e["name"])][1] += float(e.get("dur", 0))
+            where = (tname.get((e["pid"], e.get("tid")), str(e.get("tid"))), _group(e["name"]))
+            threads[where][0] += 1
+            threads[where][1] += float(e.get("dur", 0))
     before = collections.defaultdict(lambda: [0, 0.0])
     after = collections.defaultdict(lambda: [0, 0.0])
     busy_end = None
@@ -146,6 +155,7 @@ def trace_gaps(d: str, iters: int) -> dict:
         before=per(before),
         after=per(after),
         host=per(host),
+        threads=per(threads),
         kernels=per(kern),
         worst_us=g,
         around=around,
@@ -322,6 +332,11 @@ def engine_profile(name: str, num_seqs: int, trace_dir: str, tokens: int, top: i
     print("|---|---|---|")
     for k, (c, ms) in sorted(g["host"].items(), key=lambda kv: -kv[1][1])[:top]:
         print(f"| {k[:100]} | {c:.1f} | {ms:.3f} |")
+    print()
+    print("| host thread | event (per step) | count | ms per step |")
+    print("|---|---|---|---|")
+    for (th, k), (c, ms) in sorted(g["threads"].items(), key=lambda kv: -kv[1][1])[: 2 * top]:
+        print(f"| {th[:40]} | {k[:90]} | {c:.1f} | {ms:.3f} |")
     print()
 
 
