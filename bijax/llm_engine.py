@@ -50,7 +50,7 @@ class EngineStats:
     num_drained_steps_without_drafts: int = 0
     speculation_host_seconds: float = 0.0  # host time spent deciding on and proposing drafts
     # steps whose forward ran as the chain of programs, and as one program (step_programs);
-    # tiered: whole forwards compiled in the background so far
+    # tiered: whole forwards compiled in the background so far (the draft model's too)
     num_chain_steps: int = 0
     num_whole_steps: int = 0
     num_upgraded_programs: int = 0
@@ -307,7 +307,12 @@ class Engine:
             num_kv_blocks_in_use=self.blocks.num_blocks - 1 - self.blocks.num_free,
             num_chain_steps=self.runner.steps_by_form["chain"],
             num_whole_steps=self.runner.steps_by_form["whole"],
-            num_upgraded_programs=self.runner.programs_upgraded,
+            num_upgraded_programs=self.runner.programs_upgraded
+            + (
+                0
+                if self.speculator is None or self.speculator.draft is None
+                else self.speculator.draft.programs_upgraded
+            ),
             **self._spec_totals,
         )
 

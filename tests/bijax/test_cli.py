@@ -248,6 +248,20 @@ def test_bench_reports_both_paths_and_compiles_nothing_in_timed_runs(capsys, pre
     assert all(x["compiles_in_timed_runs"] == 0 and x["itl_p50_s"] > 0 for x in r["rows"])
     assert r["invariant_over_xla_time"] == pytest.approx(r["rows"][0]["seconds"] / r["rows"][1]["seconds"])
     assert r["weight_bytes"] > 0 and r["flop_per_token"] > 0
+    assert all(x["warmup_runs"] == 1 for x in r["rows"])  # (the CPU's default: no tiered programs)
+
+
+def test_bench_warms_up_again_on_tiered_programs(capsys, monkeypatch):
+    """Tiered step programs (the GPUs' default): the first warm-up run runs the chain while the
+    whole forwards compile in the background; bench waits for them and warms up again on them,
+    so the timed runs are not their first runs, and times only whole forwards. Control: the
+    default CPU engine (nothing compiles in the background) warms up once (test above)."""
+    monkeypatch.setenv("BIJAX_STEP_PROGRAMS", "tiered")
+    assert cli.main(BENCH) == 0
+    r = json.loads(capsys.readouterr().out)
+    for x in r["rows"]:
+        assert x["warmup_runs"] == 2 and x["compiles_in_timed_runs"] == 0
+        assert x["chain_steps_in_timed_runs"] == 0
 
 
 def test_bench_counts_compiles_and_fails_on_them(capsys, monkeypatch):
