@@ -207,6 +207,20 @@ STEPS = {
         420,
         "start-up with the defaults (tiered on GPUs since 2026-12-04), empty and filled caches / one program",
     ),
+    "host-inputs": (
+        _py(
+            "profile_step.py",
+            "--cases",
+            "decode1",
+            "--paths",
+            "invariant",
+            "--placed-inputs",
+            "--trace",
+            "/tmp/bijax-trace-inputs",
+        ),
+        150,
+        "traced single-stream step, new input buffers every step / the same ones: does XLA update the CUDA graph for them?",
+    ),
     "cmdbuf-modes": (
         _py("cmdbuf_modes.py"),
         200,

@@ -164,12 +164,22 @@ def trace_gaps(d: str, iters: int) -> dict:
 
 
 def profile(
-    model, case, *, invariant: bool, iters: int, cupti: bool, trace_dir: str | None = None, top_p: float = 1.0
+    model,
+    case,
+    *,
+    invariant: bool,
+    iters: int,
+    cupti: bool,
+    trace_dir: str | None = None,
+    top_p: float = 1.0,
+    placed: bool = False,
 ):
     name, num_seqs, ctx, new = case
     c = model.config
     batch, sampling, nblocks = make_step(num_seqs, ctx, new, ctx + new, c.vocab_size)
     sampling.top_p[:] = top_p
+    if placed:  # the forward's inputs on the device once: the same buffers every step
+        batch = jax.device_put(batch)
     # The engine's runner runs the step as the engine does: its forward's programs (the chain
     # of embedding, layer and LM-head programs, or one program with BIJAX_STEP_PROGRAMS=whole),
     # the KV cache donated, then the sampling program the rows need.
@@ -238,7 +248,8 @@ def profile(
     return dict(
         case=name
         + f" (bucket {len(batch.context_lens)} x {batch.num_tokens})"
-        + (f", top-p {top_p}" if top_p < 1 else ""),
+        + (f", top-p {top_p}" if top_p < 1 else "")
+        + (", inputs placed once" if placed else ""),
         path="invariant" if invariant else "XLA",
         wall_ms=wall_ms,
         dispatch_ms=dispatch_ms,
@@ -360,6 +371,12 @@ def main():
         help="comma-separated sequence counts: trace whole LLM.generate runs instead, for each of --paths",
     )
     p.add_argument("--tokens", type=int, default=64, help="--engine: output tokens per sequence")
+    p.add_argument(
+        "--placed-inputs",
+        action="store_true",
+        help="also run each case with the forward's inputs placed on the device once, the same "
+        "buffers every step (does XLA update the forward's CUDA graph for new input buffers?)",
+    )
     args = p.parse_args()
     name = "tiny" if args.smoke else args.model
     if args.engine:
@@ -396,17 +413,19 @@ def main():
     rows = []
     for case in cases:
         for invariant in paths:
-            r = profile(
-                model,
-                case,
-                invariant=invariant,
-                iters=args.iters,
-                cupti=cupti,
-                trace_dir=args.trace,
-                top_p=args.top_p,
-            )
-            report(r, args.top)
-            rows.append(r)
+            for placed in (False, True) if args.placed_inputs else (False,):
+                r = profile(
+                    model,
+                    case,
+                    invariant=invariant,
+                    iters=args.iters,
+                    cupti=cupti,
+                    trace_dir=args.trace,
+                    top_p=args.top_p,
+                    placed=placed,
+                )
+                report(r, args.top)
+                rows.append(r)
     print("| case | path | wall ms | host enqueue ms | kernel ms | gap ms | launches |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
