@@ -167,19 +167,20 @@ def _planned(w, k_shards, cols, platform) -> MatmulPlan:
     return plan if n == full_n else dataclasses.replace(plan, n=n, col_blocks=col_blocks * n // full_n)
 
 
-def _matmul_impl(x, w, out_dtype, k_shards, cols, backend, interpret, tiles):
-    """``cols`` = (col_blocks, full_n): see ``_planned``."""
-
-    def planned(platform):
-        return _planned(w, k_shards, cols, platform)
+def formulations(out_dtype, k_shards, cols, backend, interpret, tiles=None, combine: bool = True):
+    """The op's two formulations of ``x @ w`` (``runtime.dispatch`` picks one; ``cols`` =
+    (col_blocks, full_n): see ``_planned``): ``cpu(x, w)`` -> the result; ``gpu(x, w)`` ->
+    (the result - with ``combine`` False the kernel's own output, before ``plan.leaf_result`` -
+    and the plan). Ops that fuse a matmul with what follows (``matmul_norm``) take them from
+    here."""
 
     def cpu(x, w):
-        plan = planned("cpu")
+        plan = _planned(w, k_shards, cols, "cpu")
         return _jnp_partial(x, w, plan=plan, num_shards=k_shards, out_dtype=out_dtype)
 
     def gpu(x, w):
-        plan = planned("gpu")
-        return _gpu_partial(
+        plan = _planned(w, k_shards, cols, "gpu")
+        out = _gpu_partial(
             x,
             w,
             plan=plan,
@@ -188,9 +189,16 @@ def _matmul_impl(x, w, out_dtype, k_shards, cols, backend, interpret, tiles):
             tiles=tiles,
             interpret=interpret,
             allow_mgpu=backend == "auto",
+            combine=combine,
         )
+        return out, plan
 
-    return runtime.dispatch(backend, cpu, gpu, x, w)
+    return cpu, gpu
+
+
+def _matmul_impl(x, w, out_dtype, k_shards, cols, backend, interpret, tiles):
+    cpu, gpu = formulations(out_dtype, k_shards, cols, backend, interpret, tiles)
+    return runtime.dispatch(backend, cpu, lambda x, w: gpu(x, w)[0], x, w)
 
 
 def _gpu_partial(x, w, *, plan, num_shards, out_dtype, tiles, interpret, allow_mgpu, combine=True):

@@ -18,7 +18,7 @@ import jax
 
 from pallas_kernels import runtime
 from pallas_kernels.checks import check_eps, check_same_dtype
-from pallas_kernels.matmul import _check_operands, _dot_bwd, _gpu_partial, _jnp_partial, _planned
+from pallas_kernels.matmul import _check_operands, _dot_bwd, formulations
 from pallas_kernels.plan import K_SHARDS
 from pallas_kernels.rms_norm import rms_norm_jnp, rms_norm_pallas, rms_norm_reference
 
@@ -29,26 +29,13 @@ FUSED = True
 
 
 def _impl(x, w, weight, residual, eps, k_shards, backend, interpret):
-    cols = (1, w.shape[1])
+    mm_cpu, mm_gpu = formulations(x.dtype, k_shards, (1, w.shape[1]), backend, interpret, combine=not FUSED)
 
     def cpu(x, w, weight, residual):
-        plan = _planned(w, k_shards, cols, "cpu")
-        y = _jnp_partial(x, w, plan=plan, num_shards=k_shards, out_dtype=x.dtype)
-        return rms_norm_jnp(y, weight, residual, eps=eps)
+        return rms_norm_jnp(mm_cpu(x, w), weight, residual, eps=eps)
 
     def gpu(x, w, weight, residual):
-        plan = _planned(w, k_shards, cols, "gpu")
-        raw = _gpu_partial(
-            x,
-            w,
-            plan=plan,
-            num_shards=k_shards,
-            out_dtype=x.dtype,
-            tiles=None,
-            interpret=interpret,
-            allow_mgpu=backend == "auto",
-            combine=not FUSED,
-        )
+        raw, plan = mm_gpu(x, w)
         fold = None if raw.ndim == 2 else plan.split_k  # one leaf (or not FUSED): the result already
         return rms_norm_pallas(raw, weight, residual, eps=eps, interpret=interpret, fold=fold, dtype=x.dtype)
 
