@@ -222,9 +222,9 @@ STEPS = {
         "traced single-stream step, new input buffers every step / the same ones: does XLA update the CUDA graph for them?",
     ),
     "cmdbuf-modes": (
-        _py("cmdbuf_modes.py"),
-        200,
-        "single-stream engine step under XLA's command-buffer update modes (default, SKIP_TEMP, SKIP_PROFILED)",
+        _py("cmdbuf_modes.py", "--num-kv-blocks", "0"),
+        260,
+        "single-stream engine step: XLA's command-buffer update mode (ALWAYS_UPDATE, SKIP_TEMP) x inputs staged or not",
     ),
     "startup-single-ab": (
         _startup("single-helper,single"),

@@ -374,8 +374,9 @@ def main():
     p.add_argument(
         "--placed-inputs",
         action="store_true",
-        help="also run each case with the forward's inputs placed on the device once, the same "
-        "buffers every step (does XLA update the forward's CUDA graph for new input buffers?)",
+        help="also run each case with the forward's inputs placed on the device once (the runner "
+        "copies a step's inputs into the same buffers every step anyway, since 2026-12-04; with "
+        "BIJAX_STAGED_INPUTS=0 this tells what new input buffers cost)",
     )
     args = p.parse_args()
     name = "tiny" if args.smoke else args.model

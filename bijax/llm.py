@@ -41,14 +41,60 @@ def _kv_blocks(
     if dev.platform == "cpu":
         budget = _CPU_KV_BYTES
     else:  # vLLM's rule: the KV pool gets what is left of utilization x device memory
-        stats = dev.memory_stats() or {}
-        budget = int(stats.get("bytes_limit", 0) * utilization) - stats.get("bytes_in_use", 0)
+        limit, in_use = _device_memory(dev)
+        budget = int(limit * utilization) - in_use
         if budget < 2 * per_block:
             raise ValueError(
                 f"gpu_memory_utilization={utilization} leaves no room for the KV cache "
-                f"({stats.get('bytes_in_use', 0) / 2**30:.1f} GiB in use of {stats.get('bytes_limit', 0) / 2**30:.1f})"
+                f"({in_use / 2**30:.1f} GiB in use of {limit / 2**30:.1f})"
             )
     return int(max(2, min(want, budget // per_block)))
+
+
+def _device_memory(dev) -> tuple[int, int]:
+    """(bytes this process may allocate on the device, bytes in use) for sizing the KV pool:
+    XLA's allocator statistics (its limit and what is allocated); where the allocator keeps none
+    - XLA's VMM allocator, which ``bijax.GPU_GRAPH_UPDATE_MODE`` selects - the same limit (the
+    client's memory fraction, XLA_PYTHON_CLIENT_MEM_FRACTION, default 0.75, of the device: the
+    VMM allocator's budget) and the CUDA driver's count of the memory in use on the device."""
+    stats = dev.memory_stats() or {}
+    if stats.get("bytes_limit", 0) > 0:
+        return int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
+    free, total = _driver_memory(dev.local_hardware_id)
+    raw = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "").strip()
+    try:
+        fraction = float(raw) if raw else 0.75
+    except ValueError:
+        raise ValueError(f"XLA_PYTHON_CLIENT_MEM_FRACTION must be a number, got {raw!r}") from None
+    return int(total * fraction), total - free
+
+
+def _driver_memory(ordinal: int) -> tuple[int, int]:
+    """(free, total) bytes of CUDA device ``ordinal`` (``cuMemGetInfo`` in its primary context,
+    the one XLA runs in)."""
+    import ctypes
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+    free, total = ctypes.c_size_t(), ctypes.c_size_t()
+    calls = (
+        ("cuInit", (0,)),
+        ("cuDeviceGet", (ctypes.byref(dev), ordinal)),
+        ("cuDevicePrimaryCtxRetain", (ctypes.byref(ctx), dev)),
+        ("cuCtxPushCurrent_v2", (ctx,)),
+    )
+    for name, args in calls:
+        if (err := getattr(cuda, name)(*args)) != 0:
+            raise RuntimeError(f"cannot read device {ordinal}'s memory: {name} returned CUDA error {err}")
+    try:
+        if (err := cuda.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total))) != 0:
+            raise RuntimeError(
+                f"cannot read device {ordinal}'s memory: cuMemGetInfo returned CUDA error {err}"
+            )
+    finally:
+        cuda.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+        cuda.cuDevicePrimaryCtxRelease_v2(dev)
+    return free.value, total.value
 
 
 def _load(model, *, dtype, k_shards: int, seed: int, tensor_parallel_size: int) -> Llama:

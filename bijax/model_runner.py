@@ -54,6 +54,7 @@ from bijax.step_programs import (
     placed,
     sample_program,
     score_program,
+    staged_inputs,
     tiered,
 )
 from models import sharding
@@ -198,6 +199,8 @@ class ModelRunner:
         self._generation = 0  # the weights' structure: a background program of another is dropped
         self.programs_upgraded = 0  # whole forwards it kept
         self.steps_by_form = {"chain": 0, "whole": 0}  # steps run by each form of the forward
+        self._staging: dict = {}  # the step inputs' device buffers, by structure and shapes (``_staged``)
+        self._stage = staged_inputs()
 
     def set_model(self, model: Llama) -> None:
         """Takes the model's weights (placed on the mesh under tensor parallelism)."""
@@ -225,11 +228,50 @@ class ModelRunner:
         self._layout = None  # made again from these weights when the chain needs it
 
     def _inputs(self, tree):
-        """Host inputs as arrays every rank of the mesh sees whole (needed across processes)."""
+        """Host inputs as arrays every rank of the mesh sees whole (needed across processes);
+        leaves already on the devices stay as they are."""
         if self.mesh is None or jax.process_count() == 1:
             return tree
         rep = NamedSharding(self.mesh, P())
-        return jax.tree_util.tree_map(lambda a: sharding.to_global(np.asarray(a), rep), tree)
+        return jax.tree_util.tree_map(
+            lambda a: a if isinstance(a, jax.Array) else sharding.to_global(np.asarray(a), rep), tree
+        )
+
+    def _staged(self, tree):
+        """``tree`` (a step's inputs: host arrays, or device arrays made for this step) in device
+        buffers that keep their addresses from step to step: copied into the buffers that the
+        last call of the same structure and shapes returned, which it donates (the copy lands
+        where they are). XLA runs a warmed-up program as a CUDA graph and re-records the graph
+        (~1 ms of host time for a llama3-8b forward, every step) whenever one of the program's
+        buffers moved since its last run: inputs placed anew every step moved every step
+        (benchmarks/RESULTS.md, session 36). Values only move: no bit can change."""
+        if not self._stage:
+            return tree
+        leaves, treedef = jax.tree_util.tree_flatten(self._inputs(tree))
+        key = (treedef, tuple((a.shape, np.dtype(a.dtype)) for a in leaves))
+        old = self._staging.pop(key, None)
+        new = self._copy(leaves) if old is None else self._copy_into(old, leaves)
+        self._staging[key] = new
+        return jax.tree_util.tree_unflatten(treedef, new)
+
+    @functools.cached_property
+    def _copy(self):
+        """New values -> a copy in buffers of XLA's own (a host array placed on the CPU may
+        share the array's memory, which a later copy could not be donated into)."""
+        out = None if self.mesh is None else NamedSharding(self.mesh, P())
+        # (the barrier keeps jit from handing ``new`` back as it is instead of copying it)
+        return jax.jit(jax.lax.optimization_barrier, out_shardings=out)
+
+    @functools.cached_property
+    def _copy_into(self):
+        """(old buffers, new values) -> the new values in the old buffers (donated)."""
+        out = None if self.mesh is None else NamedSharding(self.mesh, P())
+        return jax.jit(
+            lambda old, new: jax.lax.optimization_barrier(new),
+            donate_argnums=0,
+            keep_unused=True,  # (else jit drops the unused ``old``, and its donation with it)
+            out_shardings=out,
+        )
 
     def _batch(self, chunks: list[Chunk], *, logit_rows: bool = True) -> PagedBatch:
         """Flat padded inputs for the chunks, in order; ``logit_rows``: the sampled rows of each
@@ -339,6 +381,8 @@ class ModelRunner:
         time by ``warmup`` or now, the first time a step needs them (the same path either
         way); keeps the donated cache; returns (tokens, logprobs, top)."""
         s, t, r = len(batch.context_lens), batch.num_tokens, len(batch.logit_rows)
+        filters = uses_filters(sampling)  # (read on the host, before staging)
+        batch, sampling = self._staged((batch, sampling))
         whole = ("forward", s, t, r)
         if self._chained(t) and not (self._tiered and whole in self._aot):
             logits = self._forward_layers(batch, s, t, r)
@@ -349,7 +393,6 @@ class ModelRunner:
             logits = self._forward_whole(batch, s, t, r)
             self.steps_by_form["whole"] += 1
         self.compiled_buckets.add((s, t))
-        filters = uses_filters(sampling)
         args, _ = self._sample_args(logits, sampling, num_logprobs, filters)
         return self._program(("sample", r, num_logprobs, filters))(*args)
 
@@ -407,11 +450,19 @@ class ModelRunner:
         return copy
 
     def _compiler_options(self, key) -> dict | None:
-        """XLA options a program compiles with: none, but the layer programs' command buffers
-        off under ``BIJAX_LAYER_COMMAND_BUFFERS=0`` (a measurement switch)."""
+        """XLA options a program compiles with: none on the invariant path (its matmuls are
+        Pallas kernels), but the layer programs' command buffers off under
+        ``BIJAX_LAYER_COMMAND_BUFFERS=0`` (a measurement switch). The baseline's forward
+        programs (``invariant=False``) compile without XLA's dot merger: it merged a layer's gate
+        and up dots into one Triton GEMM fusion that took 7.8 ms of a 2048-token prefill step's
+        layer on the H200 (309 ms a step; 68 ms without the merger, cuBLAS 65 ms: RESULTS.md,
+        session 36)."""
+        opts = {}
         if key[0] == "block" and not self._layer_buffers:
-            return {"xla_gpu_enable_command_buffer": ""}
-        return None
+            opts["xla_gpu_enable_command_buffer"] = ""
+        if not self.config.invariant and key[0] != "sample":
+            opts["xla_gpu_dot_merger_threshold_mb"] = 0
+        return opts or None
 
     def score_step(self, chunks: list[Chunk], targets, temperature: float):
         """Logprobs of ``targets`` (one per computed token; -1: not wanted) for one step."""

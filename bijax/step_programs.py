@@ -142,6 +142,13 @@ def layer_switches() -> tuple[bool, bool]:
     return _switch("BIJAX_LAYER_COPIES", False), _switch("BIJAX_LAYER_COMMAND_BUFFERS", True)
 
 
+def staged_inputs() -> bool:
+    """``BIJAX_STAGED_INPUTS=0`` (a measurement switch, read when an engine is made) passes a
+    step's inputs to its programs as new buffers every step instead of copying them into the
+    same ones (``ModelRunner._staged``)."""
+    return _switch("BIJAX_STAGED_INPUTS", True)
+
+
 def layers_per_program() -> int:
     """How many consecutive layers one ``block_program`` of the chain runs:
     ``BIJAX_LAYERS_PER_PROGRAM`` (read when an engine is made), by default 1 on CPU and 4 on
@@ -382,6 +389,7 @@ __all__ = [
     "chain_from",
     "layer_switches",
     "layers_per_program",
+    "staged_inputs",
     "forward_program",
     "head_program",
     "placed",

@@ -45,17 +45,21 @@ CPU_CONSISTENT_MATH = "--xla_cpu_enable_platform_dependent_math=false"
 _CPU_MATH_FLAG = CPU_CONSISTENT_MATH.split("=")[0]
 
 
-def _request_consistent_cpu_math() -> None:
+def request_xla_flag(flag: str) -> bool:
+    """Adds ``flag`` (``--name=value``) to XLA_FLAGS unless the user set ``--name`` (the user
+    chose) or a backend already started (XLA read its flags then). Returns whether it was added."""
     flags = os.environ.get("XLA_FLAGS", "")
-    if _CPU_MATH_FLAG in flags:
-        return  # the user chose; cpu_math_is_consistent() tells whether it is the consistent value
+    if flag.split("=")[0] in flags:
+        return False
     from jax._src import xla_bridge
 
-    if not xla_bridge.backends_are_initialized():
-        os.environ["XLA_FLAGS"] = f"{flags} {CPU_CONSISTENT_MATH}".strip()
+    if xla_bridge.backends_are_initialized():
+        return False
+    os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
+    return True
 
 
-_request_consistent_cpu_math()
+request_xla_flag(CPU_CONSISTENT_MATH)  # cpu_math_is_consistent() tells whether it took effect
 
 
 @functools.cache

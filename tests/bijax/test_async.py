@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 
 import bijax
@@ -125,3 +126,39 @@ def test_an_interrupted_read_back_loses_nothing():
     assert interrupts == 2 and not engine.has_unfinished_requests()
     assert _equal(_flat([done[f"r{i}"] for i in range(3)]), sync)
     assert engine.stats().num_kv_blocks_in_use == 0
+
+
+def _forward_input_addresses(llm) -> dict:
+    """Wraps the runner's forwards: per step bucket, the set of device addresses of the batch
+    arrays each forward was given."""
+    runner, seen = llm.engine.runner, {}
+    for name in ("_forward_whole", "_forward_layers"):
+        real = getattr(runner, name)
+
+        def wrapped(batch, s, t, r, real=real):
+            ptrs = tuple(a.unsafe_buffer_pointer() for a in jax.tree_util.tree_leaves(batch))
+            seen.setdefault((s, t, r), set()).add(ptrs)
+            return real(batch, s, t, r)
+
+        setattr(runner, name, wrapped)
+    return seen
+
+
+def test_staged_inputs_keep_their_addresses_and_the_bits(monkeypatch):
+    """A step's inputs reach its programs in the same device buffers every step (XLA would
+    re-record a program's CUDA graph for inputs that moved: ``ModelRunner._staged``), and the
+    tokens and logprob bits are those of inputs passed as new buffers every step."""
+    prompts, params = _workload()
+    llm = _llm(True)
+    seen = _forward_input_addresses(llm)
+    staged = _flat(llm.generate(prompts, params, use_tqdm=False))
+    assert sum(len(s) for s in seen.values()) == len(seen) >= 2  # one address set per bucket
+    monkeypatch.setenv("BIJAX_STAGED_INPUTS", "0")
+    assert _equal(_flat(_llm(True).generate(prompts, params, use_tqdm=False)), staged)
+    monkeypatch.delenv("BIJAX_STAGED_INPUTS")
+    # control: copies that do not land in the old buffers (no donation) move every step
+    llm = _llm(True)
+    llm.engine.runner._copy_into = jax.jit(lambda old, new: jax.lax.optimization_barrier(new))
+    seen = _forward_input_addresses(llm)
+    assert _equal(_flat(llm.generate(prompts, params, use_tqdm=False)), staged)
+    assert max(len(s) for s in seen.values()) > 1

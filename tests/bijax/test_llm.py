@@ -208,3 +208,73 @@ def test_stop_strings_without_a_tokenizer_are_an_error():
     with pytest.raises(ValueError, match="stop strings need a tokenizer"):
         _llm("tiny").generate([[5, 6, 7]], SP(max_tokens=3, stop=["x"]), use_tqdm=False)
     assert _llm("tiny").generate([[5, 6, 7]], SP(max_tokens=3, stop_token_ids=[9]), use_tqdm=False)
+
+
+class _FakeGpu:
+    """A GPU device as ``bijax.llm`` reads it: its allocator statistics and CUDA ordinal."""
+
+    platform, local_hardware_id = "gpu", 3
+
+    def __init__(self, stats):
+        self.stats = stats
+
+    def memory_stats(self):
+        return self.stats
+
+
+def test_kv_pool_sizing_reads_xla_statistics_or_else_the_driver(monkeypatch):
+    """The KV pool takes utilization x the process's memory limit, less what is in use: from
+    XLA's allocator statistics, or - under the VMM allocator, which keeps none - from the CUDA
+    driver, with the client's memory fraction of the device as the limit."""
+    from bijax import llm as L
+
+    assert L._device_memory(_FakeGpu({"bytes_limit": 100, "bytes_in_use": 30})) == (100, 30)
+    asked = []
+    monkeypatch.setattr(L, "_driver_memory", lambda ordinal: asked.append(ordinal) or (600, 1000))
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    assert L._device_memory(_FakeGpu({})) == (750, 400) and asked == [3]
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", ".5")
+    assert L._device_memory(_FakeGpu({"bytes_limit": 0})) == (500, 400)
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "most")
+    with pytest.raises(ValueError, match="XLA_PYTHON_CLIENT_MEM_FRACTION must be a number"):
+        L._device_memory(_FakeGpu({}))
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    monkeypatch.setattr(L.jax, "devices", lambda: [_FakeGpu({})])
+    cfg = _llm("tiny").model.config
+    per_block = 2 * cfg.num_layers * 16 * cfg.num_kv_heads * cfg.head_dim * 4
+    monkeypatch.setattr(L, "_driver_memory", lambda ordinal: (900 * per_block, 1000 * per_block))
+    # 0.5 x 750 - 100 blocks' bytes: 275 blocks, or fewer if the engine wants fewer
+    assert (
+        L._kv_blocks(cfg, np.float32, 16, 8, 4, 0.5) == 33
+        and L._kv_blocks(cfg, np.float32, 16, 100, 4, 0.5) == 275
+    )
+    with pytest.raises(ValueError, match="leaves no room for the KV cache"):
+        L._kv_blocks(cfg, np.float32, 16, 8, 4, 0.1)
+
+
+def test_the_gpu_graph_update_mode_is_asked_for_and_a_users_setting_wins():
+    """Importing bijax asks XLA to keep its scratch buffer in place for CUDA graphs (before any
+    backend starts); a flag the user set, or a backend already running, leaves XLA_FLAGS as is."""
+    import os
+
+    import jax
+
+    import bijax
+    from pallas_kernels.runtime import request_xla_flag
+
+    assert bijax.GPU_GRAPH_UPDATE_MODE in os.environ["XLA_FLAGS"].split()
+    before = os.environ["XLA_FLAGS"]
+    assert not request_xla_flag("--xla_gpu_command_buffer_update_mode=ALWAYS_UPDATE")  # named already
+    jax.devices()
+    assert not request_xla_flag("--xla_gpu_dot_merger_threshold_mb=0")  # XLA read its flags
+    assert os.environ["XLA_FLAGS"] == before
+
+
+def test_the_baseline_compiles_its_forward_without_the_dot_merger():
+    """The XLA path's forward programs compile without XLA's dot merger (it made a layer's gate
+    and up one slow Triton GEMM on the H200); the invariant path's and sampling's as they are."""
+    inv, xla = _llm("tiny").engine.runner, _llm("tiny", invariant=False).engine.runner
+    merger_off = {"xla_gpu_dot_merger_threshold_mb": 0}
+    for key in (("forward", 8, 64, 8), ("embed", 64), ("head", 64, 8), ("block", 8, 64, 0)):
+        assert inv._compiler_options(key) is None and xla._compiler_options(key) == merger_off
+    assert xla._compiler_options(("sample", 8, 0, False)) is None
