@@ -14,10 +14,11 @@ from pallas_kernels.runtime import request_xla_flag  # noqa: E402
 
 # XLA runs a warmed-up GPU program as a CUDA graph and re-records the graph on the host (~1 ms for
 # a llama3-8b forward) before a run whenever one of the program's buffers moved since the last
-# run. The engine keeps a step's inputs and outputs in place (``ModelRunner._staged``); SKIP_TEMP
+# run. The engine keeps a step's inputs in place (``ModelRunner._staged``); SKIP_TEMP
 # keeps XLA's scratch buffer at the same virtual addresses too (XLA's VMM allocator), so a
 # decode step's graph is recorded once (benchmarks/RESULTS.md, session 36). Set before JAX
-# starts its GPU backend; a user's own setting of the flag wins. No effect on CPU or on bits.
+# starts its GPU backend; a user's own setting of the flag wins (README, Limits: it applies to the
+# whole process and makes XLA use its VMM allocator). No effect on CPU or on bits.
 GPU_GRAPH_UPDATE_MODE = "--xla_gpu_command_buffer_update_mode=SKIP_TEMP"
 request_xla_flag(GPU_GRAPH_UPDATE_MODE)
 

@@ -30,14 +30,15 @@ def _kv_blocks(
     cfg, dtype, block_size, max_blocks_per_seq, max_num_seqs, utilization, tp: int = 1, draft=None
 ) -> int:
     """KV pool size in blocks; one block's bytes per device (tensor parallelism splits KV heads),
-    the draft model's block included (its KV cache has as many blocks)."""
+    the draft model's block included (its KV cache has as many blocks). Across processes, the
+    smallest any process can hold (the pool is one global array)."""
 
     def block_bytes(c, dt):
         return 2 * c.num_layers * block_size * (c.num_kv_heads // tp) * c.head_dim * jnp.dtype(dt).itemsize
 
     per_block = block_bytes(cfg, dtype) + (0 if draft is None else block_bytes(draft.config, draft.dtype))
     want = max_num_seqs * max_blocks_per_seq + 1
-    dev = jax.devices()[0]
+    dev = jax.local_devices()[0]
     if dev.platform == "cpu":
         budget = _CPU_KV_BYTES
     else:  # vLLM's rule: the KV pool gets what is left of utilization x device memory
@@ -48,24 +49,36 @@ def _kv_blocks(
                 f"gpu_memory_utilization={utilization} leaves no room for the KV cache "
                 f"({in_use / 2**30:.1f} GiB in use of {limit / 2**30:.1f})"
             )
-    return int(max(2, min(want, budget // per_block)))
+    blocks = int(max(2, min(want, budget // per_block)))
+    if dev.platform != "cpu" and jax.process_count() > 1:  # (what each process has in use may differ)
+        from jax.experimental import multihost_utils
+
+        blocks = int(np.min(multihost_utils.process_allgather(np.int32(blocks))))
+    return blocks
+
+
+_MEM_FRACTION_VARS = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")  # the new name first
 
 
 def _device_memory(dev) -> tuple[int, int]:
     """(bytes this process may allocate on the device, bytes in use) for sizing the KV pool:
     XLA's allocator statistics (its limit and what is allocated); where the allocator keeps none
     - XLA's VMM allocator, which ``bijax.GPU_GRAPH_UPDATE_MODE`` selects - the same limit (the
-    client's memory fraction, XLA_PYTHON_CLIENT_MEM_FRACTION, default 0.75, of the device: the
-    VMM allocator's budget) and the CUDA driver's count of the memory in use on the device."""
+    client's memory fraction of the device, XLA_CLIENT_MEM_FRACTION or its old name
+    XLA_PYTHON_CLIENT_MEM_FRACTION, default 0.75: the VMM allocator's budget) and the CUDA
+    driver's count of the memory in use on the device."""
     stats = dev.memory_stats() or {}
     if stats.get("bytes_limit", 0) > 0:
         return int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
     free, total = _driver_memory(dev.local_hardware_id)
-    raw = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "").strip()
+    name = next((n for n in _MEM_FRACTION_VARS if os.environ.get(n, "").strip()), None)
+    raw = os.environ[name].strip() if name else "0.75"
     try:
-        fraction = float(raw) if raw else 0.75
+        fraction = float(raw)
     except ValueError:
-        raise ValueError(f"XLA_PYTHON_CLIENT_MEM_FRACTION must be a number, got {raw!r}") from None
+        fraction = -1.0
+    if not 0 < fraction <= 1:
+        raise ValueError(f"{name} must be a number in (0, 1], got {raw!r}")
     return int(total * fraction), total - free
 
 
@@ -74,25 +87,29 @@ def _driver_memory(ordinal: int) -> tuple[int, int]:
     the one XLA runs in)."""
     import ctypes
 
-    cuda = ctypes.CDLL("libcuda.so.1")
+    def check(err, what):
+        if err != 0:
+            raise RuntimeError(f"cannot read GPU {ordinal}'s memory: {what} returned CUDA error {err}")
+
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        raise RuntimeError(
+            f"cannot read GPU {ordinal}'s memory: XLA's allocator reports no statistics and the "
+            f"CUDA driver is not loadable ({e}); pass num_kv_blocks"
+        ) from None
     dev, ctx = ctypes.c_int(), ctypes.c_void_p()
     free, total = ctypes.c_size_t(), ctypes.c_size_t()
-    calls = (
-        ("cuInit", (0,)),
-        ("cuDeviceGet", (ctypes.byref(dev), ordinal)),
-        ("cuDevicePrimaryCtxRetain", (ctypes.byref(ctx), dev)),
-        ("cuCtxPushCurrent_v2", (ctx,)),
-    )
-    for name, args in calls:
-        if (err := getattr(cuda, name)(*args)) != 0:
-            raise RuntimeError(f"cannot read device {ordinal}'s memory: {name} returned CUDA error {err}")
+    check(cuda.cuInit(0), "cuInit")
+    check(cuda.cuDeviceGet(ctypes.byref(dev), ordinal), "cuDeviceGet")
+    check(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
     try:
-        if (err := cuda.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total))) != 0:
-            raise RuntimeError(
-                f"cannot read device {ordinal}'s memory: cuMemGetInfo returned CUDA error {err}"
-            )
+        check(cuda.cuCtxPushCurrent_v2(ctx), "cuCtxPushCurrent")
+        try:
+            check(cuda.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)), "cuMemGetInfo")
+        finally:
+            cuda.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
     finally:
-        cuda.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
         cuda.cuDevicePrimaryCtxRelease_v2(dev)
     return free.value, total.value
 

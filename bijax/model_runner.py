@@ -498,12 +498,12 @@ class ModelRunner:
         without and with the top-k / top-p masks) - as HLO text (what the device runs; for
         audits)."""
         texts = []
-        for key in self.forward_keys(s, t, s):
+        keys = [*self.forward_keys(s, t, s)] + [("sample", s, num_logprobs, f) for f in (False, True)]
+        for key in keys:  # compiled as the engine compiles them (its XLA options included)
             fn, args, kw, _, _ = self._spec(key)
-            texts.append(fn.lower(*args, **kw).compile().as_text())
-        for filters in (False, True):
-            args, kw = self._sample_args(self._logits_spec(s), SamplingRows.greedy(s), num_logprobs, filters)
-            texts.append(sample_program.lower(*args, **kw).compile().as_text())
+            options = self._compiler_options(key)
+            lowered = fn.lower(*args, **kw)
+            texts.append((lowered.compile(options) if options else lowered.compile()).as_text())
         return "\n".join(texts)
 
     @property

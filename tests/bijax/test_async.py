@@ -149,13 +149,14 @@ def test_staged_inputs_keep_their_addresses_and_the_bits(monkeypatch):
     re-record a program's CUDA graph for inputs that moved: ``ModelRunner._staged``), and the
     tokens and logprob bits are those of inputs passed as new buffers every step."""
     prompts, params = _workload()
+    monkeypatch.setenv("BIJAX_STAGED_INPUTS", "1")  # (the GPUs' default; off on CPU)
     llm = _llm(True)
     seen = _forward_input_addresses(llm)
     staged = _flat(llm.generate(prompts, params, use_tqdm=False))
     assert sum(len(s) for s in seen.values()) == len(seen) >= 2  # one address set per bucket
     monkeypatch.setenv("BIJAX_STAGED_INPUTS", "0")
     assert _equal(_flat(_llm(True).generate(prompts, params, use_tqdm=False)), staged)
-    monkeypatch.delenv("BIJAX_STAGED_INPUTS")
+    monkeypatch.setenv("BIJAX_STAGED_INPUTS", "1")
     # control: copies that do not land in the old buffers (no donation) move every step
     llm = _llm(True)
     llm.engine.runner._copy_into = jax.jit(lambda old, new: jax.lax.optimization_barrier(new))
