@@ -42,6 +42,7 @@ from bijax.config import EngineConfig, bucket
 from bijax.sampler import SamplingRows, uses_filters
 from bijax.sequence import PENDING, Sequence
 from bijax.step_programs import (
+    BASELINE_XLA_OPTIONS,
     Layout,
     block_inputs,
     block_program,
@@ -452,16 +453,13 @@ class ModelRunner:
     def _compiler_options(self, key) -> dict | None:
         """XLA options a program compiles with: none on the invariant path (its matmuls are
         Pallas kernels), but the layer programs' command buffers off under
-        ``BIJAX_LAYER_COMMAND_BUFFERS=0`` (a measurement switch). The baseline's forward
-        programs (``invariant=False``) compile without XLA's dot merger: it merged a layer's gate
-        and up dots into one Triton GEMM fusion that took 7.8 ms of a 2048-token prefill step's
-        layer on the H200 (309 ms a step; 68 ms without the merger, cuBLAS 65 ms: RESULTS.md,
-        session 36)."""
+        ``BIJAX_LAYER_COMMAND_BUFFERS=0`` (a measurement switch); the baseline's
+        (``invariant=False``) forward programs with ``step_programs.BASELINE_XLA_OPTIONS``."""
         opts = {}
         if key[0] == "block" and not self._layer_buffers:
             opts["xla_gpu_enable_command_buffer"] = ""
         if not self.config.invariant and key[0] != "sample":
-            opts["xla_gpu_dot_merger_threshold_mb"] = 0
+            opts.update(BASELINE_XLA_OPTIONS)
         return opts or None
 
     def score_step(self, chunks: list[Chunk], targets, temperature: float):

@@ -30,6 +30,7 @@ from flax import nnx
 import pallas_kernels as pk
 from bijax.sampler import tempered_logprobs
 from bijax.sampling_params import check_temperature
+from bijax.step_programs import baseline_jit
 from models.llama import Llama, check_tokens
 
 __all__ = ["logprobs"]
@@ -230,7 +231,8 @@ def logprobs(
 # elementwise math between the kernels (RoPE, SwiGLU, ...) as it does in the engine's jitted
 # step. Run op by op instead, XLA CPU rounds RoPE's ``x1 * cos - x2 * sin`` differently
 # (measured: eager and jitted RoPE differ in the last bit), and the bits would not match.
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("max_segments", "invariant"))
+# (the baseline's program compiles with step_programs.BASELINE_XLA_OPTIONS when called directly)
+@functools.partial(baseline_jit, static_argnums=(0,), static_argnames=("max_segments", "invariant"))
 def _logprobs(graphdef, state, tokens, segment_ids, temp, *, max_segments, invariant):
     m = nnx.merge(graphdef, state)
     c = m.config

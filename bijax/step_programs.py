@@ -282,8 +282,34 @@ def sample_program(logits, sampling: SamplingRows, *, invariant, num_logprobs, f
     return _replicated(body, mesh, logits, sampling)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "invariant", "mesh"), donate_argnames=("cache",))
-def score_program(params, cache, batch: PagedBatch, targets, temperature, *, graphdef, invariant, mesh=None):
+# XLA options of the baseline's (``invariant=False``) model programs: without the dot merger. It
+# merged each layer's gate and up dots into one Triton GEMM fusion that took 7.8 ms a layer of a
+# 2048-token prefill step on the H200 (308 ms a step; 68 ms without it: RESULTS.md, session 36).
+# The invariant path's matmuls are Pallas kernels: its programs compile with XLA's defaults.
+BASELINE_XLA_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0}
+
+
+def baseline_jit(fn, **jit_kw):
+    """``fn`` jitted twice - the invariant path's program and the baseline's, compiled with
+    ``BASELINE_XLA_OPTIONS`` - called by its static ``invariant`` keyword. Traced inside the
+    caller's own jit or grad (a trainer's step), the baseline's runs as the plain one: it is
+    inlined into the caller's program, which compiles with the caller's options (JAX refuses
+    compiler options on a nested jit)."""
+    jitted = {
+        True: jax.jit(fn, **jit_kw),
+        False: jax.jit(fn, compiler_options=BASELINE_XLA_OPTIONS, **jit_kw),
+    }
+
+    @functools.wraps(fn)
+    def call(*args, invariant, **kw):
+        traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((args, kw)))
+        return jitted[invariant or traced](*args, invariant=invariant, **kw)
+
+    call.jitted = jitted  # by ``invariant`` (to lower one, for audits)
+    return call
+
+
+def _score(params, cache, batch: PagedBatch, targets, temperature, *, graphdef, invariant, mesh=None):
     """The paged forward of ``batch`` (every token row) and each row's logprob of its target."""
 
     def body(params, cache, batch, targets, temperature, tp):
@@ -291,6 +317,11 @@ def score_program(params, cache, batch: PagedBatch, targets, temperature, *, gra
         return target_logprobs(logits, targets, temperature, invariant=invariant), cache
 
     return _over_mesh(body, mesh, params, cache, batch, targets, temperature)
+
+
+score_program = baseline_jit(
+    _score, static_argnames=("graphdef", "invariant", "mesh"), donate_argnames=("cache",)
+)
 
 
 def block_inputs(batch: PagedBatch) -> PagedBatch:
@@ -397,4 +428,6 @@ __all__ = [
     "placed",
     "sample_program",
     "score_program",
+    "BASELINE_XLA_OPTIONS",
+    "baseline_jit",
 ]

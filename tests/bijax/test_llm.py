@@ -288,3 +288,22 @@ def test_the_baseline_compiles_its_forward_without_the_dot_merger():
         assert inv._compiler_options(key) == (switch or None)
         assert xla._compiler_options(key) == merger_off | switch
     assert xla._compiler_options(("sample", 8, 0, False)) is None
+
+
+def test_baseline_jit_compiles_only_the_baselines_program_with_its_options(monkeypatch):
+    """``score_program`` and ``bijax.logprobs`` are ``baseline_jit`` programs: an option that XLA
+    rejects is seen by the invariant=False call alone (the options reach that compile, and only it)."""
+    import jax
+    import jax.numpy as jnp
+
+    from bijax import rl, step_programs
+
+    assert set(step_programs.score_program.jitted) == set(rl._logprobs.jitted) == {True, False}
+    monkeypatch.setattr(step_programs, "BASELINE_XLA_OPTIONS", {"xla_no_such_option": 1})
+    f = step_programs.baseline_jit(lambda x, *, invariant: x * 2, static_argnames=("invariant",))
+    assert f(jnp.ones(3), invariant=True).tolist() == [2, 2, 2]
+    with pytest.raises(jax.errors.JaxRuntimeError, match="xla_no_such_option"):
+        f(jnp.ones(3), invariant=False)
+    # inside a caller's jit or grad it is part of the caller's program (nested options: refused)
+    assert jax.jit(lambda x: f(x, invariant=False))(jnp.ones(3)).tolist() == [2, 2, 2]
+    assert jax.grad(lambda x: f(x, invariant=False).sum())(jnp.ones(3)).tolist() == [2, 2, 2]
