@@ -49,7 +49,8 @@ def request_xla_flag(flag: str) -> bool:
     """Adds ``flag`` (``--name=value``) to XLA_FLAGS unless the user set ``--name`` (the user
     chose) or a backend already started (XLA read its flags then). Returns whether it was added."""
     flags = os.environ.get("XLA_FLAGS", "")
-    if flag.split("=")[0] in flags:
+    name = flag.split("=")[0]
+    if any(f.split("=")[0] == name for f in flags.split()):
         return False
     from jax._src import xla_bridge
 
