@@ -154,6 +154,10 @@ def test_tp_sizes_bit_identical(dtype_name, monkeypatch):
     # the forward as one program (the GPU's form) too: the same bits
     monkeypatch.setenv("BIJAX_STEP_PROGRAMS", "whole")
     assert _equal(_run(2, dtype_name), runs[1])
+    # ... with the step's inputs staged in place over the mesh (the GPUs' default): the same bits
+    monkeypatch.setenv("BIJAX_STAGED_INPUTS", "1")
+    staged = _run(2, dtype_name)
+    assert staged[3].engine.runner._staging and _equal(staged, runs[1])
 
 
 def test_tp_negative_control_xla_path_differs():
