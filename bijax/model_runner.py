@@ -454,11 +454,11 @@ class ModelRunner:
         """XLA options a program compiles with: none on the invariant path (its matmuls are
         Pallas kernels), but the layer programs' command buffers off under
         ``BIJAX_LAYER_COMMAND_BUFFERS=0`` (a measurement switch); the baseline's
-        (``invariant=False``) forward programs with ``step_programs.BASELINE_XLA_OPTIONS``."""
+        (``invariant=False``) programs with ``step_programs.BASELINE_XLA_OPTIONS``."""
         opts = {}
         if key[0] == "block" and not self._layer_buffers:
             opts["xla_gpu_enable_command_buffer"] = ""
-        if not self.config.invariant and key[0] != "sample":
+        if not self.config.invariant:
             opts.update(BASELINE_XLA_OPTIONS)
         return opts or None
 

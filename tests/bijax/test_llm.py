@@ -279,15 +279,21 @@ def test_the_gpu_graph_update_mode_is_asked_for_and_a_users_setting_wins():
 
 
 def test_the_baseline_compiles_its_forward_without_the_dot_merger():
-    """The XLA path's forward programs compile without XLA's dot merger (it made a layer's gate
-    and up one slow Triton GEMM on the H200); the invariant path's and sampling's as they are."""
+    """The XLA path's programs compile without XLA's dot merger (it made a layer's gate and up
+    one slow Triton GEMM on the H200); the invariant path's as they are."""
     inv, xla = _llm("tiny").engine.runner, _llm("tiny", invariant=False).engine.runner
     merger_off = {"xla_gpu_dot_merger_threshold_mb": 0}
-    for key in (("forward", 8, 64, 8), ("embed", 64), ("head", 64, 8), ("block", 8, 64, 0)):
+    keys = (
+        ("forward", 8, 64, 8),
+        ("embed", 64),
+        ("head", 64, 8),
+        ("block", 8, 64, 0),
+        ("sample", 8, 0, False),
+    )
+    for key in keys:
         switch = {} if key[0] != "block" or inv._layer_buffers else {"xla_gpu_enable_command_buffer": ""}
         assert inv._compiler_options(key) == (switch or None)
         assert xla._compiler_options(key) == merger_off | switch
-    assert xla._compiler_options(("sample", 8, 0, False)) is None
 
 
 def test_baseline_jit_compiles_only_the_baselines_program_with_its_options(monkeypatch):
