@@ -53,6 +53,17 @@ SWITCHES = {
     "prefill-kernel": {
         side: (("attention_triton", "PREFILL_KERNEL", side),) for side in ("tiles", "tiles_mgpu")
     },
+    # the Mosaic GPU prefill kernel's launch (stages, consumers, order): one warpgroup, or two
+    # consumers and a producer (4 stages fit one program per SM); tiles in order or heaviest first
+    "prefill-launch": {
+        side: (("attention_triton", "MGPU_PREFILL_LAUNCH", value),)
+        for side, value in (
+            ("one", (3, 1, "ascending")),
+            ("heaviest", (3, 1, "heaviest")),
+            ("pair", (4, 2, "ascending")),
+            ("pair-heaviest", (4, 2, "heaviest")),
+        )
+    },
     "decode-splits": {
         side: (("attention_triton", "STORE_USED_SPLITS_ONLY", value),)
         for side, value in (("all", False), ("used", True))

@@ -17,6 +17,10 @@ in a second call).
    overlapped scores and 2 / 3 stages, a window, other head shapes, 64-token pages, a whole
    4096-token prompt).
 3. Kernel time (CUPTI) of the prefill cases: Mosaic GPU (2 and 3 stages), Triton, cuDNN.
+4. ``--child launches`` / ``--child launch-timing``: the kernel's other launches (warp
+   specialization, heaviest-first order; ``LAUNCHES``) against its default launch, bit for bit,
+   and their prefill kernel time next to it, Triton and cuDNN (gpu_batch.py mgpu-launches,
+   mgpu-launch-timing).
 Exit code 1 if a check failed.
 """
 
@@ -165,11 +169,14 @@ def parse(text):
     return pv, rounding or "compiler"
 
 
-def _mgpu(c, zs, ps, variant, stages=3, overlap=False, **kw):
+def _mgpu(c, zs, ps, variant, stages=3, overlap=False, launch=None, **kw):
+    """The Mosaic kernel on Case ``c``'s tokens; ``launch``: more tiles_mgpu launch arguments
+    (consumers, order, and stages / overlap over the ones given)."""
     q, s, p = c.tokens(zs, ps)
     spec = AttentionSpec.create(c.d, **kw)
     g = c.hq // c.hkv
     pv, rounding = variant
+    launch = {"stages": stages, "overlap": overlap, **(launch or {})}
     fn = jax.jit(
         lambda q, s, p: attention_mgpu.tiles_mgpu(
             q.reshape(len(p), c.hkv, g, c.d),
@@ -179,11 +186,128 @@ def _mgpu(c, zs, ps, variant, stages=3, overlap=False, **kw):
             spec=spec,
             pv=pv,
             rounding=rounding,
-            stages=stages,
-            overlap=overlap,
+            **launch,
         ).reshape(len(p), c.hq, c.d)
     )
     return fn(q, s, p)
+
+
+# Launches of the Mosaic kernel besides the measured one (3 stages, one warpgroup, tiles in
+# order): warp specialization (two consumer warpgroups + a producer, benchmarks/attention_plan.md
+# item 4) at 4 / 5 stages, the heaviest-first order (item 1), and both. Launch choices: each
+# must give the default launch's bits (``check_launches``) - interpret mode on CPU says so for
+# the walk, the H200 must say so for wgmma and the compiled barriers.
+LAUNCHES = {
+    "heaviest": {"order": "heaviest"},
+    "pair, 4 stages": {"consumers": 2, "stages": 4},
+    "pair, 5 stages": {"consumers": 2, "stages": 5},
+    "pair, 4 stages, heaviest": {"consumers": 2, "stages": 4, "order": "heaviest"},
+    "pair, 4 stages, overlapped": {"consumers": 2, "stages": 4, "overlap": True},
+}
+DEFAULT_VARIANT = ("into", "two")
+
+
+def check_launches():
+    """Each of LAUNCHES against the default launch, bit for bit: first a small call each (a
+    launch that hangs - a barrier never completes - shows here, within the stage's limit), then
+    the walks of the bits suite plus ragged prefills whose tile pairs straddle sequences."""
+    c = Case(2, 300, 32, 8, 128, seed=5)
+    ps, zs = np.arange(200, 300), np.zeros(100, np.int32)
+    want = bits(_mgpu(c, zs, ps, DEFAULT_VARIANT))
+    runs = []
+    for name, launch in LAUNCHES.items():
+        try:
+            got = bits(_mgpu(c, zs, ps, DEFAULT_VARIANT, launch=launch))
+        except Exception as err:  # noqa: BLE001 - a compile failure is a finding: report it
+            traceback.print_exc(limit=-6)
+            check(f"[{name}] runs", False, f"{type(err).__name__}: {str(err)[:300]}")
+            continue
+        if _compare(f"[{name}] smoke: 100-token chunk", got, want, ps):
+            runs.append(name)
+    big = Case(8, 4096, 32, 8, 128)
+    last = big.ctx - 1
+    mix_s = np.concatenate([np.arange(1, 6), np.zeros(41, np.int32), np.arange(6, 8)])
+    mix_p = np.concatenate([np.full(5, last), np.arange(last - 40, last + 1), np.full(2, last)])
+    ragged = Case(3, 400, 32, 8, 128, seed=6)
+    rag_s = np.concatenate([np.zeros(100, np.int32), np.ones(333, np.int32), np.full(77, 2, np.int32)])
+    rag_p = np.concatenate([np.arange(100), np.arange(333), np.arange(77)])
+    o28, o9 = Case(4, 1500, 28, 4, 128, seed=4), Case(4, 1500, 9, 3, 64, seed=4)
+    ragged28 = Case(3, 400, 28, 4, 128, seed=7)
+    cases = [
+        ("700-token chunk at 3396..4095", big, np.zeros(700, np.int32), np.arange(3396, 4096), {}),
+        ("chunk among decode tokens", big, mix_s, mix_p, {}),
+        ("sliding window 300", big, np.zeros(700, np.int32), np.arange(3396, 4096), {"sliding_window": 300}),
+        ("ragged prefill 100 + 333 + 77", ragged, rag_s, rag_p, {}),
+        ("ragged prefill 100 + 333 + 77, 28/4 heads", ragged28, rag_s, rag_p, {}),
+        ("28/4 heads, D 128", o28, np.zeros(300, np.int32), np.arange(1200, 1500), {}),
+        ("9/3 heads, D 64", o9, np.zeros(300, np.int32), np.arange(1200, 1500), {}),
+        (
+            "64-token pages",
+            Case(2, 2048, 32, 8, 128, bs=64),
+            np.zeros(500, np.int32),
+            np.arange(1548, 2048),
+            {},
+        ),
+        (
+            "a whole 4096-token prompt",
+            Case(1, 4096, 32, 8, 128, seed=2),
+            np.zeros(4096, np.int32),
+            np.arange(4096),
+            {},
+        ),
+    ]
+    for what, case, zs, ps, kw in cases:
+        want = bits(_mgpu(case, zs, ps, DEFAULT_VARIANT, **kw))
+        for name in runs:
+            got = bits(_mgpu(case, zs, ps, DEFAULT_VARIANT, launch=LAUNCHES[name], **kw))
+            _compare(f"[{name}] {what}", got, want, ps)
+
+
+def _time_launches_on(n, length, hq, hkv, d):
+    """One prefill case: rows (case, kernel, us, cuDNN us, rate) for Triton and every launch."""
+    c = Case(n, length, hq, hkv, d, seed=2)
+    seq, pos = np.repeat(np.arange(n), length), np.tile(np.arange(length), n)
+    q, s, p = c.tokens(seq, pos)
+    flops = 4 * n * length * length / 2 * hq * d
+    name = f"prefill {n} x {length} causal, {hq}/{hkv} heads, D {d}"
+    spec = AttentionSpec.create(d)
+    idx = (c.bt, c.cl, s, p)
+    kd, vd = c.kc[c.bt].reshape(n, length, hkv, d), c.vc[c.bt].reshape(n, length, hkv, d)
+    cud = cudnn_us(q.reshape(n, length, hq, d), kd, vd, True)
+
+    def qg(q):
+        return q.reshape(len(p), hkv, hq // hkv, d)
+
+    def triton(q, k, v):
+        return attention_triton.attend(qg(q), k, v, idx, spec=spec, interpret=False, kernel="tiles")
+
+    tri = kernel_us(triton, q, c.kc, c.vc)
+    rows = [(name, "Triton tiles", tri, cud, f"{flops / tri / 1e6:.1f} TFLOP/s")]
+    for what, launch in {"Mosaic, default launch": {}, **LAUNCHES}.items():
+
+        def mosaic(q, k, v, launch=launch):
+            return attention_mgpu.tiles_mgpu(qg(q), k, v, idx, spec=spec, pv="into", rounding="two", **launch)
+
+        try:
+            us = kernel_us(mosaic, q, c.kc, c.vc)
+        except Exception as err:  # noqa: BLE001
+            print(f"INFO timing {name} [{what}] failed: {type(err).__name__}: {str(err)[:200]}")
+            continue
+        rows.append((name, what, us, cud, f"{flops / us / 1e6:.1f} TFLOP/s"))
+    for r in rows:
+        print(r, flush=True)
+    return rows
+
+
+def time_launches():
+    """Prefill kernel time of each launch next to the default launch, Triton and cuDNN."""
+    rows = []
+    for case in PREFILL_CASES:
+        rows += _time_launches_on(*case)
+    print("\n| case | kernel | us | cuDNN us | / cuDNN | achieved |")
+    print("|---|---|---|---|---|---|")
+    for name, kernel, us, cud, rate in rows:
+        print(f"| {name} | {kernel} | {us:.1f} | {cud:.1f} | {us / cud:.2f} | {rate} |")
 
 
 def _differ(got, want, ps):
@@ -322,7 +446,7 @@ def smoke():
             print(f"INFO smoke {label(v)} overlap={overlap}: finite {np.isfinite(out).all()}", flush=True)
 
 
-STAGES = {"probe": probe_math, "smoke": smoke}
+STAGES = {"probe": probe_math, "smoke": smoke, "launches": check_launches, "launch-timing": time_launches}
 
 
 def _child(stage):

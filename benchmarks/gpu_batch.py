@@ -116,6 +116,16 @@ STEPS = {
         150,
         "Mosaic attention vs Triton vs cuDNN kernel time",
     ),
+    "mgpu-launches": (
+        _py("attention_mgpu.py", "--child", "launches"),
+        300,
+        "Mosaic attention launches (warp specialization, heaviest first) == its default launch's bits",
+    ),
+    "mgpu-launch-timing": (
+        _py("attention_mgpu.py", "--child", "launch-timing"),
+        240,
+        "Mosaic attention launches vs default launch vs Triton vs cuDNN kernel time",
+    ),
     "attention": (_py("attention.py"), 400, "attention kernels: bits and time vs cuDNN"),
     "attention-rows": (
         _py("attention.py", "--decode-rows"),

@@ -74,6 +74,7 @@ def _source_digest() -> str:
 # value must not be read back under another. (module, attribute)
 _SETTINGS = (
     ("attention_triton", "PREFILL_KERNEL"),
+    ("attention_triton", "MGPU_PREFILL_LAUNCH"),
     ("matmul_triton", "DECODE_WIDE_PROGRAMS"),
     ("attention_triton", "STORE_USED_SPLITS_ONLY"),
     ("attention_triton", "DECODE_ROWS_IN_REGISTERS"),

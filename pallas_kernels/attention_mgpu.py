@@ -26,6 +26,15 @@ What differs is the machinery:
   tensor cores work while the CUDA cores do the exps (FlashAttention-3's intra-warpgroup
   overlap); the same operations either way.
 
+Launch choices (``tiles_mgpu``'s ``consumers`` and ``order``; never the bits): with
+``consumers=2`` a program is FlashAttention-3-shaped - two compute warpgroups, each on its own
+64-row tile, walk the union of their tiles' walks (a row's extra tiles and splits are exact
+no-ops for it, as for the rows of one tile), and a producer warpgroup issues the block-table
+reads and the TMA loads; a slot is refilled once both consumers have arrived on its "consumed"
+barrier. One program per SM, so each KV tile in shared memory serves 128 rows. ``order=
+"heaviest"`` launches the programs with the most keys to walk first. In interpret mode both
+give the default launch's bits (tests); on the H200 they are not yet measured.
+
 Status: runs in Mosaic GPU interpret mode on CPU (the tests: accuracy, NaN-filled stale cache,
 padding, a token's bits alone / in chunks / among other sequences, ``overlap`` and stages as
 launch choices) and lowers for CUDA (interpret mode has no wgmma with A in registers, so there q
@@ -73,6 +82,11 @@ DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 PV_VARIANTS = ("add", "into")
 _SUM_N = 16  # columns of the row-sum dot (wgmma's least N), as in softmax_step's p @ ones
 _SMEM_BYTES = 227 * 1024 // 2 - 1024  # two programs per SM
+_SMEM_BYTES_ALONE = 227 * 1024 - 1024  # one (warp-specialized) program per SM
+CONSUMERS = (1, 2)  # compute warpgroups of a program (2: plus a producer warpgroup)
+ORDERS = ("ascending", "heaviest")  # the order programs take the row tiles in
+# registers per thread with warp specialization (2 x 128 x 232 + 128 x 40 <= 65536)
+_CONSUMER_REGISTERS, _PRODUCER_REGISTERS = 232, 40
 
 
 def supported(dtype, head_dim: int, spec: AttentionSpec) -> str | None:
@@ -108,16 +122,21 @@ def can_run(dtype, head_dim: int, spec: AttentionSpec, *, block_size: int, group
     return getattr(jax.devices()[0], "compute_capability", None) == "9.0"
 
 
-def _stages(tile: int, d: int, itemsize: int, stages: int) -> int:
-    """Ring slots: as asked, fewer where two programs per SM would not fit, at least 2."""
+def _stages(tile: int, d: int, itemsize: int, stages: int, consumers: int = 1) -> int:
+    """Ring slots: as asked, fewer where the program would not fit (two programs per SM with one
+    warpgroup; one with warp specialization, which also holds each consumer's q), at least 2."""
     per_stage = 2 * tile * d * itemsize
     fixed = tile * _SUM_N * itemsize + 4 * 1024  # ones; rows, segments, barriers
-    if fixed + 2 * per_stage > 2 * _SMEM_BYTES:
+    budget = _SMEM_BYTES
+    if consumers > 1:
+        fixed += consumers * ROWS * d * itemsize
+        budget = _SMEM_BYTES_ALONE
+    if fixed + 2 * per_stage > (2 * _SMEM_BYTES if consumers == 1 else budget):
         raise ValueError(
             f"attention (Mosaic GPU tiles): {tile}-key tiles at head_dim {d} need more shared "
             "memory than an SM has (use a block size of at most 128)"
         )
-    return max(2, min(stages, (_SMEM_BYTES - fixed) // per_stage))
+    return max(2, min(stages, (budget - fixed) // per_stage))
 
 
 ROUNDINGS = ("compiler", "fma", "two")
@@ -217,11 +236,12 @@ class _Walk:
 
 
 def _kernel(
-    segs_ref, nseg_ref, rpos_ref, rseq_ref, bt_ref, q_ref, k_ref, v_ref, ones_ref, o_ref,
+    segs_ref, nseg_ref, order_ref, rpos_ref, rseq_ref, bt_ref, q_ref, k_ref, v_ref, ones_ref, o_ref,
     *, spec: AttentionSpec, block_size: int, max_blocks: int, stages: int, max_segs: int, pv: str,
-    a_in_smem: bool, overlap: bool, rounding: str,
+    a_in_smem: bool, overlap: bool, rounding: str, consumers: int,
 ):  # fmt: skip
-    i, h = lax.axis_index("tile"), lax.axis_index("head")
+    i = lax.axis_index("tile") if order_ref is None else order_ref[lax.axis_index("tile")]
+    h = lax.axis_index("head")
     d = q_ref.shape[-1]
     tile = kv_tile(block_size)
     pages = tile // block_size
@@ -246,54 +266,45 @@ def _kernel(
     def mul_add(a, b, c):
         return a * b + c if fused_mul_add is None else fused_mul_add(a, b, c)
 
-    def body(k_smem, v_smem, ones_smem, rows_smem, segs_smem, a_smem, k_bar, v_bar, ones_bar):
-        nseg = nseg_ref[i]
-        walk = _Walk(segs_smem, nseg, spec, tile, max_segs)
+    def issue(walk, cur, c, k_smem, v_smem, k_bar, v_bar):
+        """TMA the KV tile at ``cur`` into slot c % stages (one copy per page)."""
+        seg, split, t = cur
+        seq, _, _, _ = walk.segment(seg)
+        tile_start = split * spec.split_size + t * tile
+        slot = lax.rem(c, stages)
+        # every page's row first: a copy is preceded by a warpgroup barrier, so reading
+        # the block table between copies would serialize its loads
+        rows0 = [
+            bt_ref[seq, jnp.minimum(tile_start // block_size + p, max_blocks - 1)] * block_size
+            for p in range(pages)
+        ]
+        for p, row0 in enumerate(rows0):
+            src = pl.ds(row0, block_size)
+            dst = pl.ds(p * block_size, block_size)
+            plgpu.copy_gmem_to_smem(k_ref.at[src, h], k_smem.at[slot, dst], k_bar.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[src, h], v_smem.at[slot, dst], v_bar.at[slot])
 
-        def issue(cur, c):
-            """TMA the KV tile at ``cur`` into slot c % stages (one copy per page)."""
-            seg, split, t = cur
-            seq, _, _, _ = walk.segment(seg)
-            tile_start = split * spec.split_size + t * tile
-            slot = lax.rem(c, stages)
-            # every page's row first: a copy is preceded by a warpgroup barrier, so reading
-            # the block table between copies would serialize its loads
-            rows0 = [
-                bt_ref[seq, jnp.minimum(tile_start // block_size + p, max_blocks - 1)] * block_size
-                for p in range(pages)
-            ]
-            for p, row0 in enumerate(rows0):
-                src = pl.ds(row0, block_size)
-                dst = pl.ds(p * block_size, block_size)
-                plgpu.copy_gmem_to_smem(k_ref.at[src, h], k_smem.at[slot, dst], k_bar.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[src, h], v_smem.at[slot, dst], v_bar.at[slot])
-
-        def prefetch(pf, c):
-            """Issue the load of the prefetch cursor (if the walk is not over); advance it."""
-            pl.when(pf[0] < nseg)(lambda: issue(pf, c))
-            return walk.advance(pf)
-
-        # q goes through the last slot (free until the first prefetch of step 0) into registers
-        q_smem = k_smem.at[stages - 1, pl.ds(0, ROWS)]
-        plgpu.copy_gmem_to_smem(ones_ref, ones_smem, ones_bar)
-        plgpu.copy_gmem_to_smem(q_ref.at[i, h], q_smem, ones_bar)
-        plgpu.copy_gmem_to_smem(rpos_ref.at[i], rows_smem.at[0], ones_bar)
-        plgpu.copy_gmem_to_smem(rseq_ref.at[i], rows_smem.at[1], ones_bar)
-        plgpu.copy_gmem_to_smem(segs_ref.at[i], segs_smem, ones_bar)
-        plgpu.barrier_wait(ones_bar)
-        if a_in_smem:  # wgmma's A operands from SMEM (interpret mode has no register A)
-            q_copy, p_smem = a_smem
-            q_copy[...] = plgpu.load(q_smem, layout=wgmma_layout)
-            plgpu.commit_smem()
-            q = q_copy
-        else:
-            q = plgpu.load(q_smem, layout=wgmma_layout)
-        rpos = plgpu.load(rows_smem.at[0], layout=row_layout)
-        rseq = plgpu.load(rows_smem.at[1], layout=row_layout)
-        plgpu.commit_smem()  # the reads are done before any TMA refills the slot
-        pf = walk.begin()
-        for c in range(stages - 1):
-            pf = prefetch(pf, jnp.int32(c))
+    def consume(
+        walk,
+        q,
+        rpos,
+        rseq,
+        k_smem,
+        v_smem,
+        ones_smem,
+        k_bar,
+        v_bar,
+        a_smem,
+        prefetch,
+        pf,
+        tile_done,
+        zero_v_sync,
+    ):
+        """The walk's compute side for one warpgroup's 64 rows: the folded output [ROWS, D].
+        ``prefetch(pf, c)`` (the single-warpgroup kernel's own loads; ``pf`` its cursor, () if
+        none) runs at the start of tile c; ``tile_done(slot)`` once tile c's wgmmas are done
+        with its slot; ``zero_v_sync(zero)`` runs the zeroing of a slot's unseen V rows."""
+        nseg = walk.nseg
 
         def rows2(x, n):  # a row vector broadcast over n columns
             return lax.broadcast_in_dim(x, (ROWS, n), (0,))
@@ -312,7 +323,9 @@ def _kernel(
             slot = lax.rem(c, stages)
             if not overlap:
                 plgpu.barrier_wait(k_bar.at[slot])
-                return tile_math(slot, qk(slot), state, ok, zero_v), s
+                new = tile_math(slot, qk(slot), state, ok, zero_v)
+                tile_done(slot)
+                return new, s
             nslot = lax.rem(c + 1, stages)
 
             def scope(next_ref):
@@ -324,7 +337,9 @@ def _kernel(
                 new = tile_math(slot, s, state, ok, zero_v)
                 return new, next_ref[...]
 
-            return pl.run_scoped(scope, plgpu.ACC((ROWS, tile), jnp.float32))
+            new, s = pl.run_scoped(scope, plgpu.ACC((ROWS, tile), jnp.float32))
+            tile_done(slot)
+            return new, s
 
         def tile_math(slot, s, state, ok, zero_v):
             plgpu.barrier_wait(v_bar.at[slot])
@@ -334,6 +349,7 @@ def _kernel(
             def operand(p):
                 if not a_in_smem:
                     return p
+                p_smem = a_smem[1]
                 p_smem[...] = p
                 plgpu.commit_smem()
                 return p_smem
@@ -382,12 +398,12 @@ def _kernel(
             mine2 = rows2(mine, tile)
 
             def one_split(split, carry):
-                fold, pf, c, s = carry[:4], carry[4:7], carry[7], carry[8]
+                fold, pf, c, s = carry
                 start, first, num_tiles = walk.split_tiles(split, lo, hi)
                 more = (split + 1 < end_split) | (sidx + 1 < nseg)  # tiles after this split
 
                 def tile_step(masked, t, x):
-                    state, pf, c, s = x[:3], x[3:6], x[6], x[7]
+                    state, pf, c, s = x
                     pf = prefetch(pf, c + stages - 1)
                     tile_start = start + t * tile
                     if masked:
@@ -400,33 +416,34 @@ def _kernel(
                         seen_lo = 0 if spec.window is None else lo - spec.window + 1
                         partial = (tile_start + tile - 1 > seen_hi) | (tile_start < seen_lo)
 
+                        def zero(slot):
+                            key = tile_start + plgpu.broadcasted_iota(
+                                jnp.int32, (tile, d), 0, layout=wgmma_layout
+                            )
+                            seen = key_mask(key, hi, ctx, None)
+                            if spec.window is not None:
+                                seen &= key > lo - spec.window
+                            v = plgpu.load(v_smem.at[slot], layout=wgmma_layout)
+                            v_smem.at[slot][...] = jnp.where(seen, v, jnp.zeros_like(v))
+                            plgpu.commit_smem()
+
                         def zero_v(slot):
-                            @pl.when(partial)
-                            def _():
-                                key = tile_start + plgpu.broadcasted_iota(
-                                    jnp.int32, (tile, d), 0, layout=wgmma_layout
-                                )
-                                seen = key_mask(key, hi, ctx, None)
-                                if spec.window is not None:
-                                    seen &= key > lo - spec.window
-                                v = plgpu.load(v_smem.at[slot], layout=wgmma_layout)
-                                v_smem.at[slot][...] = jnp.where(seen, v, jnp.zeros_like(v))
-                                plgpu.commit_smem()
+                            pl.when(partial)(lambda: zero_v_sync(functools.partial(zero, slot)))
 
                     else:  # every key visible to every row of the sequence (full_tiles)
                         visible = start + (t + 1) * tile <= lo + 1
                         ok = plgpu.layout_cast(jnp.full((ROWS, tile), visible), wgmma_layout)
                         zero_v = None
                     state, s = step(c, (t + 1 < num_tiles) | more, s, state, ok, zero_v)
-                    return (*state, *pf, c + 1, s)
+                    return state, pf, c + 1, s
 
                 a, b = full_tiles(start, first, num_tiles, lo, hi, tile, spec.window)
-                x = (*empty_state(), *pf, c, s)
+                x = (empty_state(), pf, c, s)
                 x = lax.fori_loop(first, a, functools.partial(tile_step, True), x)
                 x = lax.fori_loop(a, b, functools.partial(tile_step, False), x)
                 x = lax.fori_loop(b, num_tiles, functools.partial(tile_step, True), x)
-                fold = fold_step(fold, x[:3], split_used(split, rpos, spec) & mine, fused_mul_add, fold_mul)
-                return (*fold, *x[3:8])
+                fold = fold_step(fold, x[0], split_used(split, rpos, spec) & mine, fused_mul_add, fold_mul)
+                return fold, *x[1:]
 
             return lax.fori_loop(first_split, end_split, one_split, carry)
 
@@ -444,33 +461,155 @@ def _kernel(
             s0 = pl.run_scoped(first_scores, plgpu.ACC((ROWS, tile), jnp.float32))
         else:
             s0 = jnp.int32(0)  # unused
-        init = (*empty_state(), started, *pf, jnp.int32(0), s0)
-        carry = lax.fori_loop(0, nseg, one_segment, init)
-        out = fold_finish(carry[:4]).astype(dtype)
+        init = ((*empty_state(), started), pf, jnp.int32(0), s0)
+        fold = lax.fori_loop(0, nseg, one_segment, init)[0]
+        return fold_finish(fold).astype(dtype)
+
+    def q_operand(q_smem, q_copy):
+        """q into registers (wgmma's A operand), or into ``q_copy`` in interpret mode."""
+        if a_in_smem:  # wgmma's A operands from SMEM (interpret mode has no register A)
+            q_copy[...] = plgpu.load(q_smem, layout=wgmma_layout)
+            plgpu.commit_smem()
+            return q_copy
+        return plgpu.load(q_smem, layout=wgmma_layout)
+
+    def body(k_smem, v_smem, ones_smem, rows_smem, segs_smem, a_smem, k_bar, v_bar, ones_bar):
+        """One warpgroup: it prefetches its own tiles (``stages - 1`` ahead) and computes."""
+        nseg = nseg_ref[i]
+        walk = _Walk(segs_smem, nseg, spec, tile, max_segs)
+
+        def prefetch(pf, c):
+            """Issue the load of the prefetch cursor (if the walk is not over); advance it."""
+            pl.when(pf[0] < nseg)(lambda: issue(walk, pf, c, k_smem, v_smem, k_bar, v_bar))
+            return walk.advance(pf)
+
+        # q goes through the last slot (free until the first prefetch of step 0) into registers
+        q_smem = k_smem.at[stages - 1, pl.ds(0, ROWS)]
+        plgpu.copy_gmem_to_smem(ones_ref, ones_smem, ones_bar)
+        plgpu.copy_gmem_to_smem(q_ref.at[i, h], q_smem, ones_bar)
+        plgpu.copy_gmem_to_smem(rpos_ref.at[i], rows_smem.at[0], ones_bar)
+        plgpu.copy_gmem_to_smem(rseq_ref.at[i], rows_smem.at[1], ones_bar)
+        plgpu.copy_gmem_to_smem(segs_ref.at[i], segs_smem, ones_bar)
+        plgpu.barrier_wait(ones_bar)
+        q = q_operand(q_smem, None if a_smem is None else a_smem[0])
+        rpos = plgpu.load(rows_smem.at[0], layout=row_layout)
+        rseq = plgpu.load(rows_smem.at[1], layout=row_layout)
+        plgpu.commit_smem()  # the reads are done before any TMA refills the slot
+        pf = walk.begin()
+        for c in range(stages - 1):
+            pf = prefetch(pf, jnp.int32(c))
+        out = consume(
+            walk, q, rpos, rseq, k_smem, v_smem, ones_smem, k_bar, v_bar, a_smem,
+            prefetch, pf, lambda slot: None, lambda zero: zero(),
+        )  # fmt: skip
         o_smem = k_smem.at[0, pl.ds(0, ROWS)]  # every load has been consumed: slot 0 is free
         o_smem[...] = out
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem, o_ref.at[i, h])
         plgpu.wait_smem_to_gmem(0)
 
+    def body_specialized(
+        k_smem, v_smem, ones_smem, qo_smem, rows_smem, segs_smem, a_smem,
+        k_bar, v_bar, setup_bar, q_bar, consumed_bar, zero_bar,
+    ):  # fmt: skip
+        """``consumers`` warpgroups compute (one 64-row tile each: tiles ``consumers * i + wg``)
+        on the walk of their tiles' union; one more loads the KV tiles (FlashAttention-3's
+        warp specialization). A slot is refilled once every consumer has finished with it."""
+        wg = lax.axis_index("wg")
+        nseg = nseg_ref[i]
+        walk = _Walk(segs_smem, nseg, spec, tile, max_segs)
+
+        @pl.when(wg == consumers)
+        def _producer():
+            plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+            plgpu.copy_gmem_to_smem(ones_ref, ones_smem, setup_bar)
+            plgpu.copy_gmem_to_smem(segs_ref.at[i], segs_smem, setup_bar)
+            plgpu.barrier_wait(setup_bar)
+
+            def load(x):
+                cur, c = x
+                slot = lax.rem(c, stages)
+                pl.when(c >= stages)(lambda: plgpu.barrier_wait(consumed_bar.at[slot]))
+                issue(walk, cur, c, k_smem, v_smem, k_bar, v_bar)
+                return walk.advance(cur), c + 1
+
+            _, n = lax.while_loop(lambda x: x[0][0] < nseg, load, (walk.begin(), jnp.int32(0)))
+            for j in range(stages):  # wait out the last tiles: every completed phase is seen
+                c = n - stages + j
+                pl.when(c >= 0)(lambda c=c: plgpu.barrier_wait(consumed_bar.at[lax.rem(c, stages)]))
+
+        @pl.when(wg < consumers)
+        def _consumer():
+            plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+            row_tile = consumers * i + wg
+            q_smem = qo_smem.at[wg]
+            plgpu.copy_gmem_to_smem(q_ref.at[row_tile, h], q_smem, q_bar.at[wg])
+            plgpu.copy_gmem_to_smem(rpos_ref.at[row_tile], rows_smem.at[wg, 0], q_bar.at[wg])
+            plgpu.copy_gmem_to_smem(rseq_ref.at[row_tile], rows_smem.at[wg, 1], q_bar.at[wg])
+            plgpu.barrier_wait(q_bar.at[wg])
+            mine = None if a_smem is None else (a_smem[0].at[wg], a_smem[1].at[wg])
+            q = q_operand(q_smem, None if mine is None else mine[0])
+            rpos = plgpu.load(rows_smem.at[wg, 0], layout=row_layout)
+            rseq = plgpu.load(rows_smem.at[wg, 1], layout=row_layout)
+            plgpu.barrier_wait(setup_bar)  # the walk (segments) and the ones matrix
+
+            def zero_v_sync(zero):
+                """Consumer 0 zeroes the slot's unseen V rows; no consumer's p @ v reads the
+                slot before that (every consumer takes the same branch: the walk is shared)."""
+                pl.when(wg == 0)(zero)
+                plgpu.barrier_arrive(zero_bar)
+                plgpu.barrier_wait(zero_bar)
+
+            out = consume(
+                walk, q, rpos, rseq, k_smem, v_smem, ones_smem, k_bar, v_bar, mine,
+                lambda pf, c: pf, (), lambda slot: plgpu.barrier_arrive(consumed_bar.at[slot]), zero_v_sync,
+            )  # fmt: skip
+            q_smem[...] = out  # q is in registers (or in its copy): its buffer is free
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_smem, o_ref.at[row_tile, h])
+            plgpu.wait_smem_to_gmem(0)
+
+    a_smem_1 = (
+        plgpu.SMEM((ROWS, d), dtype, transforms=transforms),
+        plgpu.SMEM((ROWS, tile), dtype, transforms=p_transforms),
+    )
+    if consumers == 1:
+        pl.run_scoped(
+            body,
+            plgpu.SMEM((stages, tile, d), dtype, transforms=transforms),
+            plgpu.SMEM((stages, tile, d), dtype, transforms=transforms),
+            plgpu.SMEM((tile, _SUM_N), dtype, transforms=sum_transforms),
+            plgpu.SMEM((2, ROWS), jnp.int32),
+            plgpu.SMEM((4, max_segs), jnp.int32),
+            a_smem_1 if a_in_smem else None,
+            plgpu.Barrier(num_arrivals=pages, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=pages, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=5),
+        )
+        return
     pl.run_scoped(
-        body,
+        body_specialized,
         plgpu.SMEM((stages, tile, d), dtype, transforms=transforms),
         plgpu.SMEM((stages, tile, d), dtype, transforms=transforms),
         plgpu.SMEM((tile, _SUM_N), dtype, transforms=sum_transforms),
-        plgpu.SMEM((2, ROWS), jnp.int32),
+        plgpu.SMEM((consumers, ROWS, d), dtype, transforms=transforms),
+        plgpu.SMEM((consumers, 2, ROWS), jnp.int32),
         plgpu.SMEM((4, max_segs), jnp.int32),
         (
             (
-                plgpu.SMEM((ROWS, d), dtype, transforms=transforms),
-                plgpu.SMEM((ROWS, tile), dtype, transforms=p_transforms),
+                plgpu.SMEM((consumers, ROWS, d), dtype, transforms=transforms),
+                plgpu.SMEM((consumers, ROWS, tile), dtype, transforms=p_transforms),
             )
             if a_in_smem
             else None
         ),
         plgpu.Barrier(num_arrivals=pages, num_barriers=stages),
         plgpu.Barrier(num_arrivals=pages, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=5),
+        plgpu.Barrier(num_arrivals=2),
+        plgpu.Barrier(num_arrivals=3, num_barriers=consumers),
+        plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=consumers),
+        collective_axes="wg",
     )
 
 
@@ -501,9 +640,20 @@ def tiles_mgpu(
     pv: str = "into",
     overlap: bool = False,
     rounding: str = "two",
+    consumers: int = 1,
+    order: str = "ascending",
     interpret=None,
 ):
-    """q [T, Hkv, G, D] -> normalised output [T, Hkv, G, D], the ``tiles`` walk on Mosaic GPU."""
+    """q [T, Hkv, G, D] -> normalised output [T, Hkv, G, D], the ``tiles`` walk on Mosaic GPU.
+
+    Launch choices (never the bits: every row's walk and arithmetic stay the same):
+    ``consumers`` 2 makes a program of two compute warpgroups, each on its own 64-row tile,
+    walking the union of their tiles' walks, and a producer warpgroup that issues the KV
+    loads (FlashAttention-3's warp specialization; one program per SM, so each KV tile read
+    into shared memory serves 128 rows instead of 64). A row's extra tiles and splits in the
+    union are exact no-ops for it, as for the rows of one tile today. ``order`` "heaviest":
+    programs take the (pairs of) row tiles with the most keys to walk first, so the long
+    causal tiles do not start last."""
     why = supported(qg.dtype, qg.shape[-1], spec)
     if why is not None:
         raise ValueError(f"attention (Mosaic GPU tiles): unsupported {why}")
@@ -519,6 +669,12 @@ def tiles_mgpu(
         raise ValueError(f"attention (Mosaic GPU tiles): pv must be one of {PV_VARIANTS}, got {pv!r}")
     if pv == "into" and interpret is not None:
         raise ValueError('attention (Mosaic GPU tiles): pv="into" has no interpret mode (use pv="add")')
+    if consumers not in CONSUMERS:
+        raise ValueError(
+            f"attention (Mosaic GPU tiles): consumers must be one of {CONSUMERS}, got {consumers!r}"
+        )
+    if order not in ORDERS:
+        raise ValueError(f"attention (Mosaic GPU tiles): order must be one of {ORDERS}, got {order!r}")
     block_tables, context_lens, token_seq, token_pos = index
     hkv, d = qg.shape[1], qg.shape[3]
     num_blocks, block_size = k_cache.shape[:2]
@@ -528,45 +684,67 @@ def tiles_mgpu(
         raise ValueError(f"attention (Mosaic GPU tiles): {why}")
     q, rpos, rseq, unpack = row_tiles(qg, token_seq, token_pos, ROWS)
     nt = rpos.shape[0]
-    seqs, nseg = segments(rseq, rpos)
+    programs = -(-nt // consumers)
+    if programs * consumers != nt:  # a last program's second tile: padding rows
+        extra = programs * consumers - nt
+        q = jnp.pad(q, ((0, extra), (0, 0), (0, 0), (0, 0)))
+        rpos = jnp.pad(rpos, ((0, extra), (0, 0)), constant_values=-1)
+        rseq = jnp.pad(rseq, ((0, extra), (0, 0)))
+    # a program's walk: the segments of all its rows (one tile, or the union of its tiles)
+    prog_pos, prog_seq = rpos.reshape(programs, -1), rseq.reshape(programs, -1)
+    seqs, nseg = segments(prog_seq, prog_pos)
     max_segs = seqs.shape[1]
-    mine = (rseq[:, None, :] == seqs[:, :, None]) & (rpos >= 0)[:, None, :]
-    lo = jnp.min(jnp.where(mine, rpos[:, None, :], 2**30), axis=2)
-    hi = jnp.max(jnp.where(mine, rpos[:, None, :], -1), axis=2)
+    mine = (prog_seq[:, None, :] == seqs[:, :, None]) & (prog_pos >= 0)[:, None, :]
+    lo = jnp.min(jnp.where(mine, prog_pos[:, None, :], 2**30), axis=2)
+    hi = jnp.max(jnp.where(mine, prog_pos[:, None, :], -1), axis=2)
     safe = jnp.clip(seqs, 0, block_tables.shape[0] - 1)
     ctx = context_lens[safe]
     segs = jnp.stack([safe, lo, hi, ctx], axis=1).astype(jnp.int32)
+    program_order = None
+    if order == "heaviest":
+        program_order = heaviest_first(lo, hi, nseg, spec.window)
     ones = jnp.ones((tile, _SUM_N), qg.dtype)
     rows_view = (num_blocks * block_size, hkv, d)
-    stages = _stages(tile, d, qg.dtype.itemsize, stages)
+    stages = _stages(tile, d, qg.dtype.itemsize, stages, consumers)
     kwargs = {} if interpret is None else {"interpret": interpret}
+    if consumers > 1:
+        kwargs.update(num_threads=consumers + 1, thread_name="wg")
+    kernel = functools.partial(
+        _kernel,
+        spec=spec,
+        block_size=block_size,
+        max_blocks=block_tables.shape[1],
+        stages=stages,
+        max_segs=max_segs,
+        pv=pv,
+        a_in_smem=interpret is not None,
+        overlap=overlap,
+        rounding=rounding,
+        consumers=consumers,
+    )
+    args = [segs, nseg, program_order, rpos, rseq, block_tables, q]
+    if program_order is None:  # the program index is the tile's
+        args.pop(2)
+        kernel = functools.partial(_without_order, kernel)
     out = plgpu.kernel(
-        functools.partial(
-            _kernel,
-            spec=spec,
-            block_size=block_size,
-            max_blocks=block_tables.shape[1],
-            stages=stages,
-            max_segs=max_segs,
-            pv=pv,
-            a_in_smem=interpret is not None,
-            overlap=overlap,
-            rounding=rounding,
-        ),
-        out_type=jax.ShapeDtypeStruct((nt, hkv, ROWS, d), qg.dtype),
-        grid=(nt, hkv),
+        kernel,
+        out_type=jax.ShapeDtypeStruct((programs * consumers, hkv, ROWS, d), qg.dtype),
+        grid=(programs, hkv),
         grid_names=("tile", "head"),
         kernel_name="bijax_attention_tiles_mgpu",
         **kwargs,
-    )(
-        segs,
-        nseg,
-        rpos,
-        rseq,
-        block_tables,
-        q,
-        k_cache.reshape(rows_view),
-        v_cache.reshape(rows_view),
-        ones,
-    )
-    return unpack(out)
+    )(*args, k_cache.reshape(rows_view), v_cache.reshape(rows_view), ones)
+    return unpack(out if programs * consumers == nt else out[:nt])
+
+
+def _without_order(kernel, segs_ref, nseg_ref, *refs):
+    return kernel(segs_ref, nseg_ref, None, *refs)
+
+
+def heaviest_first(lo, hi, nseg, window):
+    """Programs by the keys their walk covers, most first (ties: ascending): a launch order.
+    ``lo``, ``hi`` [programs, max_segs]: each segment's lowest and highest row position."""
+    first_key = 0 if window is None else jnp.maximum(lo - window + 1, 0)
+    used = jnp.arange(lo.shape[1])[None, :] < nseg[:, None]
+    work = jnp.sum(jnp.where(used, hi + 1 - first_key, 0), axis=1)
+    return jnp.argsort(-work, stable=True).astype(jnp.int32)

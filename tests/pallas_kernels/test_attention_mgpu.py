@@ -10,7 +10,7 @@ import pytest
 
 from pallas_kernels.attention import attention
 from pallas_kernels.attention_math import AttentionSpec
-from pallas_kernels.attention_mgpu import segments, supported, tiles_mgpu
+from pallas_kernels.attention_mgpu import heaviest_first, segments, supported, tiles_mgpu
 from pallas_kernels.runtime import MOSAIC_GPU_CUSTOM_CALL, cuda_export
 from tests.conftest import bits
 from tests.pallas_kernels.test_attention import Paged, all_tokens
@@ -84,9 +84,15 @@ def test_segments_are_each_tiles_sequences_ascending():
 
 
 @pytest.mark.parametrize(
-    "pv,rounding,overlap", [("add", "compiler", False), ("into", "two", True), ("add", "fma", False)]
+    "pv,rounding,overlap,launch",
+    [
+        ("add", "compiler", False, {}),
+        ("into", "two", True, {}),
+        ("add", "fma", False, {}),
+        ("into", "two", False, {"consumers": 2, "stages": 5, "order": "heaviest"}),
+    ],
 )
-def test_cuda_lowering_is_one_mosaic_gpu_kernel(pv, rounding, overlap):
+def test_cuda_lowering_is_one_mosaic_gpu_kernel(pv, rounding, overlap, launch):
     import jax
 
     s = jax.ShapeDtypeStruct
@@ -98,7 +104,9 @@ def test_cuda_lowering_is_one_mosaic_gpu_kernel(pv, rounding, overlap):
         (s((2, 32), jnp.int32), s((2,), jnp.int32), s((200,), jnp.int32), s((200,), jnp.int32)),
     )
     text = cuda_export(
-        lambda q, k, v, idx: tiles_mgpu(q, k, v, idx, spec=spec, pv=pv, rounding=rounding, overlap=overlap),
+        lambda q, k, v, idx: tiles_mgpu(
+            q, k, v, idx, spec=spec, pv=pv, rounding=rounding, overlap=overlap, **launch
+        ),
         *args,
     )
     assert MOSAIC_GPU_CUSTOM_CALL in text and "bijax_attention_tiles_mgpu" in text
@@ -121,6 +129,10 @@ def test_unsupported_calls_are_refused_by_name():
         tiles_mgpu(q, kc, kc, idx, spec=spec, rounding="compiler", interpret=plgpu.InterpretGPUParams())
     with pytest.raises(ValueError, match="rounding must be one of"):
         tiles_mgpu(q, kc, kc, idx, spec=spec, rounding="fast")
+    with pytest.raises(ValueError, match="consumers must be one of"):
+        tiles_mgpu(q, kc, kc, idx, spec=spec, consumers=3)
+    with pytest.raises(ValueError, match="order must be one of"):
+        tiles_mgpu(q, kc, kc, idx, spec=spec, order="random")
     big = jnp.ones((2, 256, 1, 128), BF16)
     with pytest.raises(ValueError, match="more shared memory than an SM has"):
         tiles_mgpu(q.reshape(1, 1, 4, 64).repeat(2, axis=3), big, big, idx, spec=AttentionSpec.create(128))
@@ -133,11 +145,14 @@ def test_unsupported_calls_are_refused_by_name():
         )  # fmt: skip
 
 
-def test_overlapped_scores_are_a_launch_choice():
-    """``overlap`` (the next tile's q @ k.T issued before this tile's softmax) and the number
-    of stages change when things run, never what: the same bits on a walk through several
-    sequences, splits and a window - and interpret mode's race detector (TMA writes, barrier
-    waits and SMEM reads as happens-before events) finds no race in the slot ring."""
+def test_launch_choices_keep_the_bits():
+    """``overlap`` (the next tile's q @ k.T issued before this tile's softmax), the number of
+    stages, warp specialization (two consumer warpgroups walking the union of their tiles'
+    walks, a producer warpgroup loading) and the heaviest-first order change when things run,
+    never what: the same bits on a walk through several sequences, splits and a window, tile
+    pairs whose sequences differ, stale NaN cache rows - and interpret mode's race detector
+    (TMA writes, barrier waits and SMEM reads as happens-before events) finds no race in the
+    slot ring. Control: a different split size (part of the numerics) changes the bits."""
     from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -149,25 +164,58 @@ def test_overlapped_scores_are_a_launch_choice():
     index = (jnp.asarray(paged.bt), jnp.asarray(paged.lens, jnp.int32), seq, pos)
     spec = AttentionSpec.create(64, sliding_window=90, split_size=64)
     mode = plgpu.InterpretGPUParams(detect_races=True)
-    runs = {}
-    for ov, st in ((False, 3), (True, 3), (True, 2)):
+
+    def run(spec=spec, **launch):
         out = tiles_mgpu(
-            q,
-            paged.kc,
-            paged.vc,
-            index,
-            spec=spec,
-            overlap=ov,
-            stages=st,
-            pv="add",
-            rounding="compiler",
-            interpret=mode,
+            q, paged.kc, paged.vc, index, spec=spec, pv="add", rounding="compiler", interpret=mode, **launch
         )
-        runs[(ov, st)] = bits(out)
-        assert not get_races().races_found, (ov, st)
-    base = runs[(False, 3)]
-    for key, got in runs.items():
-        np.testing.assert_array_equal(got, base, err_msg=str(key))
+        assert not get_races().races_found, launch
+        return bits(out)
+
+    base = run()
+    launches = [
+        {"overlap": True},
+        {"overlap": True, "stages": 2},
+        {"order": "heaviest"},
+        {"consumers": 2},
+        {"consumers": 2, "stages": 4, "overlap": True, "order": "heaviest"},
+    ]
+    for launch in launches:
+        np.testing.assert_array_equal(run(**launch), base, err_msg=str(launch))
+    control = run(spec=AttentionSpec.create(64, sliding_window=90, split_size=128), consumers=2)
+    assert not np.array_equal(control, base), "split size changed nothing: the check cannot fail"
+
+
+def test_heaviest_first_orders_programs_by_the_keys_they_walk():
+    lo = jnp.asarray([[0, 0], [64, 0], [0, 5], [10, 0]], jnp.int32)
+    hi = jnp.asarray([[63, 0], [127, 0], [3, 200], [20, 0]], jnp.int32)
+    nseg = jnp.asarray([1, 1, 2, 0], jnp.int32)  # the last program walks nothing
+    assert heaviest_first(lo, hi, nseg, None).tolist() == [2, 1, 0, 3]  # 205, 128, 64, 0 keys
+    # a window of 16: keys hi + 1 - max(lo - 15, 0): 64, 79, 4 + 201, 0
+    assert heaviest_first(lo, hi, nseg, 16).tolist() == [2, 1, 0, 3]
+    same = jnp.full((3, 1), 7, jnp.int32)  # three programs of 8 keys each: ties keep their order
+    assert heaviest_first(same * 0, same, jnp.ones(3, jnp.int32), None).tolist() == [0, 1, 2]
+
+
+def test_warp_specialized_launch_through_attention_accuracy_and_token_bits(monkeypatch):
+    """``attention_triton.MGPU_PREFILL_LAUNCH`` (what the engine's prefill launches) with two
+    consumers, 4 stages and heaviest first: f64 accuracy over sequences of several tiles with
+    stale NaN cache rows and padding, and a token's bits as under the default launch."""
+    from pallas_kernels import attention_triton
+
+    paged = Paged([15, 150, 70], dtype=BF16, d=64, seed=3)
+    tokens = all_tokens(paged)
+    np.random.default_rng(2).shuffle(tokens)
+    tokens = tokens[:9] + [(0, -1)] * 2 + tokens[9:]
+    base = bits(_run(paged, tokens))
+    monkeypatch.setattr(attention_triton, "MGPU_PREFILL_LAUNCH", (4, 2, "heaviest"))
+    got = _run(paged, tokens)
+    np.testing.assert_array_equal(bits(got), base)
+    out = np.asarray(got, np.float64)
+    real = [i for i, (_, p) in enumerate(tokens) if p >= 0]
+    ref = np.stack([paged.f64(*tokens[i]) for i in real])
+    assert np.all(out[9:11] == 0) and np.isfinite(out).all()
+    assert np.abs(out[real] - ref).max() / np.abs(ref).max() <= 2e-2
 
 
 def test_auto_picks_the_mosaic_kernel_only_where_it_runs(monkeypatch):
