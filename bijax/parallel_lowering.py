@@ -52,6 +52,7 @@ import jax
 from jax.sharding import SingleDeviceSharding
 
 from bijax import step_cache
+from pallas_kernels import runtime
 
 MIN_PER_PROCESS = 2
 MIN_PROGRAMS = 3  # fewer programs to make: no helpers (BIJAX_LOWERING_MIN_PROGRAMS overrides)
@@ -244,7 +245,10 @@ def start(runner, keys, processes: int | None = None) -> Helpers | None:
         programs=todo,
         compile=os.environ.get("BIJAX_LOWERING_COMPILE", "0").strip() not in ("", "0"),
     )
+    # XLA_FLAGS exactly as this process has them (part of every program's name): bijax's own
+    # flag requests are not repeated in the helpers (here they may have been refused)
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1")
+    env[runtime.KEEP_XLA_FLAGS] = "1"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
     tmp, procs = None, []

@@ -45,9 +45,18 @@ CPU_CONSISTENT_MATH = "--xla_cpu_enable_platform_dependent_math=false"
 _CPU_MATH_FLAG = CPU_CONSISTENT_MATH.split("=")[0]
 
 
+# Set in the environment of a process that must run with XLA_FLAGS exactly as given (bijax's
+# lowering helpers: their program names include XLA_FLAGS, and must equal their parent's, whose
+# own requests may have been refused because its backend had started before bijax was imported).
+KEEP_XLA_FLAGS = "_BIJAX_KEEP_XLA_FLAGS"
+
+
 def request_xla_flag(flag: str) -> bool:
     """Adds ``flag`` (``--name=value``) to XLA_FLAGS unless the user set ``--name`` (the user
-    chose) or a backend already started (XLA read its flags then). Returns whether it was added."""
+    chose), a backend already started (XLA read its flags then) or the environment says to keep
+    XLA_FLAGS as given (``KEEP_XLA_FLAGS``). Returns whether it was added."""
+    if os.environ.get(KEEP_XLA_FLAGS):
+        return False
     flags = os.environ.get("XLA_FLAGS", "")
     name = flag.split("=")[0]
     if any(f.split("=")[0] == name for f in flags.split()):

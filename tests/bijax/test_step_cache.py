@@ -73,6 +73,12 @@ def test_warmup_lowers_missing_steps_in_helper_processes(tmp_path, monkeypatch):
 
     monkeypatch.setattr(compile_cache, "directory", lambda: str(tmp_path))  # empty: every step missing
     monkeypatch.setattr(parallel_lowering, "MIN_PER_PROCESS", 1)
+    # as in a process whose backend started before bijax was imported: bijax's flag request was
+    # refused here, and the helpers must not make it either (XLA_FLAGS is part of every name)
+    import bijax
+
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if f != bijax.GPU_GRAPH_UPDATE_MODE]
+    monkeypatch.setenv("XLA_FLAGS", " ".join(flags))
     # a kernel choice set at run time (as benchmarks/ab.py does) reaches the helpers: else every
     # name would differ
     monkeypatch.setattr(matmul_triton, "DECODE_WIDE_PROGRAMS", 7)
