@@ -53,15 +53,18 @@ SWITCHES = {
     "prefill-kernel": {
         side: (("attention_triton", "PREFILL_KERNEL", side),) for side in ("tiles", "tiles_mgpu")
     },
-    # the Mosaic GPU prefill kernel's launch (stages, consumers, order): one warpgroup, or two
-    # consumers and a producer (4 stages fit one program per SM); tiles in order or heaviest first
+    # the Mosaic GPU prefill kernel's launch (stages, consumers, order, one_drain): one
+    # warpgroup, or two consumers and a producer (one program per SM); tiles in order or
+    # heaviest first; a wait per wgmma or one for p @ ones and p @ v
     "prefill-launch": {
         side: (("attention_triton", "MGPU_PREFILL_LAUNCH", value),)
         for side, value in (
-            ("one", (3, 1, "ascending")),
-            ("heaviest", (3, 1, "heaviest")),
-            ("pair", (4, 2, "ascending")),
-            ("pair-heaviest", (4, 2, "heaviest")),
+            ("one", (3, 1, "ascending", False)),
+            ("heaviest", (3, 1, "heaviest", False)),
+            ("drain", (3, 1, "ascending", True)),
+            ("pair", (4, 2, "ascending", False)),
+            ("pair-heaviest", (4, 2, "heaviest", False)),
+            ("pair-all", (4, 2, "heaviest", True)),
         )
     },
     "decode-splits": {

@@ -194,15 +194,23 @@ def _mgpu(c, zs, ps, variant, stages=3, overlap=False, launch=None, **kw):
 
 # Launches of the Mosaic kernel besides the measured one (3 stages, one warpgroup, tiles in
 # order): warp specialization (two consumer warpgroups + a producer, benchmarks/attention_plan.md
-# item 4) at 4 / 5 stages, the heaviest-first order (item 1), and both. Launch choices: each
+# item 4) at 4 / 5 stages, the heaviest-first order (item 1), one wgmma wait for p @ ones and
+# p @ v (item 3), and combinations. Launch choices: each
 # must give the default launch's bits (``check_launches``) - interpret mode on CPU says so for
 # the walk, the H200 must say so for wgmma and the compiled barriers.
 LAUNCHES = {
     "heaviest": {"order": "heaviest"},
+    "one drain": {"one_drain": True},
     "pair, 4 stages": {"consumers": 2, "stages": 4},
     "pair, 5 stages": {"consumers": 2, "stages": 5},
     "pair, 4 stages, heaviest": {"consumers": 2, "stages": 4, "order": "heaviest"},
     "pair, 4 stages, overlapped": {"consumers": 2, "stages": 4, "overlap": True},
+    "pair, 4 stages, heaviest, one drain": {
+        "consumers": 2,
+        "stages": 4,
+        "order": "heaviest",
+        "one_drain": True,
+    },
 }
 DEFAULT_VARIANT = ("into", "two")
 

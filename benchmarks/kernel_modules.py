@@ -1,8 +1,11 @@
-"""The Mosaic GPU attention kernel's modules as they go to the GPU compiler (lowered for CUDA
-on any machine, debug info left out), with their SHA-256: a refactor whose hashes match the
-last measured tree's compiled the same kernels, so the H200 measurements still hold for it.
+"""The attention kernels' modules as they go to the GPU compiler - the Mosaic GPU ``tiles``
+kernel and the Triton ``tiles`` and ``tokens`` kernels (+ combine) - lowered for CUDA on any
+machine with debug info left out, with their SHA-256: a refactor whose hashes match the last
+measured tree's compiles the same kernels, so the H200 measurements still hold for it.
 
-    PYTHONPATH=. python3 benchmarks/mgpu_modules.py [--launch "consumers=2,stages=5"] [--out DIR]
+    PYTHONPATH=. python3 benchmarks/kernel_modules.py [--launch "consumers=2,stages=5"] [--out DIR]
+
+(``--launch``: Mosaic launch arguments; the Triton kernels take none.)
 """
 
 from __future__ import annotations
@@ -13,8 +16,10 @@ import os
 
 import jax
 import jax.numpy as jnp
+from jax._src.pallas.triton import pallas_call_registration
 from jax.experimental.mosaic.gpu import core
 
+from pallas_kernels import attention_triton
 from pallas_kernels.attention_math import AttentionSpec
 from pallas_kernels.attention_mgpu import tiles_mgpu
 from pallas_kernels.runtime import cuda_export
@@ -27,40 +32,63 @@ CONFIGS = {
 }
 
 
+def _args(d, hq, hkv, bs):
+    s, i32 = jax.ShapeDtypeStruct, jnp.int32
+    return (
+        s((200, hkv, hq // hkv, d), jnp.bfloat16),
+        s((64, bs, hkv, d), jnp.bfloat16),
+        s((64, bs, hkv, d), jnp.bfloat16),
+        (s((2, 32), i32), s((2,), i32), s((200,), i32), s((200,), i32)),
+    )
+
+
 def modules(launch: dict) -> dict[str, str]:
-    """Config name -> the kernel module's text (one Mosaic GPU kernel per config)."""
+    """Name -> a kernel module's text: the Mosaic kernel per config, then the Triton kernels
+    (tiles; tokens and its combine) without and with a window."""
     captured = []
     serde = core._run_serde_pass
+    to_triton = pallas_call_registration.lowering.lower_jaxpr_to_triton_module
 
     def capture(module, *args, **kw):
         if kw.get("serialize"):
             captured.append(module.operation.get_asm(enable_debug_info=False))
         return serde(module, *args, **kw)
 
+    def capture_triton(*args, **kw):
+        result = to_triton(*args, **kw)
+        captured.append(result.module.operation.get_asm(enable_debug_info=False))
+        return result
+
     core._run_serde_pass = capture
+    pallas_call_registration.lowering.lower_jaxpr_to_triton_module = capture_triton
     try:
         out = {}
-        s = jax.ShapeDtypeStruct
         for name, (d, hq, hkv, bs, kw, spec_kw) in CONFIGS.items():
             spec = AttentionSpec.create(d, **spec_kw)
-            i32 = jnp.int32
-            args = (
-                s((200, hkv, hq // hkv, d), jnp.bfloat16),
-                s((64, bs, hkv, d), jnp.bfloat16),
-                s((64, bs, hkv, d), jnp.bfloat16),
-                (s((2, 32), i32), s((2,), i32), s((200,), i32), s((200,), i32)),
-            )
             captured.clear()
             cuda_export(
                 lambda q, k, v, idx, kw=kw, spec=spec: tiles_mgpu(q, k, v, idx, spec=spec, **kw, **launch),
-                *args,
+                *_args(d, hq, hkv, bs),
             )
             if len(captured) != 1:
                 raise RuntimeError(f"{name}: expected one Mosaic GPU kernel, lowered {len(captured)}")
             out[name] = captured[0]
+        for kernel in ("tiles", "tokens"):
+            for window in (None, 100):
+                spec = AttentionSpec.create(128, sliding_window=window)
+                captured.clear()
+                cuda_export(
+                    lambda q, k, v, idx, kernel=kernel, spec=spec: attention_triton.attend(
+                        q, k, v, idx, spec=spec, interpret=False, kernel=kernel
+                    ),
+                    *_args(128, 8, 2, 16),
+                )
+                for i, text in enumerate(captured):
+                    out[f"triton-{kernel}{'-window' if window else ''}-{i}"] = text
         return out
     finally:
         core._run_serde_pass = serde
+        pallas_call_registration.lowering.lower_jaxpr_to_triton_module = to_triton
 
 
 def main() -> int:

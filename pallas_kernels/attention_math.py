@@ -135,7 +135,19 @@ def expand(x, like):
     return lax.broadcast_in_dim(x, like.shape, tuple(range(x.ndim)))
 
 
-def softmax_step(state, s, ok, spec: AttentionSpec, *, p_dtype, row_sum, pv=None, update=None, mul_add=None):
+def softmax_step(
+    state,
+    s,
+    ok,
+    spec: AttentionSpec,
+    *,
+    p_dtype,
+    row_sum,
+    pv=None,
+    update=None,
+    mul_add=None,
+    sum_and_update=None,
+):
     """The online-softmax step over one KV tile, from the raw q.k dots ``s`` [R, N]: the one
     definition of a tile's arithmetic outside the dots (``kv_tile_step`` is it with ``jnp.dot``;
     the Mosaic GPU kernel passes wgmma dots).
@@ -144,8 +156,10 @@ def softmax_step(state, s, ok, spec: AttentionSpec, *, p_dtype, row_sum, pv=None
     is ``acc * alpha + pv`` - or ``update(acc, alpha, p)`` computes the new acc itself (the Mosaic
     GPU kernel's variants). ``mul_add(a, b, c)``: how ``l * alpha + row_sum`` is computed
     (default: as written, the compiler may fuse it; Mosaic GPU can pass an explicit fused
-    multiply-add). The default path emits the operations in the order the Triton kernels always
-    have (their lowered IR is unchanged by this function's hooks).
+    multiply-add). ``sum_and_update(acc, alpha, p)`` -> (``p @ ones``, the new acc): both dots
+    at once (the Mosaic GPU kernel's one wait for both wgmmas), the same values as ``row_sum``
+    then ``update``. The default path emits the operations in the order the Triton kernels
+    always have (their lowered IR is unchanged by this function's hooks).
     """
     m, l, acc = state
     s = jnp.where(ok, scores(s, spec), -jnp.inf)
@@ -153,6 +167,10 @@ def softmax_step(state, s, ok, spec: AttentionSpec, *, p_dtype, row_sum, pv=None
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     alpha = jnp.exp(m - m_safe)
     p = jnp.where(ok, jnp.exp(s - expand(m_safe, s)), 0.0).astype(p_dtype)
+    if sum_and_update is not None:
+        sums, acc = sum_and_update(acc, alpha, p)
+        total = jnp.max(sums, axis=1)
+        return m_new, l * alpha + total if mul_add is None else mul_add(l, alpha, total), acc
     numerator = None if update is not None else pv(p)
     # Every column of p @ ones is the row sum; max picks it exactly (16: the dot's least N).
     total = jnp.max(row_sum(p), axis=1)

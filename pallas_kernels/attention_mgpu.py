@@ -238,7 +238,7 @@ class _Walk:
 def _kernel(
     segs_ref, nseg_ref, order_ref, rpos_ref, rseq_ref, bt_ref, q_ref, k_ref, v_ref, ones_ref, o_ref,
     *, spec: AttentionSpec, block_size: int, max_blocks: int, stages: int, max_segs: int, pv: str,
-    a_in_smem: bool, overlap: bool, rounding: str, consumers: int,
+    a_in_smem: bool, overlap: bool, rounding: str, consumers: int, one_drain: bool,
 ):  # fmt: skip
     i = lax.axis_index("tile") if order_ref is None else order_ref[lax.axis_index("tile")]
     h = lax.axis_index("head")
@@ -379,8 +379,41 @@ def _kernel(
 
                 return pl.run_scoped(dot, plgpu.ACC((ROWS, _SUM_N), jnp.float32))
 
+            def sum_and_update(acc, alpha, p):
+                """p @ ones and the new acc with one wait for both wgmmas (``one_drain``)."""
+                alpha = lax.broadcast_in_dim(alpha, acc.shape, (0,))
+                p = operand(p)
+                if pv == "into":
+
+                    def both(refs):
+                        acc_ref, sum_ref = refs
+                        plgpu.wgmma(sum_ref, p, ones_smem)
+                        plgpu.wgmma(acc_ref, p, v_smem.at[slot])
+
+                    zero = plgpu.layout_cast(jnp.full((ROWS, _SUM_N), 0.0, jnp.float32), wgmma_layout)
+                    new, sums = pl.run_state(both)((plgpu.ACC.init(acc * alpha), plgpu.ACC.init(zero)))
+                    return sums, new
+
+                def dots(sum_ref, pv_ref):
+                    plgpu.wgmma(sum_ref, p, ones_smem)
+                    plgpu.wgmma(pv_ref, p, v_smem.at[slot])
+                    return sum_ref[...], pv_ref[...]
+
+                sums, pvs = pl.run_scoped(
+                    dots, plgpu.ACC((ROWS, _SUM_N), jnp.float32), plgpu.ACC((ROWS, d), jnp.float32)
+                )
+                return sums, mul_add(acc, alpha, pvs)
+
             return softmax_step(
-                state, s, ok, spec, p_dtype=dtype, update=update, row_sum=row_sum, mul_add=fused_mul_add
+                state,
+                s,
+                ok,
+                spec,
+                p_dtype=dtype,
+                update=update,
+                row_sum=row_sum,
+                mul_add=fused_mul_add,
+                sum_and_update=sum_and_update if one_drain else None,
             )
 
         def empty_state():
@@ -642,6 +675,7 @@ def tiles_mgpu(
     rounding: str = "two",
     consumers: int = 1,
     order: str = "ascending",
+    one_drain: bool = False,
     interpret=None,
 ):
     """q [T, Hkv, G, D] -> normalised output [T, Hkv, G, D], the ``tiles`` walk on Mosaic GPU.
@@ -653,7 +687,8 @@ def tiles_mgpu(
     into shared memory serves 128 rows instead of 64). A row's extra tiles and splits in the
     union are exact no-ops for it, as for the rows of one tile today. ``order`` "heaviest":
     programs take the (pairs of) row tiles with the most keys to walk first, so the long
-    causal tiles do not start last."""
+    causal tiles do not start last. ``one_drain``: a tile's ``p @ ones`` and ``p @ v`` wgmmas
+    are issued together and waited for once (not one wait each)."""
     why = supported(qg.dtype, qg.shape[-1], spec)
     if why is not None:
         raise ValueError(f"attention (Mosaic GPU tiles): unsupported {why}")
@@ -721,6 +756,7 @@ def tiles_mgpu(
         overlap=overlap,
         rounding=rounding,
         consumers=consumers,
+        one_drain=bool(one_drain),
     )
     args = [segs, nseg, program_order, rpos, rseq, block_tables, q]
     if program_order is None:  # the program index is the tile's

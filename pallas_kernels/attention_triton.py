@@ -58,12 +58,12 @@ GPU_KERNELS = ("auto", "tokens", "tiles", "tiles_mgpu")
 # "tiles" here makes "auto" run Triton everywhere (the A/B switch).
 PREFILL_KERNEL = "tiles_mgpu"
 # How the Mosaic GPU prefill kernel launches (``attention_mgpu.tiles_mgpu``'s stages, consumers,
-# order): launch choices, never the bits - its interpret-mode tests compare each with the
-# default bit for bit on CPU. (3, 1, "ascending") is the launch measured on the H200 since
-# session 24; warp specialization (consumers 2) and the heaviest-first order are not yet
-# measured there (benchmarks/attention_plan.md; the A/B switch of benchmarks/ab.py
-# prefill-launch).
-MGPU_PREFILL_LAUNCH = (3, 1, "ascending")
+# order, one_drain): launch choices, never the bits - its interpret-mode tests compare each with
+# the default bit for bit on CPU. (3, 1, "ascending", False) is the launch measured on the H200
+# since session 24; warp specialization (consumers 2), the heaviest-first order and one wgmma
+# wait for p @ ones and p @ v are not yet measured there (benchmarks/attention_plan.md; the A/B
+# switch of benchmarks/ab.py prefill-launch).
+MGPU_PREFILL_LAUNCH = (3, 1, "ascending", False)
 # The decode kernel stores, and its combine folds, only the splits a token uses (same bits:
 # the others leave the fold unchanged). False: every split of the grid, as before 2026-12-02
 # (the A/B switch of benchmarks/ab.py).
@@ -532,7 +532,7 @@ def attend(
             kw = {"interpret": plgpu.InterpretGPUParams(), "pv": "add", "rounding": "compiler"}
         else:
             kw = {"pv": "into", "rounding": "two"}  # the Triton kernels' bits on the H200
-        kw.update(zip(("stages", "consumers", "order"), MGPU_PREFILL_LAUNCH, strict=True))
+        kw.update(zip(("stages", "consumers", "order", "one_drain"), MGPU_PREFILL_LAUNCH, strict=True))
         return attention_mgpu.tiles_mgpu(qg, k_cache, v_cache, index, spec=spec, **kw)
     if kernel == "tokens":
         states = token_states(

@@ -89,7 +89,7 @@ def test_segments_are_each_tiles_sequences_ascending():
         ("add", "compiler", False, {}),
         ("into", "two", True, {}),
         ("add", "fma", False, {}),
-        ("into", "two", False, {"consumers": 2, "stages": 5, "order": "heaviest"}),
+        ("into", "two", False, {"consumers": 2, "stages": 5, "order": "heaviest", "one_drain": True}),
     ],
 )
 def test_cuda_lowering_is_one_mosaic_gpu_kernel(pv, rounding, overlap, launch):
@@ -148,7 +148,8 @@ def test_unsupported_calls_are_refused_by_name():
 def test_launch_choices_keep_the_bits():
     """``overlap`` (the next tile's q @ k.T issued before this tile's softmax), the number of
     stages, warp specialization (two consumer warpgroups walking the union of their tiles'
-    walks, a producer warpgroup loading) and the heaviest-first order change when things run,
+    walks, a producer warpgroup loading), the heaviest-first order and one wait for a tile's
+    p @ ones and p @ v change when things run,
     never what: the same bits on a walk through several sequences, splits and a window, tile
     pairs whose sequences differ, stale NaN cache rows - and interpret mode's race detector
     (TMA writes, barrier waits and SMEM reads as happens-before events) finds no race in the
@@ -178,7 +179,8 @@ def test_launch_choices_keep_the_bits():
         {"overlap": True, "stages": 2},
         {"order": "heaviest"},
         {"consumers": 2},
-        {"consumers": 2, "stages": 4, "overlap": True, "order": "heaviest"},
+        {"one_drain": True},
+        {"consumers": 2, "stages": 4, "overlap": True, "order": "heaviest", "one_drain": True},
     ]
     for launch in launches:
         np.testing.assert_array_equal(run(**launch), base, err_msg=str(launch))
