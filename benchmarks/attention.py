@@ -377,7 +377,9 @@ def time_quick(prefill=True):
     return rows
 
 
-def _quick_prefill(n, length, hq, hkv, d):
+def prefill_case(n, length, hq, hkv, d):
+    """A causal prefill of n x length tokens: (Case, q, index, spec, q -> [T, Hkv, G, D], FLOPs,
+    name, cuDNN's kernel us on the same keys)."""
     c = Case(n, length, hq, hkv, d, seed=2)
     seq, pos = np.repeat(np.arange(n), length), np.tile(np.arange(length), n)
     q, s, p = c.tokens(seq, pos)
@@ -385,11 +387,20 @@ def _quick_prefill(n, length, hq, hkv, d):
     name = f"prefill {n} x {length} causal, {hq}/{hkv} heads, D {d}"
     kd, vd = c.kc[c.bt].reshape(n, length, hkv, d), c.vc[c.bt].reshape(n, length, hkv, d)
     cud = cudnn_us(q.reshape(n, length, hq, d), kd, vd, True)
+
+    def qg(q):
+        return q.reshape(len(p), hkv, hq // hkv, d)
+
+    return c, q, (c.bt, c.cl, s, p), AttentionSpec.create(d), qg, flops, name, cud
+
+
+def _quick_prefill(n, length, hq, hkv, d):
+    c, q, idx, spec, qg, flops, name, cud = prefill_case(n, length, hq, hkv, d)
+    s, p = idx[2], idx[3]
     rows = []
     for st, rl in ((2, False), (3, False), (2, True), (3, True)):
         fn = lambda q, k, v, st=st, rl=rl: attention_triton.attend(
-            q.reshape(len(p), hkv, hq // hkv, d), k, v, (c.bt, c.cl, s, p), spec=AttentionSpec.create(d),
-            interpret=False, kernel="tiles", num_stages=st, row_loads=rl,
+            qg(q), k, v, idx, spec=spec, interpret=False, kernel="tiles", num_stages=st, row_loads=rl,
         )  # fmt: skip
         us = kernel_us(fn, q, c.kc, c.vc)
         rows.append((name, f"tiles {st} stages, row_loads={rl}", us, cud, f"{flops / us / 1e6:.1f} TFLOP/s"))

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from benchmarks.attention import FAILURES, PREFILL_CASES, Case, bits, check, cudnn_us, kernel_us
+from benchmarks.attention import FAILURES, PREFILL_CASES, Case, bits, check, kernel_us, prefill_case
 from pallas_kernels import attention_mgpu, attention_triton
 from pallas_kernels.attention import AttentionSpec
 
@@ -273,18 +273,7 @@ def check_launches():
 
 def _time_launches_on(n, length, hq, hkv, d):
     """One prefill case: rows (case, kernel, us, cuDNN us, rate) for Triton and every launch."""
-    c = Case(n, length, hq, hkv, d, seed=2)
-    seq, pos = np.repeat(np.arange(n), length), np.tile(np.arange(length), n)
-    q, s, p = c.tokens(seq, pos)
-    flops = 4 * n * length * length / 2 * hq * d
-    name = f"prefill {n} x {length} causal, {hq}/{hkv} heads, D {d}"
-    spec = AttentionSpec.create(d)
-    idx = (c.bt, c.cl, s, p)
-    kd, vd = c.kc[c.bt].reshape(n, length, hkv, d), c.vc[c.bt].reshape(n, length, hkv, d)
-    cud = cudnn_us(q.reshape(n, length, hq, d), kd, vd, True)
-
-    def qg(q):
-        return q.reshape(len(p), hkv, hq // hkv, d)
+    c, q, idx, spec, qg, flops, name, cud = prefill_case(n, length, hq, hkv, d)
 
     def triton(q, k, v):
         return attention_triton.attend(qg(q), k, v, idx, spec=spec, interpret=False, kernel="tiles")
@@ -405,16 +394,7 @@ def _full_suite(v):
 
 
 def time_prefill(n, length, hq, hkv, d, variant):
-    c = Case(n, length, hq, hkv, d, seed=2)
-    seq, pos = np.repeat(np.arange(n), length), np.tile(np.arange(length), n)
-    q, s, p = c.tokens(seq, pos)
-    flops = 4 * n * length * length / 2 * hq * d
-    name = f"prefill {n} x {length} causal, {hq}/{hkv} heads, D {d}"
-    spec = AttentionSpec.create(d)
-    qg = lambda q: q.reshape(len(p), hkv, hq // hkv, d)  # noqa: E731
-    idx = (c.bt, c.cl, s, p)
-    kd, vd = c.kc[c.bt].reshape(n, length, hkv, d), c.vc[c.bt].reshape(n, length, hkv, d)
-    cud = cudnn_us(q.reshape(n, length, hq, d), kd, vd, True)
+    c, q, idx, spec, qg, flops, name, cud = prefill_case(n, length, hq, hkv, d)
     rows = []
     tri = kernel_us(
         lambda q, k, v: attention_triton.attend(qg(q), k, v, idx, spec=spec, interpret=False, kernel="tiles"),
