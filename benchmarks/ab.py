@@ -53,18 +53,18 @@ SWITCHES = {
     "prefill-kernel": {
         side: (("attention_triton", "PREFILL_KERNEL", side),) for side in ("tiles", "tiles_mgpu")
     },
-    # the Mosaic GPU prefill kernel's launch (stages, consumers, order, one_drain): one
-    # warpgroup, or two consumers and a producer (one program per SM); tiles in order or
-    # heaviest first; a wait per wgmma or one for p @ ones and p @ v
+    # the Mosaic GPU prefill kernel's launch (tiles_mgpu arguments): one warpgroup, or two
+    # consumers and a producer (one program per SM, q from shared memory or registers); tiles in
+    # order or heaviest first; a wait per wgmma or one for p @ ones and p @ v
     "prefill-launch": {
-        side: (("attention_triton", "MGPU_PREFILL_LAUNCH", value),)
-        for side, value in (
-            ("one", (3, 1, "ascending", False)),
-            ("heaviest", (3, 1, "heaviest", False)),
-            ("drain", (3, 1, "ascending", True)),
-            ("pair", (4, 2, "ascending", False)),
-            ("pair-heaviest", (4, 2, "heaviest", False)),
-            ("pair-all", (4, 2, "heaviest", True)),
+        side: (("attention_triton", "MGPU_PREFILL_LAUNCH", tuple(launch.items())),)
+        for side, launch in (
+            ("one", {"stages": 3, "consumers": 1, "order": "ascending", "one_drain": False}),
+            ("heaviest", {"stages": 3, "consumers": 1, "order": "heaviest"}),
+            ("drain", {"stages": 3, "consumers": 1, "one_drain": True}),
+            ("pair", {"stages": 4, "consumers": 2}),
+            ("pair-smem-q", {"stages": 4, "consumers": 2, "q_from_smem": True}),
+            ("pair-all", {"stages": 4, "consumers": 2, "order": "heaviest", "one_drain": True}),
         )
     },
     "decode-splits": {

@@ -202,6 +202,7 @@ LAUNCHES = {
     "heaviest": {"order": "heaviest"},
     "one drain": {"one_drain": True},
     "pair, 4 stages": {"consumers": 2, "stages": 4},
+    "pair, 4 stages, q from SMEM": {"consumers": 2, "stages": 4, "q_from_smem": True},
     "pair, 5 stages": {"consumers": 2, "stages": 5},
     "pair, 4 stages, heaviest": {"consumers": 2, "stages": 4, "order": "heaviest"},
     "pair, 4 stages, overlapped": {"consumers": 2, "stages": 4, "overlap": True},

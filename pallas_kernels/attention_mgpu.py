@@ -238,7 +238,7 @@ class _Walk:
 def _kernel(
     segs_ref, nseg_ref, order_ref, rpos_ref, rseq_ref, bt_ref, q_ref, k_ref, v_ref, ones_ref, o_ref,
     *, spec: AttentionSpec, block_size: int, max_blocks: int, stages: int, max_segs: int, pv: str,
-    a_in_smem: bool, overlap: bool, rounding: str, consumers: int, one_drain: bool,
+    a_in_smem: bool, overlap: bool, rounding: str, consumers: int, one_drain: bool, q_from_smem: bool,
 ):  # fmt: skip
     i = lax.axis_index("tile") if order_ref is None else order_ref[lax.axis_index("tile")]
     h = lax.axis_index("head")
@@ -266,8 +266,9 @@ def _kernel(
     def mul_add(a, b, c):
         return a * b + c if fused_mul_add is None else fused_mul_add(a, b, c)
 
-    def issue(walk, cur, c, k_smem, v_smem, k_bar, v_bar):
-        """TMA the KV tile at ``cur`` into slot c % stages (one copy per page)."""
+    def issue(walk, cur, c, k_smem, v_smem, k_bar, v_bar, ready=None):
+        """TMA the KV tile at ``cur`` into slot c % stages (one copy per page); ``ready()``, if
+        given, runs between the block-table reads and the copies (the wait for a free slot)."""
         seg, split, t = cur
         seq, _, _, _ = walk.segment(seg)
         tile_start = split * spec.split_size + t * tile
@@ -278,6 +279,8 @@ def _kernel(
             bt_ref[seq, jnp.minimum(tile_start // block_size + p, max_blocks - 1)] * block_size
             for p in range(pages)
         ]
+        if ready is not None:
+            ready()
         for p, row0 in enumerate(rows0):
             src = pl.ds(row0, block_size)
             dst = pl.ds(p * block_size, block_size)
@@ -562,9 +565,13 @@ def _kernel(
             def load(x):
                 cur, c = x
                 slot = lax.rem(c, stages)
-                pl.when(c >= stages)(lambda: plgpu.barrier_wait(consumed_bar.at[slot]))
-                issue(walk, cur, c, k_smem, v_smem, k_bar, v_bar)
-                return walk.advance(cur), c + 1
+                nxt = walk.advance(cur)  # the walk and the block-table reads before the wait
+
+                def ready():
+                    pl.when(c >= stages)(lambda: plgpu.barrier_wait(consumed_bar.at[slot]))
+
+                issue(walk, cur, c, k_smem, v_smem, k_bar, v_bar, ready)
+                return nxt, c + 1
 
             _, n = lax.while_loop(lambda x: x[0][0] < nseg, load, (walk.begin(), jnp.int32(0)))
             for j in range(stages):  # wait out the last tiles: every completed phase is seen
@@ -580,8 +587,10 @@ def _kernel(
             plgpu.copy_gmem_to_smem(rpos_ref.at[row_tile], rows_smem.at[wg, 0], q_bar.at[wg])
             plgpu.copy_gmem_to_smem(rseq_ref.at[row_tile], rows_smem.at[wg, 1], q_bar.at[wg])
             plgpu.barrier_wait(q_bar.at[wg])
-            mine = None if a_smem is None else (a_smem[0].at[wg], a_smem[1].at[wg])
-            q = q_operand(q_smem, None if mine is None else mine[0])
+            scratch = None if a_smem is None else (a_smem[0].at[wg], a_smem[1].at[wg])
+            # q as wgmma's A operand: from its SMEM buffer (``q_from_smem``: 32 registers a
+            # thread fewer) or loaded into registers
+            q = q_smem if q_from_smem else q_operand(q_smem, None if scratch is None else scratch[0])
             rpos = plgpu.load(rows_smem.at[wg, 0], layout=row_layout)
             rseq = plgpu.load(rows_smem.at[wg, 1], layout=row_layout)
             plgpu.barrier_wait(setup_bar)  # the walk (segments) and the ones matrix
@@ -594,10 +603,10 @@ def _kernel(
                 plgpu.barrier_wait(zero_bar)
 
             out = consume(
-                walk, q, rpos, rseq, k_smem, v_smem, ones_smem, k_bar, v_bar, mine,
+                walk, q, rpos, rseq, k_smem, v_smem, ones_smem, k_bar, v_bar, scratch,
                 lambda pf, c: pf, (), lambda slot: plgpu.barrier_arrive(consumed_bar.at[slot]), zero_v_sync,
             )  # fmt: skip
-            q_smem[...] = out  # q is in registers (or in its copy): its buffer is free
+            q_smem[...] = out  # every wgmma reading q is done (each result was waited for)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(q_smem, o_ref.at[row_tile, h])
             plgpu.wait_smem_to_gmem(0)
@@ -676,6 +685,7 @@ def tiles_mgpu(
     consumers: int = 1,
     order: str = "ascending",
     one_drain: bool = False,
+    q_from_smem: bool = False,
     interpret=None,
 ):
     """q [T, Hkv, G, D] -> normalised output [T, Hkv, G, D], the ``tiles`` walk on Mosaic GPU.
@@ -688,7 +698,9 @@ def tiles_mgpu(
     union are exact no-ops for it, as for the rows of one tile today. ``order`` "heaviest":
     programs take the (pairs of) row tiles with the most keys to walk first, so the long
     causal tiles do not start last. ``one_drain``: a tile's ``p @ ones`` and ``p @ v`` wgmmas
-    are issued together and waited for once (not one wait each)."""
+    are issued together and waited for once (not one wait each). ``q_from_smem`` (with
+    ``consumers=2``): wgmma reads q from shared memory, not registers (fewer registers a thread
+    under warp specialization's 232)."""
     why = supported(qg.dtype, qg.shape[-1], spec)
     if why is not None:
         raise ValueError(f"attention (Mosaic GPU tiles): unsupported {why}")
@@ -710,6 +722,10 @@ def tiles_mgpu(
         )
     if order not in ORDERS:
         raise ValueError(f"attention (Mosaic GPU tiles): order must be one of {ORDERS}, got {order!r}")
+    if q_from_smem and consumers == 1:
+        raise ValueError(
+            "attention (Mosaic GPU tiles): q_from_smem needs consumers=2 (one warpgroup's q shares a KV slot)"
+        )
     block_tables, context_lens, token_seq, token_pos = index
     hkv, d = qg.shape[1], qg.shape[3]
     num_blocks, block_size = k_cache.shape[:2]
@@ -757,6 +773,7 @@ def tiles_mgpu(
         rounding=rounding,
         consumers=consumers,
         one_drain=bool(one_drain),
+        q_from_smem=bool(q_from_smem),
     )
     args = [segs, nseg, program_order, rpos, rseq, block_tables, q]
     if program_order is None:  # the program index is the tile's

@@ -57,13 +57,14 @@ GPU_KERNELS = ("auto", "tokens", "tiles", "tiles_mgpu")
 # tiles_mgpu``, 2026-12-02); 8 x 4096-token prompts prefill ~10% faster (benchmarks/ab.py).
 # "tiles" here makes "auto" run Triton everywhere (the A/B switch).
 PREFILL_KERNEL = "tiles_mgpu"
-# How the Mosaic GPU prefill kernel launches (``attention_mgpu.tiles_mgpu``'s stages, consumers,
-# order, one_drain): launch choices, never the bits - its interpret-mode tests compare each with
-# the default bit for bit on CPU. (3, 1, "ascending", False) is the launch measured on the H200
-# since session 24; warp specialization (consumers 2), the heaviest-first order and one wgmma
-# wait for p @ ones and p @ v are not yet measured there (benchmarks/attention_plan.md; the A/B
-# switch of benchmarks/ab.py prefill-launch).
-MGPU_PREFILL_LAUNCH = (3, 1, "ascending", False)
+# How the Mosaic GPU prefill kernel launches: ``attention_mgpu.tiles_mgpu``'s arguments of that
+# name (stages, consumers, order, one_drain, q_from_smem) - launch choices, never the bits: its
+# interpret-mode tests compare each with the default bit for bit on CPU. The default is the
+# launch measured on the H200 since session 24; warp specialization (consumers 2), the
+# heaviest-first order, one wgmma wait for p @ ones and p @ v, and q read from shared memory are
+# not yet measured there (benchmarks/attention_plan.md; the A/B switch of benchmarks/ab.py
+# prefill-launch).
+MGPU_PREFILL_LAUNCH = (("stages", 3), ("consumers", 1), ("order", "ascending"), ("one_drain", False))
 # The decode kernel stores, and its combine folds, only the splits a token uses (same bits:
 # the others leave the fold unchanged). False: every split of the grid, as before 2026-12-02
 # (the A/B switch of benchmarks/ab.py).
@@ -532,7 +533,7 @@ def attend(
             kw = {"interpret": plgpu.InterpretGPUParams(), "pv": "add", "rounding": "compiler"}
         else:
             kw = {"pv": "into", "rounding": "two"}  # the Triton kernels' bits on the H200
-        kw.update(zip(("stages", "consumers", "order", "one_drain"), MGPU_PREFILL_LAUNCH, strict=True))
+        kw.update(MGPU_PREFILL_LAUNCH)
         return attention_mgpu.tiles_mgpu(qg, k_cache, v_cache, index, spec=spec, **kw)
     if kernel == "tokens":
         states = token_states(

@@ -90,6 +90,7 @@ def test_segments_are_each_tiles_sequences_ascending():
         ("into", "two", True, {}),
         ("add", "fma", False, {}),
         ("into", "two", False, {"consumers": 2, "stages": 5, "order": "heaviest", "one_drain": True}),
+        ("into", "two", True, {"consumers": 2, "stages": 4, "q_from_smem": True}),
     ],
 )
 def test_cuda_lowering_is_one_mosaic_gpu_kernel(pv, rounding, overlap, launch):
@@ -133,6 +134,8 @@ def test_unsupported_calls_are_refused_by_name():
         tiles_mgpu(q, kc, kc, idx, spec=spec, consumers=3)
     with pytest.raises(ValueError, match="order must be one of"):
         tiles_mgpu(q, kc, kc, idx, spec=spec, order="random")
+    with pytest.raises(ValueError, match="q_from_smem needs consumers=2"):
+        tiles_mgpu(q, kc, kc, idx, spec=spec, q_from_smem=True)
     big = jnp.ones((2, 256, 1, 128), BF16)
     with pytest.raises(ValueError, match="more shared memory than an SM has"):
         tiles_mgpu(q.reshape(1, 1, 4, 64).repeat(2, axis=3), big, big, idx, spec=AttentionSpec.create(128))
@@ -178,7 +181,7 @@ def test_launch_choices_keep_the_bits():
         {"overlap": True},
         {"overlap": True, "stages": 2},
         {"order": "heaviest"},
-        {"consumers": 2},
+        {"consumers": 2, "q_from_smem": True},
         {"one_drain": True},
         {"consumers": 2, "stages": 4, "overlap": True, "order": "heaviest", "one_drain": True},
     ]
@@ -201,7 +204,7 @@ def test_heaviest_first_orders_programs_by_the_keys_they_walk():
 
 def test_warp_specialized_launch_through_attention_accuracy_and_token_bits(monkeypatch):
     """``attention_triton.MGPU_PREFILL_LAUNCH`` (what the engine's prefill launches) with two
-    consumers, 4 stages and heaviest first: f64 accuracy over sequences of several tiles with
+    consumers, 4 stages, heaviest first and q from shared memory: f64 accuracy over sequences of several tiles with
     stale NaN cache rows and padding, and a token's bits as under the default launch."""
     from pallas_kernels import attention_triton
 
@@ -210,7 +213,8 @@ def test_warp_specialized_launch_through_attention_accuracy_and_token_bits(monke
     np.random.default_rng(2).shuffle(tokens)
     tokens = tokens[:9] + [(0, -1)] * 2 + tokens[9:]
     base = bits(_run(paged, tokens))
-    monkeypatch.setattr(attention_triton, "MGPU_PREFILL_LAUNCH", (4, 2, "heaviest"))
+    launch = (("stages", 4), ("consumers", 2), ("order", "heaviest"), ("q_from_smem", True))
+    monkeypatch.setattr(attention_triton, "MGPU_PREFILL_LAUNCH", launch)
     got = _run(paged, tokens)
     np.testing.assert_array_equal(bits(got), base)
     out = np.asarray(got, np.float64)
