@@ -31,7 +31,7 @@ def check_temperature(value, name: str = "temperature") -> None:
     if not np.isfinite(a).all():
         raise ValueError(f"{name} must be finite, got {value!r}")
     if (a < 0).any():
-        raise ValueError(f"{name} must be >= 0 (0 = greedy), got {a.min()!r}")
+        raise ValueError(f"{name} must be >= 0 (0 = greedy), got {a.min().item()!r}")
 
 
 @dataclasses.dataclass(frozen=True)
