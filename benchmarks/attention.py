@@ -509,8 +509,53 @@ def time_decode_rows():
         print(f"| {name} | {label.split('combine, ')[1]} | {us:.1f} | {rate} |")
 
 
+def time_decode_latency():
+    """Single-stream decode (few programs: latency-bound) under the tokens kernel's launch
+    choices - pipeline stages 2-5 (tiles loaded ahead of the compute) and warps - each
+    compared bit for bit with the default launch, and timed next to cuDNN (CUPTI). Stages 2/3
+    and warps 2/4/8 were proven equal on a 700-token chunk (2026-12-01); 4 and 5 are new."""
+    rows = []
+    for n, ctx, hq, hkv, d in (
+        (1, 1024, 32, 8, 128),
+        (1, 4096, 32, 8, 128),
+        (1, 8192, 32, 8, 128),
+        (1, 1024, 28, 4, 128),
+        (4, 2048, 32, 8, 128),
+    ):
+        c = Case(n, ctx, hq, hkv, d, seed=1)
+        q, s, p = c.tokens(np.arange(n), np.full(n, ctx - 1))
+        q = jax.random.normal(jax.random.key(5), q.shape, jnp.float32).astype(q.dtype)
+        kd, vd = c.kc[c.bt].reshape(n, -1, hkv, d)[:, :ctx], c.vc[c.bt].reshape(n, -1, hkv, d)[:, :ctx]
+        cud = cudnn_us(q[:, None], kd, vd, False)
+        kv_bytes = 2 * n * ctx * hkv * d * 2
+        name = f"decode {n} x {ctx}, {hq}/{hkv} heads, D {d}"
+        qg = q.reshape(n, hkv, hq // hkv, d)
+        idx, spec = (c.bt, c.cl, s, p), AttentionSpec.create(d)
+        want = None
+        for st, w in ((None, None), (3, 2), (4, 2), (5, 2), (4, 4), (3, 4)):
+
+            def fn(q, k, v, st=st, w=w, idx=idx, spec=spec):
+                return attention_triton.attend(
+                    q, k, v, idx, spec=spec, interpret=False, kernel="tokens", num_stages=st, num_warps=w
+                )
+
+            got = bits(jax.jit(fn)(qg, c.kc, c.vc))
+            label = "default launch" if st is None else f"tokens {w} warps {st} stages"
+            if want is None:
+                want = got
+            else:
+                check(f"{name}: {label} == default launch (bits)", np.array_equal(got, want))
+            us = kernel_us(fn, qg, c.kc, c.vc)
+            rows.append((name, label, us, cud, f"{kv_bytes / us / 1e6:.2f} TB/s"))
+            print(rows[-1], flush=True)
+    table(rows)
+
+
 def main():
     print(f"# {datetime.date.today()} {jax.devices()[0].device_kind} jax {jax.__version__}", flush=True)
+    if "--decode-latency" in sys.argv:  # single-stream decode: stages / warps launch variants
+        time_decode_latency()
+        sys.exit(1 if FAILURES else 0)
     if "--decode-rows" in sys.argv:  # the decode kernel's launch variants, A/B (bits and time)
         time_decode_rows()
         sys.exit(1 if FAILURES else 0)

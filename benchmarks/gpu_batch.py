@@ -132,6 +132,11 @@ STEPS = {
         200,
         "decode kernel launch variants: rows padded in HBM / registers, a program per split / lanes (bits, CUPTI time)",
     ),
+    "attention-decode-latency": (
+        _py("attention.py", "--decode-latency"),
+        200,
+        "single-stream decode attention: tokens kernel stages 2-5 / warps (bits vs default, time vs cuDNN)",
+    ),
     "kernels": (_py("kernels.py", "--skip-checks"), 200, "matmul / rows kernel time vs XLA"),
     "decode-sweep": (_py("kernels.py", "--decode-sweep"), 150, "decode-row matmul launches"),
     "bits-sweep": (_py("kernels.py", "--bits-sweep"), 300, "bits: shared launch, Mosaic vs Triton rows"),
