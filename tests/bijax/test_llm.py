@@ -278,6 +278,23 @@ def test_the_gpu_graph_update_mode_is_asked_for_and_a_users_setting_wins():
     assert os.environ["XLA_FLAGS"] == before
 
 
+def test_a_gpu_process_that_started_jax_before_bijax_is_told_why_steps_are_slower(monkeypatch):
+    """The request for the graph update mode is refused once a backend runs; on a GPU the engine
+    then says so (a warning naming the fix), on CPU nothing; a flag named in XLA_FLAGS (bijax's
+    or the user's own value) is a choice made: no note."""
+    import bijax
+    from bijax.llm import graph_update_note
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_platform_dependent_math=false")
+    note = graph_update_note("gpu")
+    assert note is not None and "before bijax was imported" in note and bijax.GPU_GRAPH_UPDATE_MODE in note
+    assert graph_update_note("cpu") is None
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_command_buffer_update_mode=ALWAYS_UPDATE")
+    assert graph_update_note("gpu") is None
+    monkeypatch.setenv("XLA_FLAGS", bijax.GPU_GRAPH_UPDATE_MODE)
+    assert graph_update_note("gpu") is None
+
+
 def test_the_baseline_compiles_its_forward_without_the_dot_merger():
     """The XLA path's programs compile without XLA's dot merger (it made a layer's gate and up
     one slow Triton GEMM on the H200); the invariant path's as they are."""
