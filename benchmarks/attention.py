@@ -511,7 +511,8 @@ def time_decode_rows():
 
 def time_decode_latency():
     """Single-stream decode (few programs: latency-bound) under the tokens kernel's launch
-    choices - pipeline stages 2-5 (tiles loaded ahead of the compute) and warps - each
+    choices - pipeline stages 2-5 (tiles loaded ahead of the compute) and warps - and two
+    bandwidth-bound batches (whether one stage count can serve every step), each
     compared bit for bit with the default launch, and timed next to cuDNN (CUPTI). Stages 2/3
     and warps 2/4/8 were proven equal on a 700-token chunk (2026-12-01); 4 and 5 are new."""
     rows = []
@@ -521,6 +522,8 @@ def time_decode_latency():
         (1, 8192, 32, 8, 128),
         (1, 1024, 28, 4, 128),
         (4, 2048, 32, 8, 128),
+        (32, 3000, 28, 4, 128),  # bandwidth-bound: a stage count for all must not cost here
+        (64, 4096, 32, 8, 128),
     ):
         c = Case(n, ctx, hq, hkv, d, seed=1)
         q, s, p = c.tokens(np.arange(n), np.full(n, ctx - 1))
