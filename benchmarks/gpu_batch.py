@@ -61,6 +61,11 @@ _AB = {
         ("decode-new", "decode-launch", "new", ()),
         ("prefill-tiles", "prefill-kernel", "tiles", _PREFILL),
         ("prefill-mgpu", "prefill-kernel", "tiles_mgpu", _PREFILL),
+        ("launch-one", "prefill-launch", "one", _PREFILL),
+        ("launch-pair", "prefill-launch", "pair", _PREFILL),
+        ("launch-pair-smem-q", "prefill-launch", "pair-smem-q", _PREFILL),
+        ("launch-pair-all", "prefill-launch", "pair-all", _PREFILL),
+        ("launch-heaviest", "prefill-launch", "heaviest", _PREFILL),
         ("splits-all", "decode-splits", "all", _LONG),
         ("splits-used", "decode-splits", "used", _LONG),
         ("rows-hbm", "decode-rows", "hbm", _LONG),
@@ -110,6 +115,14 @@ STEPS = {
         240,
         "the same with the Mosaic GPU prefill kernel under 'auto'",
     ),
+    **{
+        f"digests-{side}": (
+            _py("gpu_digests.py", "--prefill-launch", side),
+            240,
+            f"engine bits vs the records with the Mosaic prefill launch '{side}' (ab.py prefill-launch)",
+        )
+        for side in ("pair", "pair-smem-q", "pair-all", "heaviest", "drain")
+    },
     "mgpu-bits": (_py("attention_mgpu.py", "--child", "bits"), 270, "Mosaic attention == Triton bits"),
     "mgpu-timing": (
         _py("attention_mgpu.py", "--child", "timing:into+two"),

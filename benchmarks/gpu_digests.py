@@ -39,12 +39,27 @@ def main():
         help="the kernel attention's 'auto' runs for prefill steps (attention_triton.PREFILL_KERNEL; "
         "default: as committed) - the records must MATCH either way",
     )
+    from benchmarks.ab import SWITCHES
+
+    launches = SWITCHES["prefill-launch"]
+    p.add_argument(
+        "--prefill-launch",
+        choices=sorted(launches),
+        help="how the Mosaic GPU prefill kernel launches (a side of benchmarks/ab.py's prefill-launch "
+        "switch; default: as committed) - the records must MATCH either way",
+    )
     args = p.parse_args()
     if args.prefill_kernel:
         from pallas_kernels import attention_triton
 
         attention_triton.PREFILL_KERNEL = args.prefill_kernel
         print(f"# prefill kernel: {args.prefill_kernel}", flush=True)
+    if args.prefill_launch:
+        from pallas_kernels import attention_triton
+
+        ((_, name, value),) = launches[args.prefill_launch]
+        setattr(attention_triton, name, value)
+        print(f"# Mosaic GPU prefill launch: {args.prefill_launch} {value}", flush=True)
     cls = digest.device_class()
     print(f"# {time.strftime('%Y-%m-%d')} {digest.describe(digest.fingerprint())}", flush=True)
     rows = []
