@@ -412,7 +412,9 @@ def _quick_prefill(n, length, hq, hkv, d):
     return rows
 
 
-def _quick_decode(n, ctx, hq, hkv, d):
+def decode_case(n, ctx, hq, hkv, d):
+    """n sequences decoding their token at position ctx - 1: (Case, q [n, Hkv, G, D], index,
+    KV bytes, name, cuDNN's kernel us on the same keys)."""
     c = Case(n, ctx, hq, hkv, d, seed=1)
     q, s, p = c.tokens(np.arange(n), np.full(n, ctx - 1))
     q = jax.random.normal(jax.random.key(5), q.shape, jnp.float32).astype(q.dtype)
@@ -420,7 +422,11 @@ def _quick_decode(n, ctx, hq, hkv, d):
     cud = cudnn_us(q[:, None], kd, vd, False)
     kv_bytes = 2 * n * ctx * hkv * d * 2
     name = f"decode {n} x {ctx}, {hq}/{hkv} heads, D {d}"
-    qg = q.reshape(n, hkv, hq // hkv, d)
+    return c, q.reshape(n, hkv, hq // hkv, d), (c.bt, c.cl, s, p), kv_bytes, name, cud
+
+
+def _quick_decode(n, ctx, hq, hkv, d):
+    c, qg, (_, _, s, p), kv_bytes, name, cud = decode_case(n, ctx, hq, hkv, d)
     rows = []
     variants = [  # (stages, row loads, bulk, warps)
         (2, False, False, 2),
@@ -525,15 +531,8 @@ def time_decode_latency():
         (32, 3000, 28, 4, 128),  # bandwidth-bound: a stage count for all must not cost here
         (64, 4096, 32, 8, 128),
     ):
-        c = Case(n, ctx, hq, hkv, d, seed=1)
-        q, s, p = c.tokens(np.arange(n), np.full(n, ctx - 1))
-        q = jax.random.normal(jax.random.key(5), q.shape, jnp.float32).astype(q.dtype)
-        kd, vd = c.kc[c.bt].reshape(n, -1, hkv, d)[:, :ctx], c.vc[c.bt].reshape(n, -1, hkv, d)[:, :ctx]
-        cud = cudnn_us(q[:, None], kd, vd, False)
-        kv_bytes = 2 * n * ctx * hkv * d * 2
-        name = f"decode {n} x {ctx}, {hq}/{hkv} heads, D {d}"
-        qg = q.reshape(n, hkv, hq // hkv, d)
-        idx, spec = (c.bt, c.cl, s, p), AttentionSpec.create(d)
+        c, qg, idx, kv_bytes, name, cud = decode_case(n, ctx, hq, hkv, d)
+        spec = AttentionSpec.create(d)
         want = None
         for st, w in ((None, None), (3, 2), (4, 2), (5, 2), (4, 4), (3, 4)):
 
