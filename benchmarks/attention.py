@@ -517,7 +517,8 @@ def time_decode_rows():
 
 def time_decode_latency():
     """Single-stream decode (few programs: latency-bound) under the tokens kernel's launch
-    choices - pipeline stages 2-5 (tiles loaded ahead of the compute) and warps - and two
+    choices - pipeline stages 2-5 (tiles loaded ahead of the compute), warps and the number of
+    lanes (``DECODE_PROGRAMS``: ~512 / 1024 / 2048 programs in all) - and two
     bandwidth-bound batches (whether one stage count can serve every step), each
     compared bit for bit with the default launch, and timed next to cuDNN (CUPTI). Stages 2/3
     and warps 2/4/8 were proven equal on a 700-token chunk (2026-12-01); 4 and 5 are new."""
@@ -533,8 +534,11 @@ def time_decode_latency():
     ):
         c, qg, idx, kv_bytes, name, cud = decode_case(n, ctx, hq, hkv, d)
         spec = AttentionSpec.create(d)
-        want = None
-        for st, w in ((None, None), (3, 2), (4, 2), (5, 2), (4, 4), (3, 4)):
+        want, default_programs = None, attention_triton.DECODE_PROGRAMS
+        launches = [(None, None, default_programs), (3, 2, None), (4, 2, None), (5, 2, None), (4, 4, None)]
+        launches += [(None, None, 512), (None, None, 2048), (4, 2, 512)]  # fewer / more lanes
+        for st, w, programs in launches:
+            attention_triton.DECODE_PROGRAMS = programs or default_programs  # read when traced
 
             def fn(q, k, v, st=st, w=w, idx=idx, spec=spec):
                 return attention_triton.attend(
@@ -542,7 +546,9 @@ def time_decode_latency():
                 )
 
             got = bits(jax.jit(fn)(qg, c.kc, c.vc))
-            label = "default launch" if st is None else f"tokens {w} warps {st} stages"
+            label = "default launch" if want is None else f"tokens {w or 2} warps {st or 2} stages"
+            if programs and want is not None:
+                label += f", ~{programs} programs"
             if want is None:
                 want = got
             else:
@@ -550,6 +556,7 @@ def time_decode_latency():
             us = kernel_us(fn, qg, c.kc, c.vc)
             rows.append((name, label, us, cud, f"{kv_bytes / us / 1e6:.2f} TB/s"))
             print(rows[-1], flush=True)
+        attention_triton.DECODE_PROGRAMS = default_programs
     table(rows)
 
 
