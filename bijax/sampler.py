@@ -56,18 +56,24 @@ def row_keys(seeds, sample_index, positions):
     return jax.vmap(one)(seeds, sample_index, positions)
 
 
-def sample_reference(logits, temperature, top_k, top_p, min_p, gumbel):
+def sample_reference(logits, temperature, top_k, top_p, min_p, gumbel, filters: bool = True):
+    """The baseline's sampling (``invariant=False``): XLA's log_softmax, and top-k / top-p by a
+    sort of each row. ``filters`` False (``uses_filters``: no sampled row uses top-k or top-p)
+    skips the sort - every token is kept then either way, so the same tokens, without the ~1.4 ms
+    of sorting 64 rows of 128k logits that made the baseline slower than it need be."""
     r, v = logits.shape
     z = pk.tempered(logits, temperature)
     lp = jax.nn.log_softmax(z, axis=-1)
-    order = jnp.argsort(-z, axis=-1)
-    zs = jnp.take_along_axis(z, order, axis=-1)
-    k = jnp.where((top_k < 0) | (top_k >= v), v, top_k)
-    keep_sorted = jnp.arange(v)[None, :] < k[:, None]
-    ps = jax.nn.softmax(jnp.where(keep_sorted, zs, -jnp.inf), axis=-1)
-    before = jnp.cumsum(ps, axis=-1) - ps
-    keep_sorted &= (top_p[:, None] >= 1.0) | (before < top_p[:, None])
-    keep = jnp.zeros((r, v), bool).at[jnp.arange(r)[:, None], order].set(keep_sorted)
+    keep = jnp.ones((r, v), bool)
+    if filters:
+        order = jnp.argsort(-z, axis=-1)
+        zs = jnp.take_along_axis(z, order, axis=-1)
+        k = jnp.where((top_k < 0) | (top_k >= v), v, top_k)
+        keep_sorted = jnp.arange(v)[None, :] < k[:, None]
+        ps = jax.nn.softmax(jnp.where(keep_sorted, zs, -jnp.inf), axis=-1)
+        before = jnp.cumsum(ps, axis=-1) - ps
+        keep_sorted &= (top_p[:, None] >= 1.0) | (before < top_p[:, None])
+        keep = jnp.zeros((r, v), bool).at[jnp.arange(r)[:, None], order].set(keep_sorted)
     keep &= (min_p <= 0)[:, None] | (lp >= (jnp.log(jnp.maximum(min_p, 1e-30)) + lp.max(-1))[:, None])
     score = jnp.where(pk.greedy_rows(temperature)[:, None], z, jnp.where(keep, z + gumbel, -jnp.inf))
     return jnp.argmax(score, axis=-1).astype(jnp.int32), lp
@@ -89,7 +95,7 @@ def sample_rows(logits, rows: SamplingRows, *, invariant: bool, num_logprobs: in
     if invariant:
         tok, lp = pk.sample(logits, **params, gumbel=gumbel, filters=filters)
     else:
-        tok, lp = sample_reference(logits, **params, gumbel=gumbel)
+        tok, lp = sample_reference(logits, **params, gumbel=gumbel, filters=filters)
     tok_lp = lp[jnp.arange(r), tok]
     top = None
     if num_logprobs:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -116,6 +118,31 @@ def test_negative_control_xla_sampler_varies_with_batch():
             _, lp = ref(x[:n], t[:n], k[:n], p[:n], m[:n], g[:n])
             found |= not np.array_equal(bits(lp), bits(full[:n]))
     assert found, "XLA's sampler was batch invariant everywhere: the negative control cannot fail"
+
+
+def test_xla_sampler_skips_its_sort_when_no_row_filters():
+    """The baseline sorts each row only for top-k / top-p: rows that use neither (greedy,
+    temperature with min_p) get the same tokens and logprob bits without the sort, and its
+    program has no sort. Control: a row with top-p makes ``uses_filters`` true, and that
+    program sorts."""
+    from bijax.sampler import sample_reference
+
+    rng = np.random.default_rng(6)
+    r, v = 6, 700
+    x = jnp.asarray((rng.standard_normal((r, v)) * 3).astype(np.float32))
+    g = jax.random.gumbel(jax.random.key(7), (r, v))
+    t = jnp.asarray([0.0, 0.7, 1.0, 1.3, 0.0, 0.9], jnp.float32)
+    k, p = jnp.full(r, -1, jnp.int32), jnp.ones(r, jnp.float32)
+    m = jnp.asarray([0.0, 0.05, 0.0, 0.2, 0.0, 0.0], jnp.float32)
+    assert not pk.uses_filters(t, k, p)
+    sort = jax.jit(sample_reference)
+    skip = jax.jit(functools.partial(sample_reference, filters=False))
+    want, got = sort(x, t, k, p, m, g), skip(x, t, k, p, m, g)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    np.testing.assert_array_equal(bits(got[1]), bits(want[1]))
+    assert "sort" not in skip.lower(x, t, k, p, m, g).as_text()
+    assert pk.uses_filters(t, k, p.at[1].set(0.9))
+    assert "sort" in sort.lower(x, t, k, p, m, g).as_text()
 
 
 def test_argmax_and_top_n():
