@@ -557,6 +557,18 @@ def time_decode_latency():
             rows.append((name, label, us, cud, f"{kv_bytes / us / 1e6:.2f} TB/s"))
             print(rows[-1], flush=True)
         attention_triton.DECODE_PROGRAMS = default_programs
+
+        def states(q, k, v, idx=idx, spec=spec):
+            return attention_triton.token_states(q, k, v, idx, spec=spec, interpret=False)
+
+        rows.append((name, "of it: tokens kernel alone (states)", kernel_us(states, qg, c.kc, c.vc), cud, ""))
+        m, l, acc = jax.jit(states)(qg, c.kc, c.vc)
+
+        def comb(m, l, a, pos=idx[3], spec=spec, dtype=qg.dtype):
+            return attention_triton.combine(m, l, a, pos, spec=spec, interpret=False, dtype=dtype)
+
+        rows.append((name, "of it: combine kernel alone", kernel_us(comb, m, l, acc), cud, ""))
+        print(*rows[-2:], sep="\n", flush=True)
     table(rows)
 
 
