@@ -158,9 +158,9 @@ def graph_update_note(platform: str) -> str | None:
     not name the CUDA graphs' update mode, so bijax's request (``bijax.GPU_GRAPH_UPDATE_MODE``)
     was refused - JAX had started its backend before bijax was imported. None otherwise."""
     from bijax import GPU_GRAPH_UPDATE_MODE
+    from pallas_kernels.runtime import xla_flag_named
 
-    flag = GPU_GRAPH_UPDATE_MODE.split("=")[0]
-    if platform != "gpu" or any(f.split("=")[0] == flag for f in os.environ.get("XLA_FLAGS", "").split()):
+    if platform != "gpu" or xla_flag_named(GPU_GRAPH_UPDATE_MODE):
         return None
     return (
         "bijax: JAX started its GPU backend before bijax was imported, so XLA re-records a "

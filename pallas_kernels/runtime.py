@@ -51,21 +51,24 @@ _CPU_MATH_FLAG = CPU_CONSISTENT_MATH.split("=")[0]
 KEEP_XLA_FLAGS = "_BIJAX_KEEP_XLA_FLAGS"
 
 
+def xla_flag_named(flag: str) -> bool:
+    """Whether XLA_FLAGS names ``flag``'s ``--name`` (any value): exactly that name, not a longer
+    flag that starts with it."""
+    name = flag.split("=")[0]
+    return any(f.split("=")[0] == name for f in os.environ.get("XLA_FLAGS", "").split())
+
+
 def request_xla_flag(flag: str) -> bool:
     """Adds ``flag`` (``--name=value``) to XLA_FLAGS unless the user set ``--name`` (the user
     chose), a backend already started (XLA read its flags then) or the environment says to keep
     XLA_FLAGS as given (``KEEP_XLA_FLAGS``). Returns whether it was added."""
-    if os.environ.get(KEEP_XLA_FLAGS):
-        return False
-    flags = os.environ.get("XLA_FLAGS", "")
-    name = flag.split("=")[0]
-    if any(f.split("=")[0] == name for f in flags.split()):
+    if os.environ.get(KEEP_XLA_FLAGS) or xla_flag_named(flag):
         return False
     from jax._src import xla_bridge
 
     if xla_bridge.backends_are_initialized():
         return False
-    os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
     return True
 
 
