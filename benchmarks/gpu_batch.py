@@ -171,36 +171,22 @@ STEPS = {
         240,
         "tree_psum gather / scatter vs psum per rank count (2, 4, 8 as the machine has) and message size",
     ),
-    "tp-x2": (
-        _py("tp.py", "--runs", "inv:1:8,inv:2:8,xla:1:8,xla:2:8", "--requests", "8"),
-        300,
-        "TP 1 / 2, k_shards 8: invariant bits equal, XLA's differ (control); decode tok/s",
-    ),
-    "tp-x4": (
-        _py("tp.py", "--runs", "inv:1:8,inv:2:8,inv:4:8,xla:1:8,xla:4:8", "--requests", "8"),
-        400,
-        "TP 1 / 2 / 4, k_shards 8, 8 requests: invariant bits equal, XLA's differ (control)",
-    ),
-    "tp-x8": (
-        _py("tp.py", "--runs", "inv:1:8,inv:2:8,inv:4:8,inv:8:8,xla:1:8,xla:8:8", "--requests", "8"),
-        500,
-        "TP 1 / 2 / 4 / 8, k_shards 8, 8 requests: invariant bits equal, XLA's differ (control)",
-    ),
-    "tp-x8-64": (
-        _py("tp.py", "--runs", "inv:1:8,inv:8:8,xla:1:8,xla:8:8", "--requests", "64"),
-        500,
-        "TP 1 / 8, k_shards 8, 64 requests",
-    ),
-    "tp70-x4": (
-        _py("tp.py", "--model", "llama3-70b", "--runs", "inv:4:8,xla:4:8", "--requests", "8"),
-        500,
-        "llama3-70b built in its shards at TP 4: invariant vs XLA decode tok/s",
-    ),
-    "tp70-x8": (
-        _py("tp.py", "--model", "llama3-70b", "--runs", "inv:4:8,inv:8:8,xla:4:8,xla:8:8", "--requests", "8"),
-        580,
-        "llama3-70b at TP 4 and 8: invariant bits equal, decode tok/s",
-    ),
+    **{
+        name: (
+            _py("tp.py", "--model", model, "--runs", runs, "--requests", str(requests)),
+            limit,
+            f"{model}, path:TP:k_shards {runs}, {requests} requests: invariant bits equal across TP, "
+            "XLA's differ (control); decode tok/s",
+        )
+        for name, model, runs, requests, limit in (
+            ("tp-x2", "llama3-8b", "inv:1:8,inv:2:8,xla:1:8,xla:2:8", 8, 300),
+            ("tp-x4", "llama3-8b", "inv:1:8,inv:2:8,inv:4:8,xla:1:8,xla:4:8", 8, 400),
+            ("tp-x8", "llama3-8b", "inv:1:8,inv:2:8,inv:4:8,inv:8:8,xla:1:8,xla:8:8", 8, 500),
+            ("tp-x8-64", "llama3-8b", "inv:1:8,inv:8:8,xla:1:8,xla:8:8", 64, 500),
+            ("tp70-x4", "llama3-70b", "inv:4:8,xla:4:8", 8, 500),  # built in its shards
+            ("tp70-x8", "llama3-70b", "inv:4:8,inv:8:8,xla:4:8,xla:8:8", 8, 580),
+        )
+    },
     "check70-x4": (
         [sys.executable, "-m", "bijax.cli", "check", "--model", "llama3-70b", "--tensor-parallel-size", "4"],
         580,
