@@ -611,10 +611,15 @@ def _kernel(
             plgpu.copy_smem_to_gmem(q_smem, o_ref.at[row_tile, h])
             plgpu.wait_smem_to_gmem(0)
 
-    a_smem_1 = (
-        plgpu.SMEM((ROWS, d), dtype, transforms=transforms),
-        plgpu.SMEM((ROWS, tile), dtype, transforms=p_transforms),
-    )
+    def a_operands(*lead):
+        """Interpret mode's SMEM copies of wgmma's A operands (q, p), ``lead`` x each; else None."""
+        if not a_in_smem:
+            return None
+        return (
+            plgpu.SMEM((*lead, ROWS, d), dtype, transforms=transforms),
+            plgpu.SMEM((*lead, ROWS, tile), dtype, transforms=p_transforms),
+        )
+
     if consumers == 1:
         pl.run_scoped(
             body,
@@ -623,7 +628,7 @@ def _kernel(
             plgpu.SMEM((tile, _SUM_N), dtype, transforms=sum_transforms),
             plgpu.SMEM((2, ROWS), jnp.int32),
             plgpu.SMEM((4, max_segs), jnp.int32),
-            a_smem_1 if a_in_smem else None,
+            a_operands(),
             plgpu.Barrier(num_arrivals=pages, num_barriers=stages),
             plgpu.Barrier(num_arrivals=pages, num_barriers=stages),
             plgpu.Barrier(num_arrivals=5),
@@ -637,14 +642,7 @@ def _kernel(
         plgpu.SMEM((consumers, ROWS, d), dtype, transforms=transforms),
         plgpu.SMEM((consumers, 2, ROWS), jnp.int32),
         plgpu.SMEM((4, max_segs), jnp.int32),
-        (
-            (
-                plgpu.SMEM((consumers, ROWS, d), dtype, transforms=transforms),
-                plgpu.SMEM((consumers, ROWS, tile), dtype, transforms=p_transforms),
-            )
-            if a_in_smem
-            else None
-        ),
+        a_operands(consumers),
         plgpu.Barrier(num_arrivals=pages, num_barriers=stages),
         plgpu.Barrier(num_arrivals=pages, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2),
