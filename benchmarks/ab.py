@@ -55,7 +55,8 @@ SWITCHES = {
     },
     # the Mosaic GPU prefill kernel's launch (tiles_mgpu arguments): one warpgroup, or two
     # consumers and a producer (one program per SM, q from shared memory or registers); tiles in
-    # order or heaviest first; a wait per wgmma or one for p @ ones and p @ v
+    # order or heaviest first; a wait per wgmma or one for p @ ones and p @ v; a tile's rows
+    # packed with the query-head group padded to a power of two or not ("dense": groups of 3, 7)
     "prefill-launch": {
         side: (("attention_triton", "MGPU_PREFILL_LAUNCH", tuple(launch.items())),)
         for side, launch in (
@@ -65,6 +66,8 @@ SWITCHES = {
             ("pair", {"stages": 4, "consumers": 2}),
             ("pair-smem-q", {"stages": 4, "consumers": 2, "q_from_smem": True}),
             ("pair-all", {"stages": 4, "consumers": 2, "order": "heaviest", "one_drain": True}),
+            ("dense", {"stages": 3, "consumers": 1, "packing": "dense"}),
+            ("pair-dense", {"stages": 4, "consumers": 2, "packing": "dense"}),
         )
     },
     "decode-splits": {

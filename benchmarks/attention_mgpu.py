@@ -206,6 +206,8 @@ LAUNCHES = {
     "pair, 5 stages": {"consumers": 2, "stages": 5},
     "pair, 4 stages, heaviest": {"consumers": 2, "stages": 4, "order": "heaviest"},
     "pair, 4 stages, overlapped": {"consumers": 2, "stages": 4, "overlap": True},
+    "dense rows": {"packing": "dense"},
+    "pair, 4 stages, dense rows": {"consumers": 2, "stages": 4, "packing": "dense"},
     "pair, 4 stages, heaviest, one drain": {
         "consumers": 2,
         "stages": 4,

@@ -52,6 +52,7 @@ _PREFILL = (
     "--repeats",
     "3",
 )
+_PREFILL_SMOLLM2 = ("--model", "smollm2-shape", *_PREFILL[2:])
 # ... and decode at the engine's default max_model_len (8192 on the GPU: 16 splits a token)
 _LONG = ("--max-model-len", "8192", "--modes", "async", "--repeats", "5")
 _AB = {
@@ -66,6 +67,9 @@ _AB = {
         ("launch-pair-smem-q", "prefill-launch", "pair-smem-q", _PREFILL),
         ("launch-pair-all", "prefill-launch", "pair-all", _PREFILL),
         ("launch-heaviest", "prefill-launch", "heaviest", _PREFILL),
+        # a 3-head query group (SmolLM2's shape): where packing="dense" changes the tiles
+        ("launch-one-smollm2", "prefill-launch", "one", _PREFILL_SMOLLM2),
+        ("launch-dense-smollm2", "prefill-launch", "dense", _PREFILL_SMOLLM2),
         ("splits-all", "decode-splits", "all", _LONG),
         ("splits-used", "decode-splits", "used", _LONG),
         ("rows-hbm", "decode-rows", "hbm", _LONG),
@@ -121,7 +125,7 @@ STEPS = {
             240,
             f"engine bits vs the records with the Mosaic prefill launch '{side}' (ab.py prefill-launch)",
         )
-        for side in ("pair", "pair-smem-q", "pair-all", "heaviest", "drain")
+        for side in ("pair", "pair-smem-q", "pair-all", "heaviest", "drain", "dense", "pair-dense")
     },
     "mgpu-bits": (_py("attention_mgpu.py", "--child", "bits"), 270, "Mosaic attention == Triton bits"),
     "mgpu-timing": (
@@ -131,12 +135,12 @@ STEPS = {
     ),
     "mgpu-launches": (
         _py("attention_mgpu.py", "--child", "launches"),
-        300,
-        "Mosaic attention launches (warp specialization, heaviest first) == its default launch's bits",
+        330,
+        "Mosaic attention launches (warp specialization, heaviest first, dense rows) == its default launch's bits",
     ),
     "mgpu-launch-timing": (
         _py("attention_mgpu.py", "--child", "launch-timing"),
-        240,
+        280,
         "Mosaic attention launches vs default launch vs Triton vs cuDNN kernel time",
     ),
     "attention": (_py("attention.py"), 400, "attention kernels: bits and time vs cuDNN"),

@@ -271,14 +271,27 @@ def fold_splits(m, l, acc, pos, spec: AttentionSpec):
     return fold_finish(carry)
 
 
-def row_tiles(qg, token_seq, token_pos, tile_rows: int):
-    """The ``tiles`` kernels' rows: q [T, Hkv, G, D] -> q [tiles, Hkv, rows, D] with row r of a
-    tile = token r // gp, query head r % gp (the group padded to a power of two gp), and each
-    row's position and sequence [tiles, rows] (position -1: padding token or padded head).
-    Returns (q, rpos, rseq, unpack); ``unpack(out)`` maps [tiles, Hkv, rows, D] back to
-    [T, Hkv, G, D]."""
+PACKINGS = ("pow2", "dense")  # how a tile's rows hold tokens x query heads (``row_tiles``)
+
+
+def row_tiles(qg, token_seq, token_pos, tile_rows: int, packing: str = "pow2"):
+    """The ``tiles`` kernels' rows: q [T, Hkv, G, D] -> q [tiles, Hkv, rows, D], and each row's
+    position and sequence [tiles, rows] (position -1: a padding token, padded head or padding
+    row). Returns (q, rpos, rseq, unpack); ``unpack(out)`` maps [tiles, Hkv, rows, D] back to
+    [T, Hkv, G, D].
+
+    ``packing`` (a launch choice: a row's walk and arithmetic do not depend on where in a tile
+    it sits): "pow2" - row r of a tile is token r // gp, query head r % gp, the group padded to
+    a power of two gp (a group of 7 fills 56 of 64 rows, of 3 48); "dense" - row r is token
+    r // G, head r % G, ``tile_rows // G`` tokens a tile and the rest padding rows (63 of 64
+    for groups of 7 and 3). The two are the same where G is a power of two (or above
+    ``tile_rows``: one token a tile, padded to gp rows)."""
+    if packing not in PACKINGS:
+        raise ValueError(f"attention tiles: packing must be one of {PACKINGS}, got {packing!r}")
     t, hkv, group, d = qg.shape
     gp = 1 << (group - 1).bit_length()
+    if packing == "dense" and group != gp and group <= tile_rows:
+        return _dense_row_tiles(qg, token_seq, token_pos, tile_rows)
     tq = max(1, tile_rows // gp)  # tokens per tile
     rows = tq * gp
     nt = -(-t // tq)
@@ -293,5 +306,31 @@ def row_tiles(qg, token_seq, token_pos, tile_rows: int):
     def unpack(out):
         out = out.reshape(nt, hkv, tq, gp, d).transpose(0, 2, 1, 3, 4).reshape(nt * tq, hkv, gp, d)
         return out[:t, :, :group]
+
+    return q, rpos, rseq, unpack
+
+
+def _dense_row_tiles(qg, token_seq, token_pos, tile_rows: int):
+    """``row_tiles``' "dense" packing: ``tile_rows // G`` tokens x G heads a tile, then padding
+    rows (position -1, sequence 0, q zero)."""
+    t, hkv, group, d = qg.shape
+    tq = tile_rows // group
+    used = tq * group
+    nt = -(-t // tq)
+    pad_t = nt * tq - t
+    q = jnp.pad(qg, ((0, pad_t), (0, 0), (0, 0), (0, 0)))
+    q = q.reshape(nt, tq, hkv, group, d).transpose(0, 2, 1, 3, 4).reshape(nt, hkv, used, d)
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, tile_rows - used), (0, 0)))
+    rpos = jnp.broadcast_to(
+        jnp.pad(token_pos, (0, pad_t), constant_values=-1).reshape(nt, tq, 1), (nt, tq, group)
+    ).reshape(nt, used)
+    rpos = jnp.pad(rpos, ((0, 0), (0, tile_rows - used)), constant_values=-1)
+    tseq = jnp.pad(token_seq, (0, pad_t)).reshape(nt, tq, 1)
+    rseq = jnp.broadcast_to(tseq, (nt, tq, group)).reshape(nt, used)
+    rseq = jnp.pad(rseq, ((0, 0), (0, tile_rows - used)))
+
+    def unpack(out):
+        out = out[:, :, :used].reshape(nt, hkv, tq, group, d).transpose(0, 2, 1, 3, 4)
+        return out.reshape(nt * tq, hkv, group, d)[:t]
 
     return q, rpos, rseq, unpack

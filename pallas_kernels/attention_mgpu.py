@@ -26,13 +26,15 @@ What differs is the machinery:
   tensor cores work while the CUDA cores do the exps (FlashAttention-3's intra-warpgroup
   overlap); the same operations either way.
 
-Launch choices (``tiles_mgpu``'s ``consumers`` and ``order``; never the bits): with
+Launch choices (``tiles_mgpu``'s ``consumers``, ``order`` and ``packing``; never the bits): with
 ``consumers=2`` a program is FlashAttention-3-shaped - two compute warpgroups, each on its own
 64-row tile, walk the union of their tiles' walks (a row's extra tiles and splits are exact
 no-ops for it, as for the rows of one tile), and a producer warpgroup issues the block-table
 reads and the TMA loads; a slot is refilled once both consumers have arrived on its "consumed"
 barrier. One program per SM, so each KV tile in shared memory serves 128 rows. ``order=
-"heaviest"`` launches the programs with the most keys to walk first. In interpret mode both
+"heaviest"`` launches the programs with the most keys to walk first. ``packing="dense"``
+puts 9 tokens of a 7-head group (21 of a 3-head group) in a tile's 64 rows instead of 8 (16)
+with the group padded to a power of two: fewer tiles for the same rows. In interpret mode all
 give the default launch's bits (tests); on the H200 they are not yet measured.
 
 Status: runs in Mosaic GPU interpret mode on CPU (the tests: accuracy, NaN-filled stale cache,
@@ -684,6 +686,7 @@ def tiles_mgpu(
     order: str = "ascending",
     one_drain: bool = False,
     q_from_smem: bool = False,
+    packing: str = "pow2",
     interpret=None,
 ):
     """q [T, Hkv, G, D] -> normalised output [T, Hkv, G, D], the ``tiles`` walk on Mosaic GPU.
@@ -698,7 +701,9 @@ def tiles_mgpu(
     causal tiles do not start last. ``one_drain``: a tile's ``p @ ones`` and ``p @ v`` wgmmas
     are issued together and waited for once (not one wait each). ``q_from_smem`` (with
     ``consumers=2``): wgmma reads q from shared memory, not registers (fewer registers a thread
-    under warp specialization's 232)."""
+    under warp specialization's 232). ``packing``: how a tile's 64 rows hold tokens x query
+    heads (``attention_math.row_tiles``): "dense" fills 63 rows with 9 tokens of a group of 7
+    (or 21 of 3) where "pow2" pads the group to 8 (4): 8/9 (3/4) as many tiles to walk."""
     why = supported(qg.dtype, qg.shape[-1], spec)
     if why is not None:
         raise ValueError(f"attention (Mosaic GPU tiles): unsupported {why}")
@@ -731,7 +736,7 @@ def tiles_mgpu(
     why = _layout_refusal(block_size, qg.shape[2])
     if why is not None:
         raise ValueError(f"attention (Mosaic GPU tiles): {why}")
-    q, rpos, rseq, unpack = row_tiles(qg, token_seq, token_pos, ROWS)
+    q, rpos, rseq, unpack = row_tiles(qg, token_seq, token_pos, ROWS, packing)
     nt = rpos.shape[0]
     programs = -(-nt // consumers)
     if programs * consumers != nt:  # a last program's second tile: padding rows

@@ -451,11 +451,11 @@ def _tiles_kernel(
 
 def _tiles(
     qg, k_cache, v_cache, index, *, spec: AttentionSpec, interpret: bool, tile_rows: int, num_warps: int,
-    num_stages: int, bulk: bool, row_loads: bool,
+    num_stages: int, bulk: bool, row_loads: bool, packing: str,
 ):  # fmt: skip
     block_tables, context_lens, token_seq, token_pos = index
     hkv, d = qg.shape[1], qg.shape[3]
-    q, rpos, rseq, unpack = row_tiles(qg, token_seq, token_pos, tile_rows)
+    q, rpos, rseq, unpack = row_tiles(qg, token_seq, token_pos, tile_rows, packing)
     nt, rows = rpos.shape
     block_size = k_cache.shape[1]
     whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
@@ -503,6 +503,7 @@ def attend(
     num_stages: int | None = None,
     bulk: bool = True,
     row_loads: bool = True,
+    packing: str = "pow2",
 ):
     """q [T, Hkv, G, D] -> normalised output [T, Hkv, G, D] in q's dtype.
 
@@ -517,7 +518,8 @@ def attend(
     (``full_tiles``; prefill 11-28% faster; decode 1-5% faster with row loads, but 26% slower
     with page loads); ``row_loads``: gather a KV tile's keys row by row into the tile instead
     of whole pages reshaped into it (block sizes below 64; decode 64 x 4096 1.24x faster,
-    prefill 5%).
+    prefill 5%); ``packing`` (tiles): how a tile's rows hold tokens x query heads
+    (``attention_math.row_tiles``: "pow2" or "dense").
     """
     block_tables = index[0]
     if kernel == "auto":
@@ -562,4 +564,5 @@ def attend(
         num_stages=num_stages or 3,
         bulk=bulk,
         row_loads=row_loads,
+        packing=packing,
     )

@@ -585,3 +585,45 @@ def test_unmasked_full_tiles_and_row_loads_keep_the_bits(gpu_kernel, kw):
     np.testing.assert_array_equal(run(True), masked)
     np.testing.assert_array_equal(run(True, row_loads=True), masked)
     assert not np.array_equal(run(True, split_size=64), masked)
+
+
+@pytest.mark.parametrize("hq,hkv", [(6, 2), (14, 2)])  # groups of 3 and 7: not powers of two
+def test_dense_row_packing_keeps_the_bits(hq, hkv):
+    """``row_tiles``' "dense" packing puts ``64 // G`` tokens of a G-head group in a tile's rows
+    (21 of 3, 9 of 7) where "pow2" pads the group to 4 (8): fewer tiles, the same rows. The Triton
+    ``tiles`` kernel gives the same bits either way (interpret mode; the H200 check is
+    benchmarks/attention_mgpu.py's launches). Control: a different split size changes them."""
+    from pallas_kernels import attention_triton
+    from pallas_kernels.attention_math import AttentionSpec, row_tiles
+
+    g = hq // hkv
+    paged = Paged([150, 70, 9], hq=hq, hkv=hkv, dtype=jnp.bfloat16, seed=4)
+    tokens = [(0, p) for p in range(100, 150)] + [(1, 69), (2, 8), (1, 30), (0, -1)]
+    seq = jnp.asarray([s for s, _ in tokens], jnp.int32)
+    pos = jnp.asarray([p for _, p in tokens], jnp.int32)
+    q = jnp.stack([paged.q[s][max(p, 0)] for s, p in tokens]).reshape(len(tokens), hkv, g, paged.d)
+    index = (jnp.asarray(paged.bt), jnp.asarray(paged.lens, jnp.int32), seq, pos)
+
+    tiles = {}
+    for packing in ("pow2", "dense"):
+        qt, rpos, rseq, unpack = row_tiles(q, seq, pos, 64, packing)
+        np.testing.assert_array_equal(bits(unpack(qt)), bits(q))
+        assert qt.shape[2] == 64
+        tiles[packing] = rpos.shape[0]
+        real_rows = int((np.asarray(rpos) >= 0).sum())
+        assert real_rows == g * int((pos >= 0).sum())  # every real (token, head) once, padding -1
+    per_tile = 1 << (g - 1).bit_length()
+    assert tiles == {"pow2": -(-len(tokens) // (64 // per_tile)), "dense": -(-len(tokens) // (64 // g))}
+
+    def run(packing, split_size=64):
+        spec = AttentionSpec.create(paged.d, split_size=split_size, sliding_window=90)
+        out = attention_triton.attend(
+            q, paged.kc, paged.vc, index, spec=spec, interpret=True, kernel="tiles", packing=packing
+        )
+        return bits(out)
+
+    base = run("pow2")
+    np.testing.assert_array_equal(run("dense"), base)
+    assert not np.array_equal(run("dense", split_size=128), base)
+    with pytest.raises(ValueError, match="packing must be one of"):
+        row_tiles(q, seq, pos, 64, "tight")

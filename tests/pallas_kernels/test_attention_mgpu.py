@@ -191,6 +191,39 @@ def test_launch_choices_keep_the_bits():
     assert not np.array_equal(control, base), "split size changed nothing: the check cannot fail"
 
 
+@pytest.mark.parametrize("hq,launch", [(6, {}), (14, {"consumers": 2, "order": "heaviest"})])
+def test_dense_row_packing_keeps_the_bits(hq, launch):
+    """``packing="dense"``: 21 tokens of a 3-head group (9 of 7) in a tile's 64 rows instead of 16
+    (8) with the group padded to a power of two - fewer tiles, the same bits, no race (interpret
+    mode), alone and with a pair launch; a padding token's rows stay zero. Control: a different
+    split size changes the bits."""
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    hkv, d = 2, 64
+    paged = Paged([70, 150, 9], hq=hq, hkv=hkv, d=d, dtype=BF16, seed=4)
+    tokens = [(1, p) for p in range(100, 150)] + [(0, 69), (2, 8), (0, 30), (0, -1)]
+    seq = jnp.asarray([s for s, _ in tokens], jnp.int32)
+    pos = jnp.asarray([p for _, p in tokens], jnp.int32)
+    q = jnp.stack([paged.q[s][max(p, 0)] for s, p in tokens]).reshape(len(tokens), hkv, hq // hkv, d)
+    index = (jnp.asarray(paged.bt), jnp.asarray(paged.lens, jnp.int32), seq, pos)
+    mode = plgpu.InterpretGPUParams(detect_races=True)
+
+    def run(split_size=64, **kw):
+        spec = AttentionSpec.create(d, sliding_window=90, split_size=split_size)
+        out = tiles_mgpu(
+            q, paged.kc, paged.vc, index, spec=spec, pv="add", rounding="compiler", interpret=mode, **kw
+        )
+        assert not get_races().races_found, kw
+        return bits(out)
+
+    base = run()
+    dense = run(packing="dense", **launch)
+    np.testing.assert_array_equal(dense, base)
+    assert np.all(dense[-1] == 0)
+    assert not np.array_equal(run(split_size=128, packing="dense"), base)
+
+
 def test_heaviest_first_orders_programs_by_the_keys_they_walk():
     lo = jnp.asarray([[0, 0], [64, 0], [0, 5], [10, 0]], jnp.int32)
     hi = jnp.asarray([[63, 0], [127, 0], [3, 200], [20, 0]], jnp.int32)
