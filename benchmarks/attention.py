@@ -530,6 +530,7 @@ def time_decode_latency():
         (1, 1024, 28, 4, 128),
         (4, 2048, 32, 8, 128),
         (32, 3000, 28, 4, 128),  # bandwidth-bound: a stage count for all must not cost here
+        (64, 1024, 32, 8, 128),  # the engine's 64-sequence decode step (issue 19: 2.38 ms of 7.6)
         (64, 4096, 32, 8, 128),
     ):
         c, qg, idx, kv_bytes, name, cud = decode_case(n, ctx, hq, hkv, d)

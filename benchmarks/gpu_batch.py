@@ -151,7 +151,7 @@ STEPS = {
     ),
     "attention-decode-latency": (
         _py("attention.py", "--decode-latency"),
-        200,
+        240,
         "single-stream decode attention: tokens kernel stages 2-5 / warps (bits vs default, time vs cuDNN)",
     ),
     "kernels": (_py("kernels.py", "--skip-checks"), 200, "matmul / rows kernel time vs XLA"),
