@@ -58,12 +58,12 @@ GPU_KERNELS = ("auto", "tokens", "tiles", "tiles_mgpu")
 # "tiles" here makes "auto" run Triton everywhere (the A/B switch).
 PREFILL_KERNEL = "tiles_mgpu"
 # How the Mosaic GPU prefill kernel launches: ``attention_mgpu.tiles_mgpu``'s arguments of that
-# name (stages, consumers, order, one_drain, q_from_smem) - launch choices, never the bits: its
-# interpret-mode tests compare each with the default bit for bit on CPU. The default is the
-# launch measured on the H200 since session 24; warp specialization (consumers 2), the
-# heaviest-first order, one wgmma wait for p @ ones and p @ v, and q read from shared memory are
-# not yet measured there (benchmarks/attention_plan.md; the A/B switch of benchmarks/ab.py
-# prefill-launch).
+# name (stages, consumers, order, one_drain, q_from_smem, packing) - launch choices, never the
+# bits: its interpret-mode tests compare each with the default bit for bit on CPU. The default
+# is the launch measured on the H200 since session 24; warp specialization (consumers 2), the
+# heaviest-first order, one wgmma wait for p @ ones and p @ v, q read from shared memory and
+# dense rows for query groups of 3 or 7 are not yet measured there
+# (benchmarks/attention_plan.md; the A/B switch of benchmarks/ab.py prefill-launch).
 MGPU_PREFILL_LAUNCH = (("stages", 3), ("consumers", 1), ("order", "ascending"), ("one_drain", False))
 # The decode kernel stores, and its combine folds, only the splits a token uses (same bits:
 # the others leave the fold unchanged). False: every split of the grid, as before 2026-12-02
