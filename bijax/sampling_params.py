@@ -16,10 +16,15 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+# A non-zero temperature's range: logits * (1 / T) is float32 on every platform, so T must be a
+# normal float32 whose reciprocal scales any real model's logits (|z| < 1e8) without overflow.
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-30, 1e30
+
+
 def check_temperature(value, name: str = "temperature") -> None:
     """The one rule for a temperature (SamplingParams, ``score``, ``bijax.logprobs``): a real
-    number, or a concrete array of them, finite and >= 0 (0 = greedy). TypeError for a wrong
-    type, ValueError for a wrong value, naming ``name``."""
+    number, or a concrete array of them, 0 (greedy) or in [MIN_TEMPERATURE, MAX_TEMPERATURE].
+    TypeError for a wrong type, ValueError for a wrong value, naming ``name``."""
     dtype = getattr(value, "dtype", None)
     if isinstance(value, bool) or (dtype is not None and np.dtype(dtype) == np.bool_):
         raise TypeError(f"{name} must be a real number, got a bool")
@@ -32,6 +37,13 @@ def check_temperature(value, name: str = "temperature") -> None:
         raise ValueError(f"{name} must be finite, got {value!r}")
     if (a < 0).any():
         raise ValueError(f"{name} must be >= 0 (0 = greedy), got {a.min().item()!r}")
+    hot = a[a != 0]
+    if ((hot < MIN_TEMPERATURE) | (hot > MAX_TEMPERATURE)).any():
+        worst = hot[(hot < MIN_TEMPERATURE) | (hot > MAX_TEMPERATURE)].flat[0].item()
+        raise ValueError(
+            f"{name} must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}] (logits / T "
+            f"in float32), got {worst!r}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -86,7 +86,9 @@ class Tokenizer:
         """Token ids of ``text``; special tokens written in the text become their ids."""
         if not isinstance(text, str):
             raise TypeError(f"encode expects a str, got {type(text).__name__}")
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch, not encode: the same ids, but it releases Python's lock while the Rust
+        # tokenizer works (a server's other requests keep going during a huge prompt)
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         ids = [int(i) for i in ids]

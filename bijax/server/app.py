@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import time
@@ -62,12 +63,14 @@ class Server:
             raise ApiError(400, f"this model has no tokenizer: {what} needs one")
 
     def validate(self, prompt, params, field: str):
-        """Engine.validate with its errors as ApiError (400) naming ``field``."""
+        """Engine.validate with its errors as ApiError (400) naming ``field`` (``stop`` for the
+        stop strings' own error)."""
         try:
             return self.loop.validate(prompt, params)
         except (ValueError, TypeError) as e:
             code = "context_length_exceeded" if "max_model_len" in str(e) or "KV blocks" in str(e) else None
-            raise ApiError(400, str(e), param=field, code=code) from None
+            param = "stop" if str(e).startswith("stop strings") else field
+            raise ApiError(400, str(e), param=param, code=code) from None
 
 
 def build_app(llm: LLM, *, served_model_names: list[str], api_key: str | None = None) -> FastAPI:
@@ -135,7 +138,10 @@ def build_app(llm: LLM, *, served_model_names: list[str], api_key: str | None = 
         items = prompts(req.prompt)
         if any(isinstance(p, str) for p in items):
             srv.need_tokenizer("a text prompt")
-        valid = [srv.validate(p if isinstance(p, str) else list(p), params, "prompt") for p in items]
+        # tokenized off the event loop: a huge prompt must not stall the other requests
+        valid = await asyncio.to_thread(
+            lambda: [srv.validate(p if isinstance(p, str) else list(p), params, "prompt") for p in items]
+        )
         job = generation.Job(srv, request, f"cmpl-{uuid.uuid4().hex}", name, valid, chat=False)
         return await job.respond(req.stream, include_usage, req.return_token_ids)
 
@@ -143,14 +149,15 @@ def build_app(llm: LLM, *, served_model_names: list[str], api_key: str | None = 
     async def chat(request: Request):
         req, name, include_usage = await srv.read_generation(request, ChatRequest)
         srv.need_tokenizer("the chat template")
-        ids = _encode_chat(srv, messages(req.messages), req.add_generation_prompt)
+        ids = await asyncio.to_thread(_encode_chat, srv, messages(req.messages), req.add_generation_prompt)
+        max_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None:  # what is left of the context, and of the KV pool
             max_tokens = max(1, min(srv.max_model_len, srv.max_tokens_in_pool) - len(ids))
         if req.top_logprobs is not None and not req.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         lp = (req.top_logprobs or 0) if req.logprobs else None
-        params = req.sampling_params(max_tokens, lp, "top_logprobs")
+        params = req.sampling_params(max_tokens, lp, "top_logprobs", max_field)
         valid = [srv.validate({"prompt_token_ids": ids}, params, "messages")]
         job = generation.Job(srv, request, f"chatcmpl-{uuid.uuid4().hex}", name, valid, chat=True)
         return await job.respond(req.stream, include_usage, req.return_token_ids, chat_logprobs=req.logprobs)
@@ -163,9 +170,13 @@ def build_app(llm: LLM, *, served_model_names: list[str], api_key: str | None = 
         if (req.prompt is None) == (req.messages is None):
             raise ApiError(400, "give exactly one of prompt and messages", param="prompt")
         if req.prompt is not None:
-            ids = srv.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = await asyncio.to_thread(
+                srv.tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens
+            )
         else:
-            ids = _encode_chat(srv, messages(req.messages), req.add_generation_prompt)
+            ids = await asyncio.to_thread(
+                _encode_chat, srv, messages(req.messages), req.add_generation_prompt
+            )
         return {"count": len(ids), "max_model_len": srv.max_model_len, "tokens": ids}
 
     @app.post("/detokenize", dependencies=auth)

@@ -9,15 +9,19 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from bijax.sampling_params import SamplingParams
+
+_MAX_MESSAGE = 1000  # characters of an error message, at most
 
 
 class ApiError(Exception):
     """An error returned to the client as {"error": {"message", "type", "param", "code"}}."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+        if len(message) > _MAX_MESSAGE:  # (a message that quotes a huge input)
+            message = f"{message[:_MAX_MESSAGE]}... ({len(message)} characters)"
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 
@@ -41,10 +45,22 @@ _NEUTRAL = {
 }
 
 
-class _Sampling(BaseModel):
-    """What both endpoints share. Unknown fields are ignored, as vLLM does."""
+class _Body(BaseModel):
+    """A request body: strict types, unknown fields ignored (as vLLM does), and an explicit null
+    read as the field's default (OpenAI's schema allows null for its optional fields)."""
 
     model_config = ConfigDict(strict=True, extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data):
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (v is None and k in cls.model_fields)}
+        return data
+
+
+class _Sampling(_Body):
+    """What both endpoints share."""
 
     model: str | None = None
     temperature: float | None = None
@@ -77,7 +93,9 @@ class _Sampling(BaseModel):
         if self.best_of is not None and self.best_of != self.n:
             raise ApiError(400, "best_of is not supported by bijax (only best_of == n)", param="best_of")
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, logprobs_field: str) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int, logprobs: int | None, logprobs_field: str, max_tokens_field: str = "max_tokens"
+    ) -> SamplingParams:
         stop = self.stop
         if stop is not None and not isinstance(stop, (str, list)):
             raise ApiError(400, "stop must be a string or a list of strings", param="stop")
@@ -100,8 +118,7 @@ class _Sampling(BaseModel):
             msg = str(e)
             m = re.search(r"SamplingParams\.(\w+)", msg)
             field = m.group(1) if m else None
-            if field == "logprobs":
-                field = logprobs_field
+            field = {"logprobs": logprobs_field, "max_tokens": max_tokens_field}.get(field, field)
             msg = msg.replace(f"SamplingParams.{m.group(1)}", field) if m else msg
             raise ApiError(400, msg, param=field) from None
 
@@ -121,9 +138,7 @@ class ChatRequest(_Sampling):
     add_generation_prompt: bool = True
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
-
+class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: Any = None
@@ -131,9 +146,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
-
+class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]
 
@@ -148,9 +161,19 @@ def parse(model: type[BaseModel], raw: bytes):
             raise ApiError(400, f"the body is not valid JSON: {err['msg']}") from None
         loc = [str(x) for x in err["loc"] if isinstance(x, int) or "[" not in str(x)]
         field = ".".join(loc) if loc else None
+        got = _shown(err.get("input"))
+        if field is None:
+            raise ApiError(400, f"the body must be a JSON object, got {got}") from None
         if err["type"] == "missing":
             raise ApiError(400, f"{field} is required", param=field) from None
-        raise ApiError(400, f"{field}: {err['msg']} (got {err.get('input')!r})", param=field) from None
+        raise ApiError(400, f"{field}: {err['msg']} (got {got})", param=field) from None
+
+
+def _shown(value, limit: int = 200) -> str:
+    """``repr(value)`` for an error message, cut to ``limit`` characters (an error never echoes a
+    whole multi-megabyte input)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def prompts(value) -> list:
@@ -181,9 +204,15 @@ def messages(value) -> list[dict]:
             raise ApiError(400, f"messages[{i}] must be an object with a string role", param="messages")
         content = m.get("content")
         if isinstance(content, list):
+            if not content:
+                raise ApiError(400, f"messages[{i}].content: an empty list of parts", param="messages")
             if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
                 raise ApiError(400, f"messages[{i}].content: only text parts are supported", param="messages")
-            content = "".join(str(p.get("text", "")) for p in content)
+            if not all(isinstance(p.get("text"), str) for p in content):
+                raise ApiError(
+                    400, f"messages[{i}].content: each text part needs a string 'text'", param="messages"
+                )
+            content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise ApiError(400, f"messages[{i}].content must be a string or text parts", param="messages")
         out.append({**m, "content": content})

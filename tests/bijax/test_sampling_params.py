@@ -19,6 +19,8 @@ def test_defaults_and_normalisation():
         ({"temperature": -0.1}, ValueError, "temperature"),
         ({"temperature": float("nan")}, ValueError, "temperature"),
         ({"temperature": True}, TypeError, "temperature"),
+        ({"temperature": 1e300}, ValueError, r"temperature must be 0 \(greedy\) or in \[1e-30, 1e\+30\]"),
+        ({"temperature": 1e-40}, ValueError, "temperature"),  # 1 / T overflows float32
         ({"top_p": 0.0}, ValueError, "top_p"),
         ({"top_p": 1.5}, ValueError, "top_p"),
         ({"top_k": 0}, ValueError, "top_k"),
@@ -38,3 +40,17 @@ def test_defaults_and_normalisation():
 def test_bad_values_are_named(kw, err, match):
     with pytest.raises(err, match=match):
         SamplingParams(**kw)
+
+
+def test_temperature_range_is_what_float32_scales_without_overflow():
+    """0 (greedy) or [1e-30, 1e30]: logits / T stays finite in float32 on every platform (a
+    subnormal T is 0 on a GPU that flushes it and not on a CPU). Arrays (``score``) too."""
+    import numpy as np
+
+    from bijax.sampling_params import check_temperature
+
+    for t in (0, 0.0, 1e-30, 1e30, 0.7):
+        SamplingParams(temperature=t)
+    check_temperature(np.array([0.0, 1e-30, 2.0], np.float32))
+    with pytest.raises(ValueError, match=r"got 1e-45"):
+        check_temperature(np.array([0.0, 1e-45, 2.0]), "temperature")

@@ -372,6 +372,8 @@ def test_tokenize_and_detokenize(smol):
         ({"prompt": "x", "max_tokens": 256}, 400, "prompt", "max_model_len"),
         ({"prompt": "x", "model": "gpt-4"}, 404, "model", "does not exist"),
         ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", "stream"),
+        ({"prompt": "x", "temperature": "t" * 100_000}, 400, "temperature", "characters)"),  # cut short
+        ({"prompt": "x", "temperature": 1e300}, 400, "temperature", "float32"),
     ],
 )
 def test_bad_completion_requests_name_the_field(smol, body, status, param, text):
@@ -396,6 +398,52 @@ def test_bad_chat_requests_bad_json_and_the_official_clients_errors(smol):
     with pytest.raises(openai.BadRequestError) as e:
         smol.client().completions.create(model="smol", prompt="x", max_tokens=1, temperature=-2)
     assert e.value.body["param"] == "temperature"
+
+
+def test_nulls_mean_defaults_and_malformed_bodies_name_the_problem(smol, tiny):
+    """OpenAI's schema allows null for its optional fields: null is the field's default. A body
+    that is JSON but no object, a 0 under the name the client used, text parts that are not
+    strings, and stop strings on a model without a tokenizer are 400s naming the right thing."""
+    nulls = {"n": None, "stream": None, "ignore_eos": None, "return_token_ids": None, "logprobs": None}
+    got, r = smol.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2, **nulls})
+    assert got == 200 and len(r["choices"]) == 1, r
+    chat_nulls = {"n": None, "stream": None, "logprobs": None, "add_generation_prompt": None}
+    got, r = smol.post("/v1/chat/completions", {"messages": MSGS, "max_tokens": 2, **chat_nulls})
+    assert got == 200 and r["choices"][0]["logprobs"] is None, r
+    got, r = smol.post("/detokenize", {"tokens": None})
+    assert got == 400 and r["error"]["param"] == "tokens" and "required" in r["error"]["message"]
+    for body in (b"[1, 2]", b"null", b'"text"'):
+        got, r = smol.post("/v1/completions", body)
+        assert got == 400 and r["error"]["message"].startswith("the body must be a JSON object"), r
+    got, r = smol.post("/v1/chat/completions", {"messages": MSGS, "max_completion_tokens": 0})
+    assert got == 400 and r["error"]["param"] == "max_completion_tokens", r
+    for content in ([{"type": "text", "text": 12345}], [{"type": "text"}], []):
+        got, r = smol.post("/v1/chat/completions", {"messages": [{"role": "user", "content": content}]})
+        assert got == 400 and r["error"]["param"] == "messages" and "content" in r["error"]["message"], r
+    got, r = tiny.post("/v1/completions", {"prompt": [1, 2], "max_tokens": 2, "stop": ["a"]})
+    assert got == 400 and r["error"]["param"] == "stop" and "tokenizer" in r["error"]["message"], r
+
+
+def test_a_huge_prompt_is_tokenized_off_the_event_loop(smol):
+    """A 12 MB prompt takes seconds to tokenize (then a 400: too long). It is tokenized in a
+    worker thread that releases Python's lock, so a /health sent while it runs is answered first."""
+    done = []
+
+    async def big():
+        body = json.dumps({"prompt": "hello world " * 1_000_000, "max_tokens": 1}).encode()
+        got, r = await asyncio.to_thread(smol.post, "/v1/completions", body)
+        done.append(("big", got, r["error"]["code"]))
+
+    async def health():
+        await asyncio.sleep(0.5)
+        got, _ = await asyncio.to_thread(smol.get, "/health")
+        done.append(("health", got))
+
+    async def run():
+        await asyncio.gather(big(), health())
+
+    asyncio.run(run())
+    assert done == [("health", 200), ("big", 400, "context_length_exceeded")], done
 
 
 def test_api_key(smol):
