@@ -57,8 +57,8 @@ class Report:
         return not self.failed
 
     def table(self) -> str:
-        w0 = max(len("dimension"), *(len(r.dimension) for r in self.rows))
-        w1 = max(len("result"), *(len(r.status) for r in self.rows))
+        w0 = max([len("dimension"), *(len(r.dimension) for r in self.rows)])
+        w1 = max([len("result"), *(len(r.status) for r in self.rows)])
         lines = [f"{'dimension':<{w0}}  {'result':<{w1}}  detail", f"{'-' * w0}  {'-' * w1}  {'-' * 6}"]
         lines += [f"{r.dimension:<{w0}}  {r.status:<{w1}}  {r.detail}" for r in self.rows]
         return "\n".join(lines)
@@ -213,10 +213,13 @@ def _dimensions(
 
     def batch():
         suite.tick("batch 1 vs N")
-        e = suite.engine(invariant=invariant, enable_prefix_caching=invariant)
+        caching = invariant and cfg.enable_prefix_caching
+        e = suite.engine(invariant=invariant, enable_prefix_caching=caching)
         batched = _run(e, reqs)  # a fresh cache: every prefix misses
         out = [("batch 1 vs N", _compare(solo, batched), f"{len(reqs)} requests in one batch")]
-        if invariant:
+        if invariant and not cfg.enable_prefix_caching:
+            out.append(("prefix cache hit/miss", (0, 0, 0), "prefix caching is off - none happened"))
+        if caching:
             suite.tick("prefix cache")
             before = e.stats().prefix_cache_hit_blocks
             hit = _run(e, reqs)
@@ -306,6 +309,9 @@ def run_check(
     full_control: bool = False,
     progress: bool = True,
     speculative=None,
+    tensor_parallel_size: int = 1,
+    async_scheduling: bool = True,
+    enable_prefix_caching: bool = True,
 ) -> Report:
     """Runs the invariance suite on ``model`` (a ``models.Llama``); returns a Report.
 
@@ -315,6 +321,9 @@ def run_check(
     that path's bits differ (that proves the check can see a difference) unless
     ``full_control``, which runs every dimension on it. ``speculative``: (a speculative config
     or its dict, the loaded draft model or None) adds the dimension "speculative vs plain".
+    ``tensor_parallel_size``: every engine of the suite splits the model over that many devices;
+    ``async_scheduling``: the reference engine's scheduling (the other is a dimension);
+    ``enable_prefix_caching`` False skips the prefix-cache dimension (its row says so).
     """
     if not isinstance(num_requests, int) or num_requests < 2:
         raise ValueError(f"num_requests must be an int >= 2, got {num_requests!r}")
@@ -336,6 +345,9 @@ def run_check(
         block_size=block_size,
         num_kv_blocks=num_kv_blocks,
         seed=seed,
+        tensor_parallel_size=tensor_parallel_size,
+        async_scheduling=async_scheduling,
+        enable_prefix_caching=enable_prefix_caching,
     )
     eos = set(tokenizer.eos_token_ids if tokenizer is not None else mcfg.eos_token_ids)
     reqs = _requests(

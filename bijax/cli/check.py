@@ -118,6 +118,9 @@ def run(args: argparse.Namespace) -> int:
         control=not args.no_control,
         full_control=args.full_control,
         speculative=llm.engine.speculative,
+        tensor_parallel_size=llm.config.tensor_parallel_size,
+        async_scheduling=llm.config.async_scheduling,
+        enable_prefix_caching=llm.config.enable_prefix_caching,
     )
     del llm
     if args.json:

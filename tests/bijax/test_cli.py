@@ -139,6 +139,30 @@ def test_check_passes_on_tiny_and_control_detects(capsys):
     assert control.split()[2] == "DETECTED" and "stopped at the first difference" in control
 
 
+def test_check_runs_its_engines_with_the_engine_flags(capsys, monkeypatch):
+    """`bijax check --tensor-parallel-size 2 --no-async-scheduling --no-prefix-caching`: every
+    engine of the suite splits the model over 2 devices and schedules synchronously; prefix
+    caching off (its dimension then says none happened). The suite itself is replaced by a probe
+    here (the TP bits are test_tp's); without the flags the engines are TP 1, async."""
+    from bijax import check
+
+    seen = []
+
+    def probe(suite, *, invariant, first_diff=False):
+        seen.append(suite.config)
+        return [("probe", (1, 1, 1), "")]
+
+    monkeypatch.setattr(check, "_dimensions", probe)
+    argv = ["check", *TINY_CHECK, "--no-control", "--k-shards", "2"]
+    assert (
+        cli.main([*argv, "--tensor-parallel-size", "2", "--no-async-scheduling", "--no-prefix-caching"]) == 0
+    )
+    assert cli.main(argv) == 0
+    capsys.readouterr()
+    flags = [(c.tensor_parallel_size, c.async_scheduling, c.enable_prefix_caching) for c in seen]
+    assert flags == [(2, False, False), (1, True, True)], flags
+
+
 TINY_DIGEST = [
     "--model", "tiny", "--dtype", "float32", "--max-num-seqs", "2", "--max-num-batched-tokens", "32",
     "--max-model-len", "128",
