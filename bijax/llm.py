@@ -331,16 +331,33 @@ class LLM:
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step(partial=on_output is not None):
-                    if on_output is not None:
-                        on_output(index[out.request_id], out)
                     if out.finished:
                         done[out.request_id] = out
                         if bar is not None:
                             bar.update(1)
+                    if on_output is not None:
+                        on_output(index[out.request_id], out)
+        except BaseException:  # a failing step, callback or Ctrl-C: the engine stays usable
+            self._abandon([r for r in ids if r not in done])
+            raise
         finally:
             if bar is not None:
                 bar.close()
         return [done[r] for r in ids]
+
+    def _abandon(self, request_ids) -> None:
+        """Aborts ``request_ids`` and runs the steps that release them (as the server's engine
+        loop does when a step fails), so that the next ``generate`` starts from an idle engine."""
+        for rid in request_ids:
+            try:
+                self.engine.abort(rid)
+            except ValueError:  # already gone
+                pass
+        try:
+            while self.engine.has_unfinished_requests():
+                self.engine.step(partial=False)
+        except Exception:  # the engine itself is failing: nothing more to release here
+            pass
 
     def chat(
         self,

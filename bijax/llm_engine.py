@@ -634,6 +634,11 @@ class Engine:
             _, ids = self._tokenize(list(ids))
             if isinstance(pl, bool) or not isinstance(pl, (int, np.integer)) or not 1 <= pl <= len(ids):
                 raise ValueError(f"prompt_lens[{i}] must be an int in [1, {len(ids)}], got {pl!r}")
+            pl = int(pl)
+            vocab = self.model_config.vocab_size
+            bad = [t for t in ids[pl:] if not 0 <= t < vocab]
+            if bad:  # (the prompt's ids are _check's)
+                raise ValueError(f"token_ids[{i}]: token id {bad[0]} is outside the vocabulary [0, {vocab})")
             self._check(ids[:pl], SamplingParams(max_tokens=max(1, len(ids) - pl)))
             seq = Sequence(-1 - i, f"score-{i}", ids, dummy, 0, 0, i)
             seq.prefix_limit = pl - 1  # positions from pl - 1 on need their logits

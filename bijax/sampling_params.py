@@ -10,6 +10,7 @@ import numpy as np
 MAX_LOGPROBS = 20  # top-n logprobs per token at most
 MAX_SEED = 2**32
 MAX_N = 4096  # samples per request at most (each is a sequence the engine holds)
+MAX_TOP_K = 2**31 - 1  # (an int32 on the device; any k >= the vocabulary keeps every token)
 
 
 def _is_int(v) -> bool:
@@ -73,6 +74,8 @@ class SamplingParams:
         def bad(field, why):
             raise ValueError(f"SamplingParams.{field} {why}, got {getattr(self, field)!r}")
 
+        if np.ndim(self.temperature) != 0:  # (arrays are for score / bijax.logprobs: a row each)
+            raise TypeError(f"SamplingParams.temperature must be a number, got {self.temperature!r}")
         check_temperature(self.temperature, "SamplingParams.temperature")
         for f in ("top_p", "min_p"):
             v = getattr(self, f)
@@ -85,8 +88,8 @@ class SamplingParams:
         for f in ("top_k", "n", "max_tokens"):
             if not _is_int(getattr(self, f)):
                 raise TypeError(f"SamplingParams.{f} must be an int, got {getattr(self, f)!r}")
-        if self.top_k == 0 or self.top_k < -1:
-            bad("top_k", "must be -1 (off) or >= 1")
+        if self.top_k == 0 or self.top_k < -1 or self.top_k > MAX_TOP_K:
+            bad("top_k", f"must be -1 (off) or in [1, {MAX_TOP_K}]")
         if not 1 <= self.n <= MAX_N:
             bad("n", f"must be in [1, {MAX_N}]")
         if self.max_tokens < 1:
@@ -98,13 +101,22 @@ class SamplingParams:
         ):
             bad("logprobs", f"must be None or an int in [0, {MAX_LOGPROBS}]")
         stop = self.stop
-        if isinstance(stop, str):
+        if stop is None:
+            stop = ()
+        elif isinstance(stop, str):
             stop = (stop,)
-        stop = tuple(stop or ())
+        elif not isinstance(stop, (list, tuple)):
+            raise TypeError(f"SamplingParams.stop must be a string or a list of strings, got {stop!r}")
+        stop = tuple(stop)
         if any(not isinstance(s, str) or not s for s in stop):
             bad("stop", "must be a string or a list of non-empty strings")
         object.__setattr__(self, "stop", stop)
-        ids = tuple(self.stop_token_ids or ())
+        ids = self.stop_token_ids
+        if isinstance(ids, np.ndarray) and ids.ndim == 1 and np.issubdtype(ids.dtype, np.integer):
+            ids = ids.tolist()
+        if ids is not None and not isinstance(ids, (list, tuple)):
+            raise TypeError(f"SamplingParams.stop_token_ids must be a list of ints, got {ids!r}")
+        ids = tuple(int(i) if isinstance(i, np.integer) else i for i in ids or ())
         if any(not _is_int(i) or i < 0 for i in ids):
             bad("stop_token_ids", "must be a list of non-negative ints")
         object.__setattr__(self, "stop_token_ids", ids)

@@ -111,7 +111,30 @@ def test_bad_requests_are_rejected_alone(llm, prompt, sp, err, match):
     assert len(ok.token_ids) == 2 or ok.finish_reason == "stop"
 
 
+def test_a_failing_generate_leaves_the_engine_idle_and_usable(llm):
+    """A callback that raises (as Ctrl-C would) ends ``generate`` with the error; its requests are
+    aborted and released, so the next ``generate`` runs as on a fresh engine (same bits)."""
+    sp = SP(max_tokens=6, ignore_eos=True, seed=3)
+    want = llm.generate([PROMPT], sp, use_tqdm=False)[0]
+
+    def boom(i, out):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([PROMPT, PROMPT[:3]], [sp, sp], use_tqdm=False, on_output=boom)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.blocks.num_free == llm.engine.config.num_kv_blocks - 1  # every block back
+    got = llm.generate([PROMPT], sp, use_tqdm=False)[0]
+    assert got.token_ids == want.token_ids and np.array_equal(bits(got.logprobs), bits(want.logprobs))
+
+
 def test_score_bad_input(llm):
+    vocab = llm.model.config.vocab_size
+    for bad in (vocab, 10**9, -1):  # a completion token outside the vocabulary, not just the prompt's
+        with pytest.raises(ValueError, match=f"token_ids\\[0\\]: token id {bad} is outside the vocabulary"):
+            llm.score([PROMPT + [bad]], [len(PROMPT)])
+    ok = llm.score([PROMPT + [1]], [np.int64(len(PROMPT))])  # numpy prompt lengths are ints too
+    assert ok[0].shape == (1,) and ok[0].dtype == np.float32
     with pytest.raises(ValueError, match="prompt_lens"):
         llm.score([PROMPT], [0])
     with pytest.raises(ValueError, match="prompt_lens"):

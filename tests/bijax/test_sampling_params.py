@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from bijax import SamplingParams
@@ -35,6 +36,11 @@ def test_defaults_and_normalisation():
         ({"stop": [""]}, ValueError, "stop"),
         ({"stop_token_ids": [-3]}, ValueError, "stop_token_ids"),
         ({"ignore_eos": "yes"}, TypeError, "ignore_eos"),
+        ({"temperature": [0.5, 1.0]}, TypeError, "SamplingParams.temperature must be a number"),
+        ({"top_k": 2**31}, ValueError, "top_k"),
+        ({"stop": 5}, TypeError, "SamplingParams.stop"),
+        ({"stop_token_ids": 5}, TypeError, "SamplingParams.stop_token_ids"),
+        ({"stop_token_ids": np.array([[5]])}, TypeError, "SamplingParams.stop_token_ids"),
     ],
 )
 def test_bad_values_are_named(kw, err, match):
@@ -45,8 +51,6 @@ def test_bad_values_are_named(kw, err, match):
 def test_temperature_range_is_what_float32_scales_without_overflow():
     """0 (greedy) or [1e-30, 1e30]: logits / T stays finite in float32 on every platform (a
     subnormal T is 0 on a GPU that flushes it and not on a CPU). Arrays (``score``) too."""
-    import numpy as np
-
     from bijax.sampling_params import check_temperature
 
     for t in (0, 0.0, 1e-30, 1e30, 0.7):
@@ -54,3 +58,9 @@ def test_temperature_range_is_what_float32_scales_without_overflow():
     check_temperature(np.array([0.0, 1e-30, 2.0], np.float32))
     with pytest.raises(ValueError, match=r"got 1e-45"):
         check_temperature(np.array([0.0, 1e-45, 2.0]), "temperature")
+
+
+def test_numpy_values_that_are_scalars_or_id_lists_are_taken():
+    sp = SamplingParams(temperature=np.float32(0.5), stop_token_ids=np.array([5, 6]))
+    assert sp.stop_token_ids == (5, 6) and all(type(i) is int for i in sp.stop_token_ids)
+    assert SamplingParams(stop_token_ids=[np.int64(7)]).stop_token_ids == (7,)
