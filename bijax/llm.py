@@ -115,6 +115,33 @@ def _driver_memory(ordinal: int) -> tuple[int, int]:
     return free.value, total.value
 
 
+def _check_arguments(*, dtype, gpu_memory_utilization, seed, flags: dict, **counts) -> None:
+    """``LLM``'s arguments, each checked by name: ``counts`` positive ints (None allowed for
+    max_model_len and num_kv_blocks: sized by the engine), ``flags`` bools."""
+    for name, v in counts.items():
+        if v is None and name in ("max_model_len", "num_kv_blocks"):
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    for name, v in flags.items():
+        if not isinstance(v, bool):
+            raise TypeError(f"{name} must be a bool, got {v!r}")
+    g = gpu_memory_utilization
+    if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 < g <= 1:
+        raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {g!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+        raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
+    if dtype is not None:
+        try:
+            ok = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+        except TypeError:
+            ok = False
+        if not ok:
+            raise TypeError(
+                f"dtype must be a floating-point dtype (e.g. 'bfloat16', 'float32'), got {dtype!r}"
+            )
+
+
 def _load(model, *, dtype, k_shards: int, seed: int, tensor_parallel_size: int) -> Llama:
     """``model`` as a ``Llama`` (the target's or the draft's): a ``Llama`` as is, else ``load_model``."""
     if isinstance(model, Llama):
@@ -211,14 +238,23 @@ class LLM:
         speculative_config: dict | None = None,
         async_scheduling: bool = True,
     ):
-        if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int):
-            raise ValueError(f"tensor_parallel_size must be a positive int, got {tensor_parallel_size!r}")
-        if not isinstance(invariant, bool):
-            raise TypeError(f"invariant must be a bool, got {invariant!r}")
-        if not isinstance(async_scheduling, bool):
-            raise TypeError(f"async_scheduling must be a bool, got {async_scheduling!r}")
-        if not 0 < gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+        _check_arguments(  # before loading anything: each bad one named
+            dtype=dtype,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            block_size=block_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            num_kv_blocks=num_kv_blocks,
+            tensor_parallel_size=tensor_parallel_size,
+            k_shards=k_shards,
+            seed=seed,
+            flags=dict(
+                invariant=invariant,
+                enable_prefix_caching=enable_prefix_caching,
+                async_scheduling=async_scheduling,
+            ),
+        )
         spec = SpeculativeConfig.create(speculative_config)  # checked before loading anything
         load = functools.partial(
             _load, dtype=dtype, k_shards=k_shards, seed=seed, tensor_parallel_size=tensor_parallel_size
@@ -388,7 +424,10 @@ class LLM:
                 or not all(isinstance(m, dict) for m in conv)
             ):
                 raise TypeError(f"conversation {i} must be a list of {{'role', 'content'}} dicts")
-            ids = self.tokenizer.encode_chat(list(conv), add_generation_prompt=add_generation_prompt)
+            try:
+                ids = self.tokenizer.encode_chat(list(conv), add_generation_prompt=add_generation_prompt)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"conversation {i}: {e}") from None
             prompts.append({"prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

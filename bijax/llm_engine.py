@@ -346,6 +346,8 @@ class Engine:
         req = self._requests.get(request_id)
         if req is None:
             raise ValueError(f"no request {request_id!r}")
+        if any(r is req for r in self._aborted):  # aborted twice before a step: one output
+            return
         for s in req.seqs:
             if s.status != Status.FINISHED:
                 self._finish(s, "abort")

@@ -34,6 +34,8 @@ def tokenize(tokenizer, prompt) -> tuple[str | None, list[int]]:
         if not prompt:
             raise ValueError("prompt is empty")
         return prompt, tokenizer.encode(prompt)
+    if isinstance(prompt, (bytes, bytearray)):  # (iterating bytes gives ints: never token ids)
+        raise TypeError("a prompt must be a str or a list of int token ids, got bytes (decode it first)")
     try:
         ids = [int(t) for t in prompt]
     except (TypeError, ValueError):

@@ -116,6 +116,9 @@ class Tokenizer:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError(f"message {i} must be a dict with 'role' and 'content', got {m!r}")
+            if not isinstance(m["role"], str):
+                raise TypeError(f"message {i}'s role must be a string, got {m['role']!r}")
+        messages = [{**m, "content": message_text(m["content"], i)} for i, m in enumerate(messages)]
         if self._template is None:
             self._template = _compile_template(self.chat_template)
         import jinja2
@@ -282,6 +285,24 @@ class Tokenizer:
             chat_template=md.get("tokenizer.chat_template"),
             extra_eos_ids=[eot] if eot is not None else [],
         )
+
+
+def message_text(content, i: int) -> str:
+    """A chat message's content as the template's string: a string, or OpenAI's list of text
+    parts ({"type": "text", "text": str}) joined; TypeError naming message ``i`` otherwise."""
+    if isinstance(content, str):
+        return content
+    parts = isinstance(content, list) and content
+    if parts and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    ):
+        return "".join(p["text"] for p in content)
+    shown = repr(content)
+    shown = shown if len(shown) <= 80 else shown[:80] + "..."
+    raise TypeError(
+        f"message {i}'s content must be a string or a non-empty list of {{'type': 'text', 'text': "
+        f"str}} parts, got {shown}"
+    )
 
 
 def _compile_template(source: str):

@@ -90,6 +90,10 @@ def run(args: argparse.Namespace) -> int:
     if args.record and args.against:
         raise ValueError("give --record FILE or --against FILE, not both")
     record = None
+    if args.record:  # a file that cannot be written fails before the suite runs
+        folder = os.path.dirname(os.path.abspath(args.record))
+        if not os.path.isdir(folder):
+            raise FileNotFoundError(f"--record: no such directory: {folder}")
     if args.against:  # a bad file fails before the model loads
         from bijax import digest
 

@@ -34,12 +34,16 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--dtype", choices=DTYPES, help="weights/activations dtype (default: the checkpoint's)")
     g.add_argument(
-        "--max-model-len", type=int, help="longest prompt + output (default: 1024 on CPU, 8192 on GPU)"
+        "--max-model-len",
+        type=positive_int,
+        help="longest prompt + output (default: 1024 on CPU, 8192 on GPU)",
     )
-    g.add_argument("--max-num-seqs", type=int, help="sequences per step")
-    g.add_argument("--max-num-batched-tokens", type=int, help="tokens per step (the prefill chunk size)")
-    g.add_argument("--block-size", type=int, default=16, help="KV block size (default 16)")
-    g.add_argument("--num-kv-blocks", type=int, help="KV pool size in blocks")
+    g.add_argument("--max-num-seqs", type=positive_int, help="sequences per step")
+    g.add_argument(
+        "--max-num-batched-tokens", type=positive_int, help="tokens per step (the prefill chunk size)"
+    )
+    g.add_argument("--block-size", type=positive_int, default=16, help="KV block size (default 16)")
+    g.add_argument("--num-kv-blocks", type=positive_int, help="KV pool size in blocks")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--k-shards", type=int, default=1, help="virtual K shards of o/down (1, 2, 4, 8)")
     g.add_argument(
@@ -63,6 +67,17 @@ def engine_args(p: argparse.ArgumentParser) -> None:
         help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
         "(same outputs, fewer steps; see bijax.LLM)",
     )
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (a 0 would otherwise read as "not given" downstream)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive int, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive int, got {value}")
+    return value
 
 
 def _json_dict(text: str) -> dict:

@@ -71,6 +71,7 @@ class _Streamer:
         self.prompts, self.holdback, self.headers = prompts, holdback, headers
         self.latest: dict[int, object] = {}
         self.cur, self.shown = 0, 0
+        self.headed = -1  # the last request whose header is printed
 
     def _text(self, out) -> str:
         if len(out.outputs) > 1:  # n > 1: printed whole when finished
@@ -81,7 +82,8 @@ class _Streamer:
         self.latest[i] = out
         while self.cur in self.latest:
             out = self.latest[self.cur]
-            if self.shown == 0 and self.headers:
+            if self.headers and self.headed != self.cur:
+                self.headed = self.cur
                 sys.stdout.write(f"\n--- [{self.cur}] {self._short(self.prompts[self.cur])}\n")
             text = self._text(out)
             if out.finished:

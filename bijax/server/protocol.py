@@ -12,6 +12,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from bijax.sampling_params import SamplingParams
+from models.tokenizer import message_text
 
 _MAX_MESSAGE = 1000  # characters of an error message, at most
 
@@ -202,18 +203,9 @@ def messages(value) -> list[dict]:
     for i, m in enumerate(value):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ApiError(400, f"messages[{i}] must be an object with a string role", param="messages")
-        content = m.get("content")
-        if isinstance(content, list):
-            if not content:
-                raise ApiError(400, f"messages[{i}].content: an empty list of parts", param="messages")
-            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-                raise ApiError(400, f"messages[{i}].content: only text parts are supported", param="messages")
-            if not all(isinstance(p.get("text"), str) for p in content):
-                raise ApiError(
-                    400, f"messages[{i}].content: each text part needs a string 'text'", param="messages"
-                )
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise ApiError(400, f"messages[{i}].content must be a string or text parts", param="messages")
+        try:
+            content = message_text(m.get("content"), i)
+        except TypeError as e:
+            raise ApiError(400, f"messages[{i}].content: {e}", param="messages") from None
         out.append({**m, "content": content})
     return out

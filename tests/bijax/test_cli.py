@@ -81,6 +81,20 @@ def test_generate_reads_stdin_and_headers_for_several_prompts(capsys, monkeypatc
     assert cli.main(["generate", "A", "B", "--temperature", "0", "--max-tokens", "3", *SMOL]) == 0
     out = capsys.readouterr().out
     assert out.index("--- [0] A") < out.index("--- [1] B")
+    # each header once: also with n > 1 (no text streams) and while a stop string holds text back
+    for extra in (["--n", "2", "--seed", "1"], ["--stop", "the", "--stop", "."]):
+        assert cli.main(["generate", "A", "B", "--temperature", "0", "--max-tokens", "5", *extra, *SMOL]) == 0
+        out = capsys.readouterr().out
+        assert out.count("--- [0] A") == 1 and out.count("--- [1] B") == 1, out
+
+
+@pytest.mark.parametrize(
+    "flag", ["--max-num-seqs", "--max-num-batched-tokens", "--num-kv-blocks", "--max-model-len"]
+)
+def test_engine_limits_of_zero_are_refused_not_taken_as_the_default(flag, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["check", flag, "0"])
+    assert e.value.code == 2 and f"argument {flag}: must be a positive int, got 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -94,6 +108,8 @@ def test_generate_reads_stdin_and_headers_for_several_prompts(capsys, monkeypatc
         (["generate", "hi", "--max-tokens", "100000"], "max_model_len"),
         (["generate", "hi", "--tensor-parallel-size", "3"], "tensor_parallel_size"),
         (["check", "--requests", "0"], "--requests must be >= 1"),
+        (["check", "--model", "tiny", "--record", "/nonexistent-dir/x.json"], "no such directory"),
+        (["generate", "hi", "--top-k", "3000000000"], "top_k must be -1 (off) or in [1, 2147483647]"),
         (
             [
                 "generate",
@@ -321,6 +337,14 @@ def test_chat_equals_generate_on_the_template_and_checks_input():
     assert len(two) == 2 and two[0].token_ids == a[0].token_ids
     with pytest.raises(TypeError, match="conversation 0"):
         llm.chat(["hello"], sp)
+    parts = [
+        conv[0],
+        {"role": "user", "content": [{"type": "text", "text": "H"}, {"type": "text", "text": "i!"}]},
+    ]
+    assert llm.tokenizer.encode_chat(parts) == llm.tokenizer.encode_chat(conv)  # OpenAI's text parts
+    for content in (5, None, [], [{"type": "text", "text": 5}], [{"type": "image_url"}]):
+        with pytest.raises(TypeError, match="conversation 0: message 1's content must be a string"):
+            llm.chat([conv[0], {"role": "user", "content": content}], sp)
     with pytest.raises(ValueError, match="no tokenizer"):
         _llm("tiny").chat(conv, sp)
 

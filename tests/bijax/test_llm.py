@@ -62,8 +62,9 @@ def test_abort_engine_level(llm):
     eng.add_request("abort-me", PROMPT, SP(max_tokens=50, ignore_eos=True))
     eng.step()
     eng.abort("abort-me")
+    eng.abort("abort-me")  # twice before a step: still one output
     outs = eng.step()
-    assert any(o.request_id == "abort-me" and o.finished and o.finish_reason == "abort" for o in outs)
+    assert [o.finish_reason for o in outs if o.request_id == "abort-me" and o.finished] == ["abort"]
     assert not eng.has_unfinished_requests()
     assert eng.blocks.num_free == eng.config.num_kv_blocks - 1  # every block back
 
@@ -101,6 +102,7 @@ def test_step_without_partial_outputs_returns_finished_ones_only(llm):
         ("text prompt", SP(), ValueError, "no tokenizer"),
         ([1.5, 2], SP(), TypeError, "token ids"),
         ([1, 2], "not params", TypeError, "SamplingParams"),
+        (b"hello", SP(), TypeError, "got bytes"),
     ],
 )
 def test_bad_requests_are_rejected_alone(llm, prompt, sp, err, match):
@@ -162,6 +164,33 @@ def test_stop_strings_with_a_real_tokenizer():
     assert smol.engine._text(ids[:3] + [v, v + 7] + ids[3:]) == ref.text
     with pytest.raises(ValueError, match="outside the vocabulary"):  # what a plain decode does
         smol.tokenizer.decode(ids + [v])
+
+
+@pytest.mark.parametrize(
+    "kw, err, match",
+    [
+        ({"seed": -1}, ValueError, "seed must be an int"),
+        ({"seed": 2**64}, ValueError, "seed must be an int"),
+        ({"seed": 1.5}, ValueError, "seed must be an int"),
+        ({"max_num_seqs": "2"}, ValueError, "max_num_seqs must be a positive int"),
+        ({"max_num_batched_tokens": 0}, ValueError, "max_num_batched_tokens must be a positive int"),
+        ({"block_size": 2.0}, ValueError, "block_size must be a positive int"),
+        ({"num_kv_blocks": -4}, ValueError, "num_kv_blocks must be a positive int"),
+        ({"max_model_len": "64"}, ValueError, "max_model_len must be a positive int"),
+        ({"gpu_memory_utilization": "0.5"}, ValueError, "gpu_memory_utilization"),
+        ({"dtype": "foo"}, TypeError, "dtype must be a floating-point dtype"),
+        ({"dtype": "int32"}, TypeError, "dtype must be a floating-point dtype"),
+        ({"enable_prefix_caching": "no"}, TypeError, "enable_prefix_caching must be a bool"),
+    ],
+)
+def test_bad_llm_arguments_are_named_before_loading(kw, err, match, monkeypatch):
+    """Each bad ``LLM`` argument is refused by name before anything loads (the loader is
+    replaced by one that fails, so an argument that got past the checks would show)."""
+    import bijax.llm
+
+    monkeypatch.setattr(bijax.llm, "_load", lambda *a, **k: pytest.fail("loaded before checking"))
+    with pytest.raises(err, match=match):
+        bijax.llm.LLM("tiny", **kw)
 
 
 def test_unknown_model_name_or_path():
