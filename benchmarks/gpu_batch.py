@@ -37,6 +37,8 @@ def _startup(rows: str):
 
 
 _PREFILL_CASES = ("--cases", "prefill,prefill64", "--paths", "invariant")
+_CHECK_LIMITS = ("--max-num-seqs", "2", "--max-num-batched-tokens", "32", "--requests", "4", "--max-tokens", "6",
+                 "--max-model-len", "512")  # fmt: skip
 
 
 # The engine A/B runs (benchmarks/ab.py): decode with its default workload, prefill on 8 x 4096 prompts.
@@ -191,11 +193,32 @@ STEPS = {
             ("tp70-x8", "llama3-70b", "inv:4:8,inv:8:8,xla:4:8,xla:8:8", 8, 580),
         )
     },
-    "check70-x4": (
-        [sys.executable, "-m", "bijax.cli", "check", "--model", "llama3-70b", "--tensor-parallel-size", "4"],
-        580,
-        "bijax check on llama3-70b at TP 4",
-    ),
+    # `bijax check` with its suite's engines at TP P (since 2026-12-05: before, only the model's
+    # build saw --tensor-parallel-size); the TP 2 check's engine limits, as on 2026-11-30
+    **{
+        name: (
+            [
+                sys.executable,
+                "-m",
+                "bijax.cli",
+                "check",
+                "--model",
+                model,
+                "--k-shards",
+                "8",
+                "--tensor-parallel-size",
+                str(tp),
+                *_CHECK_LIMITS,
+            ],
+            limit,
+            f"bijax check on {model} at TP {tp} (every dimension; the control DETECTED)",
+        )  # fmt: skip
+        for name, model, tp, limit in (
+            ("check-x2", "llama3-8b", 2, 300),
+            ("check-x4", "llama3-8b", 4, 300),
+            ("check70-x4", "llama3-70b", 4, 580),
+        )
+    },
     "spec": (
         _py("speculative.py", "--workloads", "repeat,random"),
         280,

@@ -126,13 +126,15 @@ def run(args: argparse.Namespace) -> int:
         async_scheduling=llm.config.async_scheduling,
         enable_prefix_caching=llm.config.enable_prefix_caching,
     )
+    tp = llm.config.tensor_parallel_size
     del llm
     if args.json:
         rows = [{"dimension": r.dimension, "result": r.status, "detail": r.detail} for r in report.rows]
-        print(json.dumps({"model": args.model, "ok": report.ok, "rows": rows, "seconds": report.seconds}))
+        print(json.dumps({"model": args.model, "ok": report.ok, "rows": rows, "seconds": report.seconds,
+                          "tensor_parallel_size": tp}))  # fmt: skip
     else:
         print(f"bijax check: {args.model}  ({args.requests} requests x {args.max_tokens} tokens, "
-              f"{s} seqs / {t} tokens per step, {report.seconds:.0f}s)\n")  # fmt: skip
+              f"{s} seqs / {t} tokens per step, TP {tp}, {report.seconds:.0f}s)\n")  # fmt: skip
         print(report.table())
         print("\n" + report.summary())
     if not report.ok:
