@@ -255,6 +255,17 @@ class LLM:
                 async_scheduling=async_scheduling,
             ),
         )
+        if isinstance(model, Llama):  # (loading options: a model given as is has its own)
+            if dtype is not None and jnp.dtype(dtype) != model.dtype:
+                raise ValueError(
+                    f"dtype={jnp.dtype(dtype)} but the given model is {model.dtype}: dtype applies to "
+                    "models bijax loads (convert the model, or leave dtype out)"
+                )
+            if k_shards != 1 and k_shards != model.k_shards:
+                raise ValueError(
+                    f"k_shards={k_shards} but the given model has k_shards={model.k_shards}: k_shards "
+                    "applies to models bijax loads (build the model with it, or leave it out)"
+                )
         spec = SpeculativeConfig.create(speculative_config)  # checked before loading anything
         load = functools.partial(
             _load, dtype=dtype, k_shards=k_shards, seed=seed, tensor_parallel_size=tensor_parallel_size

@@ -31,18 +31,9 @@ import pallas_kernels as pk
 from bijax.sampler import tempered_logprobs
 from bijax.sampling_params import check_temperature
 from bijax.step_programs import baseline_jit
-from models.llama import Llama, check_tokens
+from models.llama import Llama, check_packed, int_array_like_tokens
 
 __all__ = ["logprobs"]
-
-
-def _concrete(a):
-    if isinstance(a, jax.core.Tracer):
-        return None
-    try:
-        return np.asarray(a)
-    except (TypeError, jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        return None
 
 
 def _as_model(model) -> Llama:
@@ -58,45 +49,13 @@ def _as_model(model) -> Llama:
     )
 
 
-def _int_array(name, a, shape):
-    if not hasattr(a, "shape") or not hasattr(a, "dtype"):
-        a = np.asarray(a)
-    if not jnp.issubdtype(a.dtype, jnp.integer):
-        raise TypeError(f"{name} must be an integer array, got dtype {a.dtype}")
-    if tuple(a.shape) != tuple(shape):
-        raise ValueError(f"{name} must have the shape of tokens {tuple(shape)}, got {tuple(a.shape)}")
-    return a
-
-
-def _segment_positions(seg: np.ndarray) -> np.ndarray:
-    """Host-side: each token's index within its segment (-1 for padding). Raises if a segment
-    of a row is not one contiguous run."""
-    b, length = seg.shape
-    pos = np.full((b, length), -1, np.int64)
-    for r in range(b):
-        row = seg[r]
-        valid = row >= 0
-        # a run starts where the id changes (padding in between also ends a run)
-        starts = valid & np.concatenate([[True], row[1:] != row[:-1]])
-        ids = row[starts]
-        if len(np.unique(ids)) != len(ids):
-            dup = next(i for i in ids if (ids == i).sum() > 1)
-            raise ValueError(
-                f"segment_ids: segment {int(dup)} of row {r} is not one contiguous run "
-                "(each packed sequence must occupy consecutive columns)"
-            )
-        run_start = np.maximum.accumulate(np.where(starts, np.arange(length), 0))
-        pos[r] = np.where(valid, np.arange(length) - run_start, -1)
-    return pos
-
-
 def _temperature(temperature, b: int):
     if isinstance(temperature, bool):
         raise TypeError("temperature must be a real number or array, got a bool")
     t = temperature if hasattr(temperature, "dtype") else np.asarray(temperature)
     if not (jnp.issubdtype(t.dtype, jnp.floating) or jnp.issubdtype(t.dtype, jnp.integer)):
         raise TypeError(f"temperature must be a real number or array, got dtype {t.dtype}")
-    concrete = _concrete(t)
+    concrete = pk.runtime.concrete(t)
     if concrete is not None:
         check_temperature(concrete)
     if t.ndim == 0:
@@ -166,43 +125,11 @@ def logprobs(
         raise TypeError(f"invariant must be a bool, got {invariant!r}")
     if invariant and jax.default_backend() == "cpu":
         pk.require_consistent_cpu_math()  # the engine's CPU bits need the same setting
-    tokens = check_tokens(tokens, c, ndim=2)
+    tokens, segment_ids, max_segments, seg_pos = check_packed(tokens, segment_ids, max_segments, c)
     b, length = tokens.shape
-
-    if segment_ids is None:
-        if max_segments not in (None, 1):
-            raise ValueError("max_segments needs segment_ids (without them every row is one sequence)")
-        max_segments = 1
-        segment_ids = jnp.zeros((b, length), jnp.int32)
-        seg_np = np.zeros((b, length), np.int64)
-    else:
-        segment_ids = _int_array("segment_ids", segment_ids, (b, length))
-        seg_np = _concrete(segment_ids)
-        if max_segments is None:
-            if seg_np is None:
-                raise ValueError(
-                    "segment_ids is traced: pass max_segments= (a static int bound on the segment ids)"
-                )
-            max_segments = max(1, int(seg_np.max()) + 1)
-    if isinstance(max_segments, bool) or not isinstance(max_segments, (int, np.integer)) or max_segments < 1:
-        raise ValueError(f"max_segments must be a positive int, got {max_segments!r}")
-    max_segments = int(max_segments)
-    seg_pos = None
-    if seg_np is not None:
-        if (seg_np < -1).any() or (seg_np >= max_segments).any():
-            bad = seg_np[(seg_np < -1) | (seg_np >= max_segments)][0]
-            raise ValueError(f"segment id {int(bad)} is outside [-1, {max_segments}) (-1 marks padding)")
-        if not (seg_np >= 0).any():
-            raise ValueError("every token is padding (segment_ids are all -1)")
-        seg_pos = _segment_positions(seg_np)
-        if seg_pos.max() >= c.max_position_embeddings:
-            raise ValueError(
-                f"a segment is {int(seg_pos.max()) + 1} tokens long; the model's context is "
-                f"{c.max_position_embeddings}"
-            )
     if positions is not None:
-        positions = _int_array("positions", positions, (b, length))
-        pos_np = _concrete(positions)
+        positions = int_array_like_tokens("positions", positions, (b, length))
+        pos_np = pk.runtime.concrete(positions)
         if pos_np is not None and seg_pos is not None:
             real = seg_pos >= 0
             if (pos_np[real] != seg_pos[real]).any():

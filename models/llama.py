@@ -532,17 +532,14 @@ class Llama(nnx.Module):
 
         Right padding is harmless (causal: a token never sees later ones).
         """
-        tokens = check_tokens(tokens, self.config, ndim=2)
-        return self.forward_packed(
-            tokens, jnp.zeros(tokens.shape, jnp.int32), max_segments=1, invariant=invariant
-        )
+        return self.forward_packed(tokens, None, max_segments=1, invariant=invariant)
 
     def forward_packed(
         self,
         tokens: jax.Array,
-        segment_ids: jax.Array,
+        segment_ids: jax.Array | None,
         *,
-        max_segments: int,
+        max_segments: int | None = None,
         invariant: bool = True,
     ) -> jax.Array:
         """Causal forward over packed rows: tokens int [B, L] -> float32 logits [B, L, V].
@@ -551,7 +548,8 @@ class Llama(nnx.Module):
         [0, max_segments), each segment one contiguous run of its row; -1 marks padding
         (anywhere in the row; its logits are meaningless). A token attends to the earlier
         tokens of its own segment only, at positions counted from the segment's first token.
-        Inputs are trusted here (``bijax.rl.logprobs`` validates them).
+        ``segment_ids`` None: one sequence a row. Inputs are checked by ``check_packed`` (the
+        values where they are concrete, as ``bijax.logprobs`` does).
 
         With ``invariant=True`` every (row, segment) is one sequence of the paged attention
         kernel (``models.paged.PackedLayout``): each layer's K/V rows are placed in pages of 64
@@ -560,6 +558,7 @@ class Llama(nnx.Module):
         ``invariant=False``: plain XLA, dense attention under a same-segment causal mask.
         """
         c = self.config
+        tokens, segment_ids, max_segments, _ = check_packed(tokens, segment_ids, max_segments, c)
         b, length = tokens.shape
         flat = tokens.reshape(-1)
         layout = PackedLayout.create(segment_ids, max_segments)
@@ -623,6 +622,81 @@ class Llama(nnx.Module):
         return paged_head(d, self.head_weight[...], h, batch.logit_rows, invariant=invariant, tp=tp), cache
 
 
+def int_array_like_tokens(name, a, shape):
+    if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+        a = np.asarray(a)
+    if not jnp.issubdtype(a.dtype, jnp.integer):
+        raise TypeError(f"{name} must be an integer array, got dtype {a.dtype}")
+    if tuple(a.shape) != tuple(shape):
+        raise ValueError(f"{name} must have the shape of tokens {tuple(shape)}, got {tuple(a.shape)}")
+    return a
+
+
+def _segment_positions(seg: np.ndarray) -> np.ndarray:
+    """Host-side: each token's index within its segment (-1 for padding). Raises if a segment
+    of a row is not one contiguous run."""
+    b, length = seg.shape
+    pos = np.full((b, length), -1, np.int64)
+    for r in range(b):
+        row = seg[r]
+        valid = row >= 0
+        # a run starts where the id changes (padding in between also ends a run)
+        starts = valid & np.concatenate([[True], row[1:] != row[:-1]])
+        ids = row[starts]
+        if len(np.unique(ids)) != len(ids):
+            dup = next(i for i in ids if (ids == i).sum() > 1)
+            raise ValueError(
+                f"segment_ids: segment {int(dup)} of row {r} is not one contiguous run "
+                "(each packed sequence must occupy consecutive columns)"
+            )
+        run_start = np.maximum.accumulate(np.where(starts, np.arange(length), 0))
+        pos[r] = np.where(valid, np.arange(length) - run_start, -1)
+    return pos
+
+
+def check_packed(tokens, segment_ids, max_segments, config: LlamaConfig):
+    """The packed layout's checks (``Llama.forward_packed``, ``bijax.logprobs``): tokens int
+    [B, L] in the vocabulary; ``segment_ids`` None (one sequence a row) or int [B, L] in
+    [-1, max_segments), each segment one contiguous run no longer than the model's context;
+    ``max_segments`` a positive int (None: inferred from concrete ids). The value checks run
+    where the arrays are concrete. Returns (tokens int32, segment_ids int32, max_segments,
+    each token's index in its segment [B, L] or None when traced)."""
+    tokens = check_tokens(tokens, config, ndim=2)
+    b, length = tokens.shape
+    if segment_ids is None:
+        if max_segments not in (None, 1):
+            raise ValueError("max_segments needs segment_ids (without them every row is one sequence)")
+        max_segments = 1
+        segment_ids = jnp.zeros((b, length), jnp.int32)
+        seg_np = np.zeros((b, length), np.int64)
+    else:
+        segment_ids = int_array_like_tokens("segment_ids", segment_ids, (b, length))
+        seg_np = pk.runtime.concrete(segment_ids)
+        if max_segments is None:
+            if seg_np is None:
+                raise ValueError(
+                    "segment_ids is traced: pass max_segments= (a static int bound on the segment ids)"
+                )
+            max_segments = max(1, int(seg_np.max()) + 1)
+    if isinstance(max_segments, bool) or not isinstance(max_segments, (int, np.integer)) or max_segments < 1:
+        raise ValueError(f"max_segments must be a positive int, got {max_segments!r}")
+    max_segments = int(max_segments)
+    seg_pos = None
+    if seg_np is not None:
+        if (seg_np < -1).any() or (seg_np >= max_segments).any():
+            bad = seg_np[(seg_np < -1) | (seg_np >= max_segments)][0]
+            raise ValueError(f"segment id {int(bad)} is outside [-1, {max_segments}) (-1 marks padding)")
+        if not (seg_np >= 0).any():
+            raise ValueError("every token is padding (segment_ids are all -1)")
+        seg_pos = _segment_positions(seg_np)
+        if seg_pos.max() >= config.max_position_embeddings:
+            raise ValueError(
+                f"a segment is {int(seg_pos.max()) + 1} tokens long; the model's context is "
+                f"{config.max_position_embeddings}"
+            )
+    return tokens, jnp.asarray(segment_ids, jnp.int32), max_segments, seg_pos
+
+
 def check_tokens(tokens, config: LlamaConfig, *, ndim: int):
     if not hasattr(tokens, "shape") or not hasattr(tokens, "dtype"):
         tokens = np.asarray(tokens)
@@ -632,12 +706,7 @@ def check_tokens(tokens, config: LlamaConfig, *, ndim: int):
         raise TypeError(f"tokens must be integer token ids, got {tokens.dtype}")
     if tokens.size == 0:
         raise ValueError("tokens is empty")
-    concrete = None
-    if not isinstance(tokens, jax.core.Tracer):
-        try:
-            concrete = np.asarray(tokens)
-        except (TypeError, jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-            concrete = None
+    concrete = pk.runtime.concrete(tokens)
     if concrete is not None and ((concrete < 0) | (concrete >= config.vocab_size)).any():
         bad = concrete[(concrete < 0) | (concrete >= config.vocab_size)][0]
         raise ValueError(f"token id {int(bad)} is outside the vocabulary [0, {config.vocab_size})")

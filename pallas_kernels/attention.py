@@ -106,15 +106,6 @@ def _attention_impl(q, k_cache, v_cache, index, spec, run):
 # --------------------------------------------------------------------------- input checks
 
 
-def _concrete(a):
-    if isinstance(a, jax.core.Tracer):  # (asking a tracer for its value builds a costly error)
-        return None
-    try:
-        return np.asarray(a)
-    except (TypeError, jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        return None
-
-
 def _check_arrays(q, k_cache, v_cache, block_tables, context_lens, token_seq, token_pos):
     """Ranks, dtypes and shapes (static: checked under jit too)."""
     for name, a, nd in (("q", q, 3), ("k_cache", k_cache, 4), ("v_cache", v_cache, 4)):
@@ -159,7 +150,7 @@ def _check_arrays(q, k_cache, v_cache, block_tables, context_lens, token_seq, to
 def _check_index_values(k_cache, block_tables, context_lens, token_seq, token_pos):
     """The index arrays' values, when they are concrete (eager calls)."""
     num_blocks, block_size = k_cache.shape[:2]
-    ctx, pos, seq, bt = map(_concrete, (context_lens, token_pos, token_seq, block_tables))
+    ctx, pos, seq, bt = map(runtime.concrete, (context_lens, token_pos, token_seq, block_tables))
     if ctx is not None:
         if (ctx < 0).any():
             raise ValueError(f"attention: negative context length {int(ctx.min())}")
@@ -269,7 +260,7 @@ def check_write_kv(op: str, k_cache, v_cache, k, v, slot_mapping, *, cast: bool 
         )
     if not jnp.issubdtype(slot_mapping.dtype, jnp.integer):
         raise TypeError(f"{op}: slot_mapping must be an integer array, got {slot_mapping.dtype}")
-    slots = _concrete(slot_mapping)
+    slots = runtime.concrete(slot_mapping)
     capacity = k_cache.shape[0] * k_cache.shape[1]
     if slots is not None:
         if (slots >= capacity).any():
@@ -315,7 +306,7 @@ def attention_reference(
     scale = d**-0.5 if scale is None else scale
     longest = (
         int(np.max(np.asarray(context_lens)))
-        if _concrete(context_lens) is not None
+        if runtime.concrete(context_lens) is not None
         else block_tables.shape[1] * block_size
     )
     nblk = max(1, -(-longest // block_size))

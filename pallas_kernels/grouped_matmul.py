@@ -315,6 +315,13 @@ def grouped_matmul(
         raise ValueError(f"grouped_matmul: {group_sizes.shape[0]} group sizes for {w.shape[0]} weights in w")
     if w.shape[2] == 0:
         raise ValueError("grouped_matmul: w has no columns (N == 0)")
+    sizes = runtime.concrete(group_sizes)
+    if sizes is not None and (sizes < 0).any():
+        raise ValueError(f"grouped_matmul: group_sizes must be >= 0, got {sizes.tolist()}")
+    if sizes is not None and int(sizes.sum()) > x.shape[0]:
+        raise ValueError(
+            f"grouped_matmul: group_sizes sum to {int(sizes.sum())}, more than x's {x.shape[0]} rows"
+        )
     if k_shards not in K_SHARDS:
         raise ValueError(f"grouped_matmul: k_shards must be one of {K_SHARDS}, got {k_shards!r}")
     out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
@@ -350,6 +357,10 @@ def group_rows(group_ids: jax.Array, num_groups: int) -> tuple[jax.Array, jax.Ar
         raise ValueError("group_rows: group_ids must be a 1-D integer array")
     if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 1:
         raise ValueError(f"group_rows: num_groups must be a positive int, got {num_groups!r}")
+    ids = runtime.concrete(group_ids)
+    if ids is not None and ((ids < 0) | (ids >= num_groups)).any():
+        bad = ids[(ids < 0) | (ids >= num_groups)][0]
+        raise ValueError(f"group_rows: group id {int(bad)} is outside [0, {num_groups})")
     return _group_rows(jnp.asarray(group_ids, jnp.int32), num_groups=num_groups)
 
 

@@ -70,6 +70,22 @@ def _triton_products(pairs):
 def rope(x: jax.Array, cos_sin: jax.Array) -> jax.Array:
     """x [T, H, D] rotated by cos_sin [T, 2, D/2] (float32 cos and sin of each token's position),
     in float32, the result in x's dtype."""
+    if getattr(x, "ndim", None) != 3 or not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(
+            f"rope: x must be a floating [T, H, D] array, got {getattr(x, 'dtype', None)}"
+            f"{tuple(getattr(x, 'shape', ()))}"
+        )
+    t, _, d = x.shape
+    if d % 2:
+        raise ValueError(f"rope: the head dim must be even, got {d}")
+    if (
+        tuple(getattr(cos_sin, "shape", ())) != (t, 2, d // 2)
+        or getattr(cos_sin, "dtype", None) != jnp.float32
+    ):
+        raise ValueError(
+            f"rope: cos_sin must be float32 of shape ({t}, 2, {d // 2}), got "
+            f"{getattr(cos_sin, 'dtype', None)}{tuple(getattr(cos_sin, 'shape', ()))}"
+        )
     cos, sin = cos_sin[:, None, 0], cos_sin[:, None, 1]  # [T, 1, D/2]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     lo, hi = _rotate(x1, x2, cos, sin, _xla_products)

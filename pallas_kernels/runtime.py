@@ -138,6 +138,17 @@ def check_backend(backend: str, interpret: bool) -> None:
         raise ValueError("interpret=True only applies to backend='triton'")
 
 
+def concrete(a) -> np.ndarray | None:
+    """``a`` as a numpy array, or None when it is traced (the value checks of the ops and the
+    model run on concrete inputs only)."""
+    if isinstance(a, jax.core.Tracer):  # (asking a tracer for its value builds a costly error)
+        return None
+    try:
+        return np.asarray(a)
+    except (TypeError, jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+
+
 def dispatch(backend: str, jnp_fn: Callable, triton_fn: Callable, *args: Any) -> Any:
     """Calls ``jnp_fn`` or ``triton_fn`` on ``args`` according to ``backend``."""
     if backend == "jnp":

@@ -3,6 +3,7 @@ and bad input rejected alone with a clear error."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -191,6 +192,22 @@ def test_bad_llm_arguments_are_named_before_loading(kw, err, match, monkeypatch)
     monkeypatch.setattr(bijax.llm, "_load", lambda *a, **k: pytest.fail("loaded before checking"))
     with pytest.raises(err, match=match):
         bijax.llm.LLM("tiny", **kw)
+
+
+def test_loading_options_for_a_given_model_are_refused_not_ignored(llm):
+    """dtype and k_shards say how bijax loads a model: for a model given as is, a different value
+    is an error (it was silently ignored); the model's own values are accepted."""
+    import bijax
+
+    m = llm.model
+    other = "bfloat16" if m.dtype != jnp.bfloat16 else "float32"
+    with pytest.raises(ValueError, match="dtype applies to models bijax loads"):
+        bijax.LLM(m, dtype=other)
+    with pytest.raises(ValueError, match="k_shards applies to models bijax loads"):
+        bijax.LLM(m, k_shards=8 if m.k_shards != 8 else 2)
+    same = bijax.LLM(m, dtype=m.dtype, k_shards=m.k_shards, max_model_len=64, max_num_seqs=2,
+                     max_num_batched_tokens=32, num_kv_blocks=8)  # fmt: skip
+    assert same.model is m
 
 
 def test_unknown_model_name_or_path():

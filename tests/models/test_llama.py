@@ -204,6 +204,21 @@ def test_bad_tokens_raise_clear_errors(tiny):
         tiny.forward(np.array([[1.0, 2.0]]))
     with pytest.raises(ValueError, match="empty"):
         tiny.forward(np.zeros((1, 0), np.int32))
+    ctx = tiny.config.max_position_embeddings  # past the RoPE table: an error, not clipped positions
+    with pytest.raises(ValueError, match=f"a segment is {ctx + 1} tokens long; the model's context is {ctx}"):
+        tiny.forward(np.ones((1, ctx + 1), np.int32))
+    # forward_packed checks what bijax.logprobs checks (it was "trusted" before 2026-12-05)
+    tok = np.ones((2, 6), np.int32)
+    with pytest.raises(ValueError, match=r"segment id 1 is outside \[-1, 1\)"):
+        tiny.forward_packed(tok, np.array([[0, 0, 0, 1, 1, 1], [0] * 6]), max_segments=1)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        tiny.forward_packed(np.array([[1, 2, -1]]), None)
+    with pytest.raises(ValueError, match="segment_ids must have the shape of tokens"):
+        tiny.forward_packed(tok, np.zeros((2, 5), np.int32), max_segments=1)
+    with pytest.raises(ValueError, match="max_segments must be a positive int"):
+        tiny.forward_packed(tok, np.zeros((2, 6), np.int32), max_segments=0)
+    with pytest.raises(ValueError, match="not one contiguous run"):
+        tiny.forward_packed(tok, np.array([[0, 1, 0, 1, 1, 1], [0] * 6]), max_segments=2)
 
 
 def test_bad_model_arguments():

@@ -151,3 +151,19 @@ def test_bad_dtypes():
         pk.grouped_matmul(x, w.astype(jnp.bfloat16), np.ones(2, np.int32))
     with pytest.raises(ValueError, match="num_groups"):
         pk.group_rows(jnp.zeros(3, jnp.int32), 0)
+
+
+def test_concrete_group_values_are_checked():
+    """Ids outside [0, G) and negative or too many group sizes are named (they would silently
+    put rows in the wrong group); the same values in range pass."""
+    with pytest.raises(ValueError, match=r"group id -1 is outside \[0, 3\)"):
+        pk.group_rows(jnp.asarray([2, -1, 0, 1]), 3)
+    with pytest.raises(ValueError, match=r"group id 5 is outside \[0, 3\)"):
+        pk.group_rows(jnp.asarray([2, 5, 0]), 3)
+    order, sizes = pk.group_rows(jnp.asarray([2, 1, 0, 2]), 3)
+    assert order.tolist() == [2, 1, 0, 3] and sizes.tolist() == [1, 1, 2]
+    x, w = np.ones((4, 4), np.float32), np.ones((3, 4, 6), np.float32)
+    with pytest.raises(ValueError, match="group_sizes must be >= 0"):
+        pk.grouped_matmul(x, w, np.array([-2, 5, 1], np.int32))
+    with pytest.raises(ValueError, match="sum to 5, more than x's 4 rows"):
+        pk.grouped_matmul(x, w, np.array([2, 2, 1], np.int32))

@@ -30,6 +30,20 @@ def test_rope_is_accurate():
     np.testing.assert_allclose(np.asarray(pk.rope(x, cs)), f64_rope(x, cs), rtol=1e-6, atol=1e-6)
 
 
+def test_rope_bad_input_is_named():
+    """Shapes and dtypes that would broadcast or truncate silently are refused by name."""
+    x, cs = rand((5, 4, 64), jnp.float32), angles(5, 64)
+    for bad_x, bad_cs, match in (
+        (x, cs[:1], r"cos_sin must be float32 of shape \(5, 2, 32\)"),  # one position for 5 tokens
+        (x[:, 0], cs, "x must be a floating \\[T, H, D\\] array"),
+        (x.astype(jnp.int32), cs, "x must be a floating"),
+        (x, cs.astype(jnp.bfloat16), "cos_sin must be float32"),
+        (x[..., :63], cs, "head dim must be even"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            pk.rope(bad_x, bad_cs)
+
+
 def inputs(t, hq, hkv, d, block_size, num_blocks, dtype=jnp.bfloat16):
     q, k, v = rand((t, hq, d), dtype), rand((t, hkv, d), dtype), rand((t, hkv, d), dtype)
     caches = [rand((num_blocks, block_size, hkv, d), dtype) for _ in range(2)]
