@@ -18,6 +18,14 @@ import numpy as np
 # Qwen3 adds a per-head RMSNorm on q and k before RoPE (``qk_norm``); Qwen3-MoE replaces the
 # MLP of its sparse layers by a routed mixture of SwiGLU experts (``num_experts`` > 0).
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral")
+# model_type -> the prefix of its HF architecture name (``LlamaForCausalLM``, ...)
+_ARCHITECTURES = {
+    "llama": "Llama",
+    "qwen2": "Qwen2",
+    "qwen3": "Qwen3",
+    "qwen3_moe": "Qwen3Moe",
+    "mistral": "Mistral",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,7 +209,17 @@ def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def _from_hf_dict(hf: dict[str, Any]) -> LlamaConfig:
-    model_type = hf.get("model_type", "llama")
+    model_type = hf.get("model_type")
+    if model_type is None:  # (transformers needs it too): only an architecture of the family stands in
+        archs = hf.get("architectures") or []
+        known = {f"{name}ForCausalLM": t for t, name in _ARCHITECTURES.items()}
+        types = {known.get(a) for a in archs}
+        if len(types) != 1 or None in types:
+            raise ValueError(
+                f"config.json has no model_type (architectures {archs}); bijax supports the Llama family "
+                f"{SUPPORTED_MODEL_TYPES}"
+            )
+        (model_type,) = types
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"unsupported model_type {model_type!r}; bijax supports the Llama family {SUPPORTED_MODEL_TYPES}"
@@ -255,7 +273,7 @@ def _from_hf_dict(hf: dict[str, Any]) -> LlamaConfig:
         num_heads=heads,
         num_kv_heads=hf.get("num_key_value_heads") or heads,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6 if model_type.startswith("qwen") else 1e-5)),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),  # transformers' default for every type here
         rope_theta=float(theta),
         rope_scaling=scaling,
         max_position_embeddings=hf.get("max_position_embeddings", 4096),

@@ -254,9 +254,12 @@ def check_write_kv(op: str, k_cache, v_cache, k, v, slot_mapping, *, cast: bool 
         raise ValueError(f"{op}: k {k.shape} / v {v.shape} do not fit cache rows {k_cache.shape[2:]}")
     if not cast and (k.dtype != k_cache.dtype or v.dtype != v_cache.dtype):
         raise TypeError(f"{op}: dtype mismatch k={k.dtype}, cache={k_cache.dtype}")
-    if tuple(getattr(slot_mapping, "shape", ())) != (k.shape[0],):
+    if not hasattr(slot_mapping, "shape"):
+        raise TypeError(f"{op}: slot_mapping must be an int array of shape ({k.shape[0]},), got a "
+                        f"{type(slot_mapping).__name__}")  # fmt: skip
+    if tuple(slot_mapping.shape) != (k.shape[0],):
         raise ValueError(
-            f"{op}: slot_mapping must have shape ({k.shape[0]},), got {getattr(slot_mapping, 'shape', None)}"
+            f"{op}: slot_mapping must have shape ({k.shape[0]},), got {tuple(slot_mapping.shape)}"
         )
     if not jnp.issubdtype(slot_mapping.dtype, jnp.integer):
         raise TypeError(f"{op}: slot_mapping must be an integer array, got {slot_mapping.dtype}")

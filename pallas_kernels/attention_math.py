@@ -41,6 +41,8 @@ class AttentionSpec:
         """Validated settings from the public arguments (clear errors naming the argument)."""
         if not _is_int(split_size) or split_size < 1:
             raise ValueError(f"attention: split_size must be a positive int, got {split_size!r}")
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
+            raise ValueError(f"attention: scale must be a finite positive number, got {scale!r}")
         scale = float(head_dim**-0.5 if scale is None else scale)
         if not (np.isfinite(scale) and scale > 0):
             raise ValueError(f"attention: scale must be a finite positive number, got {scale!r}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
+import numpy as np
 
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -44,8 +45,9 @@ def check_rows(op: str, name: str, a) -> None:
 
 
 def check_eps(op: str, eps) -> float:
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
-        raise TypeError(f"{op}: eps must be a Python float, got {type(eps).__name__}")
+    if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{op}: eps must be a real number, got {type(eps).__name__}")
+    eps = float(eps)
     if not math.isfinite(eps) or eps < 0:
         raise ValueError(f"{op}: eps must be finite and >= 0, got {eps}")
     return float(eps)

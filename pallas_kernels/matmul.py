@@ -92,6 +92,8 @@ def _check_operands(x, w, out_dtype):
         raise ValueError(f"matmul: K mismatch, x is {x.shape} but w is {w.shape}")
     if w.shape[1] == 0:
         raise ValueError("matmul: w has no columns (N == 0)")
+    if w.shape[0] == 0:
+        raise ValueError("matmul: the operands have no K (x has no columns, w no rows)")
     out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
     if not jnp.issubdtype(out_dtype, jnp.floating):
         raise TypeError(f"matmul: out_dtype must be a float dtype, got {out_dtype}")

@@ -205,6 +205,19 @@ def test_bad_configs(change, match):
         LlamaConfig.from_hf(cfg)
 
 
+def test_config_without_model_type_or_eps_reads_as_transformers_would():
+    """No model_type: a Llama-family architecture stands in for it, anything else is refused
+    (it was read as Llama); no rms_norm_eps: transformers' default, 1e-6, for every type."""
+    cfg = json.load(open(os.path.join(FIXTURES, "llama2", "config.json")))
+    bare = {k: v for k, v in cfg.items() if k not in ("model_type", "rms_norm_eps")}
+    got = LlamaConfig.from_hf(bare)
+    assert got.model_type == "llama" and got.rms_norm_eps == 1e-6
+    assert LlamaConfig.from_hf({**cfg, "rms_norm_eps": 1e-5}).rms_norm_eps == 1e-5
+    for archs in (["GPT2LMHeadModel"], [], ["LlamaForCausalLM", "Qwen2ForCausalLM"]):
+        with pytest.raises(ValueError, match="no model_type"):
+            LlamaConfig.from_hf({**bare, "architectures": archs})
+
+
 def test_presets():
     tiny = preset("tiny")
     assert (tiny.num_heads, tiny.num_kv_heads) == (16, 8)

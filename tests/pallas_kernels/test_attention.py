@@ -627,3 +627,12 @@ def test_dense_row_packing_keeps_the_bits(hq, hkv):
     assert not np.array_equal(run("dense", split_size=128), base)
     with pytest.raises(ValueError, match="packing must be one of"):
         row_tiles(q, seq, pos, 64, "tight")
+
+
+def test_write_kv_and_scale_arguments_are_named():
+    paged = Paged([20], hq=4, hkv=2)
+    k = jnp.zeros((2, 2, 64), jnp.float32)
+    with pytest.raises(TypeError, match=r"slot_mapping must be an int array of shape \(2,\), got a list"):
+        write_kv(paged.kc, paged.vc, k, k, [16, 17])
+    with pytest.raises(ValueError, match="scale must be a finite positive number, got 'x'"):
+        paged.run([(0, 5)], scale="x")

@@ -211,6 +211,13 @@ def test_tiles_override_is_checked():
         (np.ones((2, 4), np.float32), np.ones((4, 6), np.float32), {"col_blocks": 4}, ValueError, "multiple"),
         (np.ones((2, 4), np.float32), np.ones((4, 6), np.float32), {"full_n": 4}, ValueError, "full_n"),
         (
+            np.ones((2, 0), np.float32),
+            np.ones((0, 6), np.float32),
+            {},
+            ValueError,
+            "matmul: the operands have no K",
+        ),
+        (
             np.ones((2, 4), np.float32),
             np.ones((4, 6), np.float32),
             {"col_blocks": 4, "full_n": 16},

@@ -109,3 +109,9 @@ def test_bad_input(x, g, kwargs, exc, match):
     kwargs.setdefault("eps", 1e-5)
     with pytest.raises(exc, match=match):
         pk.rms_norm(x, g, **kwargs)
+
+
+def test_a_numpy_eps_is_the_same_eps():
+    x, g = rand((3, 8), jnp.float32), rand((8,), jnp.float32)
+    a = pk.rms_norm(x, g, eps=np.float32(1e-5))
+    assert np.array_equal(bits(a), bits(pk.rms_norm(x, g, eps=float(np.float32(1e-5)))))
