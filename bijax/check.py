@@ -31,7 +31,8 @@ _STYLES = [(0.0, 1.0, -1, 0.0), (0.8, 0.9, -1, 0.0), (0.8, 1.0, 20, 0.0), (0.8, 
 @dataclasses.dataclass
 class Row:
     """One line of the report: ``status`` is "PASS", "FAIL", "N/A" (identical, but the run did
-    not exercise the dimension, e.g. no preemption happened), "DETECTED" (the negative control
+    not exercise the dimension, e.g. no preemption happened), "SKIPPED" (the engine's flags turn
+    the dimension off, e.g. prefix caching), "DETECTED" (the negative control
     found differences, as it should) or "NO DIFF" (it found none: inconclusive)."""
 
     dimension: str
@@ -67,20 +68,25 @@ class Report:
         if self.failed:
             names = ", ".join(r.dimension for r in self.failed)
             return f"FAILED: outputs changed with {names} - the engine is not batch invariant here."
+        asked = [r.dimension for r in self.rows if r.status == "SKIPPED"]
+        also = f" ({', '.join(asked)}: skipped, as the engine flags ask)" if asked else ""
         skipped = [r.dimension for r in self.rows if r.status == "N/A"]
         if skipped:
             return (
                 f"Identical wherever exercised, but {', '.join(skipped)} did not happen with these "
-                "settings (use more requests or --max-tokens)."
+                f"settings (use more requests or --max-tokens){also}."
             )
         if self.control_inconclusive:
             return (
-                "All dimensions identical, but the negative control (invariant=False) found no "
+                f"All dimensions identical{also}, but the negative control (invariant=False) found no "
                 "difference either, so on this model and machine the check could not tell."
             )
         if not any(r.dimension == "negative control" for r in self.rows):
-            return "All dimensions bit-identical (the negative control was not run)."
-        return "All dimensions bit-identical; the negative control shows the plain-XLA path is not."
+            return f"All dimensions bit-identical{also} (the negative control was not run)."
+        return f"All dimensions bit-identical{also}; the negative control shows the plain-XLA path is not."
+
+
+_SKIPPED = "skipped: "  # a dimension's note that says the engine's flags turned it off
 
 
 @dataclasses.dataclass
@@ -218,7 +224,7 @@ def _dimensions(
         batched = _run(e, reqs)  # a fresh cache: every prefix misses
         out = [("batch 1 vs N", _compare(solo, batched), f"{len(reqs)} requests in one batch")]
         if invariant and not cfg.enable_prefix_caching:
-            out.append(("prefix cache hit/miss", (0, 0, 0), "prefix caching is off - none happened"))
+            out.append(("prefix cache hit/miss", (0, 0, 0), _SKIPPED + "prefix caching is off"))
         if caching:
             suite.tick("prefix cache")
             before = e.stats().prefix_cache_hit_blocks
@@ -381,7 +387,11 @@ def run_check(
         status = "PASS" if same == compared else "FAIL"
         if status == "PASS" and ("none happened" in note or "no hit happened" in note):
             status = "N/A"  # identical, but the dimension was not exercised
-        detail = f"{same}/{compared} requests identical ({tokens} tokens); {note}"
+        if note.startswith(_SKIPPED):
+            status, note = "SKIPPED", note[len(_SKIPPED) :]
+        detail = (
+            note if status == "SKIPPED" else f"{same}/{compared} requests identical ({tokens} tokens); {note}"
+        )
         rows.append(Row(name, status, detail))
     if control:
         diff = [(name, compared - same) for name, (same, compared, _), _ in found[False] if same < compared]

@@ -144,7 +144,17 @@ def _check_arguments(*, dtype, gpu_memory_utilization, seed, flags: dict, **coun
 
 def _load(model, *, dtype, k_shards: int, seed: int, tensor_parallel_size: int) -> Llama:
     """``model`` as a ``Llama`` (the target's or the draft's): a ``Llama`` as is, else ``load_model``."""
-    if isinstance(model, Llama):
+    if isinstance(model, Llama):  # (loading options: a model given as is has its own)
+        if dtype is not None and jnp.dtype(dtype) != model.dtype:
+            raise ValueError(
+                f"dtype={jnp.dtype(dtype)} but the given model is {model.dtype}: dtype applies to "
+                "models bijax loads (convert the model, or leave dtype out)"
+            )
+        if k_shards != 1 and k_shards != model.k_shards:
+            raise ValueError(
+                f"k_shards={k_shards} but the given model has k_shards={model.k_shards}: k_shards "
+                "applies to models bijax loads (build the model with it, or leave it out)"
+            )
         return model
     if isinstance(model, str) and model in PRESETS:  # fail before building a large model
         check_tensor_parallel(PRESETS[model], tensor_parallel_size, k_shards)
@@ -255,17 +265,6 @@ class LLM:
                 async_scheduling=async_scheduling,
             ),
         )
-        if isinstance(model, Llama):  # (loading options: a model given as is has its own)
-            if dtype is not None and jnp.dtype(dtype) != model.dtype:
-                raise ValueError(
-                    f"dtype={jnp.dtype(dtype)} but the given model is {model.dtype}: dtype applies to "
-                    "models bijax loads (convert the model, or leave dtype out)"
-                )
-            if k_shards != 1 and k_shards != model.k_shards:
-                raise ValueError(
-                    f"k_shards={k_shards} but the given model has k_shards={model.k_shards}: k_shards "
-                    "applies to models bijax loads (build the model with it, or leave it out)"
-                )
         spec = SpeculativeConfig.create(speculative_config)  # checked before loading anything
         load = functools.partial(
             _load, dtype=dtype, k_shards=k_shards, seed=seed, tensor_parallel_size=tensor_parallel_size
@@ -287,8 +286,6 @@ class LLM:
         cfg = self.model.config
         if max_model_len is None:  # CPU: a shorter default keeps the attention splits (and compiles) few
             max_model_len = min(cfg.max_position_embeddings, 1024 if jax.default_backend() == "cpu" else 8192)
-        if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 1:
-            raise ValueError(f"max_model_len must be a positive int, got {max_model_len!r}")
         if max_model_len > cfg.max_position_embeddings:
             raise ValueError(
                 f"max_model_len ({max_model_len}) exceeds the model's context ({cfg.max_position_embeddings})"
@@ -378,6 +375,8 @@ class LLM:
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step(partial=on_output is not None):
+                    if out.request_id not in index:  # (left by an earlier call whose release failed)
+                        continue
                     if out.finished:
                         done[out.request_id] = out
                         if bar is not None:

@@ -625,9 +625,7 @@ class Engine:
         under log_softmax(logits / T) (raw for T = 0) - bit-equal to generate's logprobs."""
         self._require_idle("score")
         self.check_weights()
-        check_temperature(temperature)
-        if np.ndim(temperature):
-            raise TypeError(f"temperature must be one number, got shape {np.shape(temperature)}")
+        check_temperature(temperature, scalar=True)
         if len(token_ids) != len(prompt_lens):
             raise ValueError(f"{len(token_ids)} sequences but {len(prompt_lens)} prompt_lens")
         seqs = []

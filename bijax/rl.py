@@ -101,7 +101,7 @@ def logprobs(
         ordered); -1 marks padding, anywhere in the row. Default: every row is one sequence
         (right padding then needs no mask - causal tokens never see later ones - but its
         logprobs are those of the pad tokens: mask them yourself, or pass -1 there).
-      temperature: a scalar or float [B] (one per row), >= 0 (checked when concrete).
+      temperature: a scalar or float [B] (one per row), 0 or in [1e-30, 1e30] (checked when concrete).
       max_segments: static bound on the segment ids (sequences per row). Default: 1 without
         ``segment_ids``, else ``max(segment_ids) + 1`` when they are concrete; required when
         ``segment_ids`` is traced (under ``jax.jit``). It sets the size of the block tables

@@ -13,6 +13,12 @@ MAX_N = 4096  # samples per request at most (each is a sequence the engine holds
 MAX_TOP_K = 2**31 - 1  # (an int32 on the device; any k >= the vocabulary keeps every token)
 
 
+def short_repr(value, limit: int = 200) -> str:
+    """``repr(value)`` for an error message, cut to ``limit`` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -22,10 +28,13 @@ def _is_int(v) -> bool:
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-30, 1e30
 
 
-def check_temperature(value, name: str = "temperature") -> None:
+def check_temperature(value, name: str = "temperature", *, scalar: bool = False) -> None:
     """The one rule for a temperature (SamplingParams, ``score``, ``bijax.logprobs``): a real
     number, or a concrete array of them, 0 (greedy) or in [MIN_TEMPERATURE, MAX_TEMPERATURE].
-    TypeError for a wrong type, ValueError for a wrong value, naming ``name``."""
+    TypeError for a wrong type, ValueError for a wrong value, naming ``name``; ``scalar``: one
+    number only (a request's; arrays are ``bijax.logprobs``' rows)."""
+    if scalar and np.ndim(value) != 0:
+        raise TypeError(f"{name} must be one number, got shape {np.shape(value)}")
     dtype = getattr(value, "dtype", None)
     if isinstance(value, bool) or (dtype is not None and np.dtype(dtype) == np.bool_):
         raise TypeError(f"{name} must be a real number, got a bool")
@@ -72,11 +81,9 @@ class SamplingParams:
 
     def __post_init__(self):
         def bad(field, why):
-            raise ValueError(f"SamplingParams.{field} {why}, got {getattr(self, field)!r}")
+            raise ValueError(f"SamplingParams.{field} {why}, got {short_repr(getattr(self, field))}")
 
-        if np.ndim(self.temperature) != 0:  # (arrays are for score / bijax.logprobs: a row each)
-            raise TypeError(f"SamplingParams.temperature must be a number, got {self.temperature!r}")
-        check_temperature(self.temperature, "SamplingParams.temperature")
+        check_temperature(self.temperature, "SamplingParams.temperature", scalar=True)
         for f in ("top_p", "min_p"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
@@ -106,7 +113,9 @@ class SamplingParams:
         elif isinstance(stop, str):
             stop = (stop,)
         elif not isinstance(stop, (list, tuple)):
-            raise TypeError(f"SamplingParams.stop must be a string or a list of strings, got {stop!r}")
+            raise TypeError(
+                f"SamplingParams.stop must be a string or a list of strings, got {short_repr(stop)}"
+            )
         stop = tuple(stop)
         if any(not isinstance(s, str) or not s for s in stop):
             bad("stop", "must be a string or a list of non-empty strings")
@@ -115,7 +124,7 @@ class SamplingParams:
         if isinstance(ids, np.ndarray) and ids.ndim == 1 and np.issubdtype(ids.dtype, np.integer):
             ids = ids.tolist()
         if ids is not None and not isinstance(ids, (list, tuple)):
-            raise TypeError(f"SamplingParams.stop_token_ids must be a list of ints, got {ids!r}")
+            raise TypeError(f"SamplingParams.stop_token_ids must be a list of ints, got {short_repr(ids)}")
         ids = tuple(int(i) if isinstance(i, np.integer) else i for i in ids or ())
         if any(not _is_int(i) or i < 0 for i in ids):
             bad("stop_token_ids", "must be a list of non-negative ints")

@@ -118,7 +118,9 @@ class Tokenizer:
                 raise ValueError(f"message {i} must be a dict with 'role' and 'content', got {m!r}")
             if not isinstance(m["role"], str):
                 raise TypeError(f"message {i}'s role must be a string, got {m['role']!r}")
-        messages = [{**m, "content": message_text(m["content"], i)} for i, m in enumerate(messages)]
+        messages = [
+            {**m, "content": message_text(m, f"message {i}'s content")} for i, m in enumerate(messages)
+        ]
         if self._template is None:
             self._template = _compile_template(self.chat_template)
         import jinja2
@@ -287,10 +289,12 @@ class Tokenizer:
         )
 
 
-def message_text(content, i: int) -> str:
+def message_text(message: dict, name: str) -> str | None:
     """A chat message's content as the template's string: a string, or OpenAI's list of text
-    parts ({"type": "text", "text": str}) joined; TypeError naming message ``i`` otherwise."""
-    if isinstance(content, str):
+    parts ({"type": "text", "text": str}) joined; None only beside ``tool_calls`` (an assistant's
+    tool call, which templates render without content). TypeError naming ``name`` otherwise."""
+    content = message.get("content")
+    if isinstance(content, str) or (content is None and message.get("tool_calls")):
         return content
     parts = isinstance(content, list) and content
     if parts and all(
@@ -300,8 +304,7 @@ def message_text(content, i: int) -> str:
     shown = repr(content)
     shown = shown if len(shown) <= 80 else shown[:80] + "..."
     raise TypeError(
-        f"message {i}'s content must be a string or a non-empty list of {{'type': 'text', 'text': "
-        f"str}} parts, got {shown}"
+        f"{name} must be a string or a non-empty list of {{'type': 'text', 'text': str}} parts, got {shown}"
     )
 
 

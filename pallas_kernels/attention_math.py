@@ -42,7 +42,7 @@ class AttentionSpec:
         if not _is_int(split_size) or split_size < 1:
             raise ValueError(f"attention: split_size must be a positive int, got {split_size!r}")
         if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
-            raise ValueError(f"attention: scale must be a finite positive number, got {scale!r}")
+            raise TypeError(f"attention: scale must be a finite positive number, got {scale!r}")
         scale = float(head_dim**-0.5 if scale is None else scale)
         if not (np.isfinite(scale) and scale > 0):
             raise ValueError(f"attention: scale must be a finite positive number, got {scale!r}")

@@ -518,13 +518,16 @@ def attend(
     (``full_tiles``; prefill 11-28% faster; decode 1-5% faster with row loads, but 26% slower
     with page loads); ``row_loads``: gather a KV tile's keys row by row into the tile instead
     of whole pages reshaped into it (block sizes below 64; decode 64 x 4096 1.24x faster,
-    prefill 5%); ``packing`` (tiles): how a tile's rows hold tokens x query heads
+    prefill 5%); ``packing`` (the Triton ``tiles`` kernel only; the Mosaic one takes it from
+    ``MGPU_PREFILL_LAUNCH``): how a tile's rows hold tokens x query heads
     (``attention_math.row_tiles``: "pow2" or "dense").
     """
     block_tables = index[0]
     if kernel == "auto":
         prefill = qg.shape[0] > block_tables.shape[0] and not interpret
         kernel = _prefill_kernel(qg, k_cache, spec) if prefill else "tokens"
+    if packing != "pow2" and kernel != "tiles":  # (the Mosaic kernel's comes from MGPU_PREFILL_LAUNCH)
+        raise ValueError(f"attention: packing={packing!r} is a launch choice of the Triton tiles kernel only")
     if kernel == "tiles_mgpu":  # "auto" picks it where PREFILL_KERNEL says so
         # (imported here: Mosaic GPU's modules take ~0.3 s to import, paid only by who uses it)
         from jax.experimental.pallas import mosaic_gpu as plgpu

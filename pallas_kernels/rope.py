@@ -70,7 +70,9 @@ def _triton_products(pairs):
 def rope(x: jax.Array, cos_sin: jax.Array) -> jax.Array:
     """x [T, H, D] rotated by cos_sin [T, 2, D/2] (float32 cos and sin of each token's position),
     in float32, the result in x's dtype."""
-    if getattr(x, "ndim", None) != 3 or not jnp.issubdtype(x.dtype, jnp.floating):
+    if getattr(x, "ndim", None) == 3 and not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"rope: x must be a floating [T, H, D] array, got {x.dtype}")
+    if getattr(x, "ndim", None) != 3:
         raise ValueError(
             f"rope: x must be a floating [T, H, D] array, got {getattr(x, 'dtype', None)}"
             f"{tuple(getattr(x, 'shape', ()))}"

@@ -149,16 +149,22 @@ def build_app(llm: LLM, *, served_model_names: list[str], api_key: str | None = 
     async def chat(request: Request):
         req, name, include_usage = await srv.read_generation(request, ChatRequest)
         srv.need_tokenizer("the chat template")
-        ids = await asyncio.to_thread(_encode_chat, srv, messages(req.messages), req.add_generation_prompt)
-        max_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        if max_tokens is None:  # what is left of the context, and of the KV pool
-            max_tokens = max(1, min(srv.max_model_len, srv.max_tokens_in_pool) - len(ids))
         if req.top_logprobs is not None and not req.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        lp = (req.top_logprobs or 0) if req.logprobs else None
-        params = req.sampling_params(max_tokens, lp, "top_logprobs", max_field)
-        valid = [srv.validate({"prompt_token_ids": ids}, params, "messages")]
+
+        def prepare():  # (in a worker thread: a huge conversation must not stall the others)
+            ids = _encode_chat(srv, messages(req.messages), req.add_generation_prompt)
+            max_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+            max_tokens = (
+                req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+            )
+            if max_tokens is None:  # what is left of the context, and of the KV pool
+                max_tokens = max(1, min(srv.max_model_len, srv.max_tokens_in_pool) - len(ids))
+            lp = (req.top_logprobs or 0) if req.logprobs else None
+            params = req.sampling_params(max_tokens, lp, "top_logprobs", max_field)
+            return [srv.validate({"prompt_token_ids": ids}, params, "messages")]
+
+        valid = await asyncio.to_thread(prepare)
         job = generation.Job(srv, request, f"chatcmpl-{uuid.uuid4().hex}", name, valid, chat=True)
         return await job.respond(req.stream, include_usage, req.return_token_ids, chat_logprobs=req.logprobs)
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-from bijax.sampling_params import SamplingParams
+from bijax.sampling_params import SamplingParams, short_repr
 from models.tokenizer import message_text
 
 _MAX_MESSAGE = 1000  # characters of an error message, at most
@@ -162,19 +162,12 @@ def parse(model: type[BaseModel], raw: bytes):
             raise ApiError(400, f"the body is not valid JSON: {err['msg']}") from None
         loc = [str(x) for x in err["loc"] if isinstance(x, int) or "[" not in str(x)]
         field = ".".join(loc) if loc else None
-        got = _shown(err.get("input"))
+        got = short_repr(err.get("input"))
         if field is None:
             raise ApiError(400, f"the body must be a JSON object, got {got}") from None
         if err["type"] == "missing":
             raise ApiError(400, f"{field} is required", param=field) from None
         raise ApiError(400, f"{field}: {err['msg']} (got {got})", param=field) from None
-
-
-def _shown(value, limit: int = 200) -> str:
-    """``repr(value)`` for an error message, cut to ``limit`` characters (an error never echoes a
-    whole multi-megabyte input)."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def prompts(value) -> list:
@@ -204,8 +197,8 @@ def messages(value) -> list[dict]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ApiError(400, f"messages[{i}] must be an object with a string role", param="messages")
         try:
-            content = message_text(m.get("content"), i)
+            content = message_text(m, f"messages[{i}].content")
         except TypeError as e:
-            raise ApiError(400, f"messages[{i}].content: {e}", param="messages") from None
+            raise ApiError(400, str(e), param="messages") from None
         out.append({**m, "content": content})
     return out

@@ -179,6 +179,21 @@ def test_check_runs_its_engines_with_the_engine_flags(capsys, monkeypatch):
     assert flags == [(2, False, False), (1, True, True)], flags
 
 
+def test_check_with_prefix_caching_off_skips_that_dimension_by_name():
+    """run_check(enable_prefix_caching=False): the prefix-cache row says SKIPPED (not N/A with
+    advice to use more requests), the others run and pass."""
+    from bijax.check import run_check
+
+    report = run_check(
+        _llm("tiny").model, num_requests=2, max_tokens=2, max_num_seqs=2, max_num_batched_tokens=32,
+        max_model_len=64, control=False, progress=False, enable_prefix_caching=False,
+    )  # fmt: skip
+    status = {r.dimension: r.status for r in report.rows}
+    assert status.pop("prefix cache hit/miss") == "SKIPPED" and report.ok, report.table()
+    assert set(status.values()) <= {"PASS", "N/A"} and "batch 1 vs N" in status
+    assert "prefix cache hit/miss: skipped, as the engine flags ask" in report.summary()
+
+
 TINY_DIGEST = [
     "--model", "tiny", "--dtype", "float32", "--max-num-seqs", "2", "--max-num-batched-tokens", "32",
     "--max-model-len", "128",
@@ -345,6 +360,10 @@ def test_chat_equals_generate_on_the_template_and_checks_input():
     for content in (5, None, [], [{"type": "text", "text": 5}], [{"type": "image_url"}]):
         with pytest.raises(TypeError, match="conversation 0: message 1's content must be a string"):
             llm.chat([conv[0], {"role": "user", "content": content}], sp)
+    from models.tokenizer import message_text
+
+    call = {"role": "assistant", "content": None, "tool_calls": [{"type": "function"}]}
+    assert message_text(call, "x") is None  # a tool call has no content: the template renders it
     with pytest.raises(ValueError, match="no tokenizer"):
         _llm("tiny").chat(conv, sp)
 

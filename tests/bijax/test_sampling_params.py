@@ -36,7 +36,7 @@ def test_defaults_and_normalisation():
         ({"stop": [""]}, ValueError, "stop"),
         ({"stop_token_ids": [-3]}, ValueError, "stop_token_ids"),
         ({"ignore_eos": "yes"}, TypeError, "ignore_eos"),
-        ({"temperature": [0.5, 1.0]}, TypeError, "SamplingParams.temperature must be a number"),
+        ({"temperature": [0.5, 1.0]}, TypeError, "SamplingParams.temperature must be one number"),
         ({"top_k": 2**31}, ValueError, "top_k"),
         ({"stop": 5}, TypeError, "SamplingParams.stop"),
         ({"stop_token_ids": 5}, TypeError, "SamplingParams.stop_token_ids"),

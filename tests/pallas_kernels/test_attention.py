@@ -588,7 +588,7 @@ def test_unmasked_full_tiles_and_row_loads_keep_the_bits(gpu_kernel, kw):
 
 
 @pytest.mark.parametrize("hq,hkv", [(6, 2), (14, 2)])  # groups of 3 and 7: not powers of two
-def test_dense_row_packing_keeps_the_bits(hq, hkv):
+def test_dense_row_packing_keeps_the_bits(hq, hkv, monkeypatch):
     """``row_tiles``' "dense" packing puts ``64 // G`` tokens of a G-head group in a tile's rows
     (21 of 3, 9 of 7) where "pow2" pads the group to 4 (8): fewer tiles, the same rows. The Triton
     ``tiles`` kernel gives the same bits either way (interpret mode; the H200 check is
@@ -615,6 +615,15 @@ def test_dense_row_packing_keeps_the_bits(hq, hkv):
     per_tile = 1 << (g - 1).bit_length()
     assert tiles == {"pow2": -(-len(tokens) // (64 // per_tile)), "dense": -(-len(tokens) // (64 // g))}
 
+    seen = []  # the kernel's tile counts: proof that the packing reached it
+
+    def spy(*args):
+        out = row_tiles(*args)
+        seen.append((args[-1], out[1].shape[0]))
+        return out
+
+    monkeypatch.setattr(attention_triton, "row_tiles", spy)
+
     def run(packing, split_size=64):
         spec = AttentionSpec.create(paged.d, split_size=split_size, sliding_window=90)
         out = attention_triton.attend(
@@ -624,9 +633,15 @@ def test_dense_row_packing_keeps_the_bits(hq, hkv):
 
     base = run("pow2")
     np.testing.assert_array_equal(run("dense"), base)
+    assert seen == [("pow2", tiles["pow2"]), ("dense", tiles["dense"])] and tiles["dense"] < tiles["pow2"]
     assert not np.array_equal(run("dense", split_size=128), base)
     with pytest.raises(ValueError, match="packing must be one of"):
         row_tiles(q, seq, pos, 64, "tight")
+    with pytest.raises(ValueError, match="launch choice of the Triton tiles kernel only"):
+        attention_triton.attend(
+            q, paged.kc, paged.vc, index, spec=AttentionSpec.create(paged.d), interpret=True, kernel="tokens",
+            packing="dense",
+        )  # fmt: skip
 
 
 def test_write_kv_and_scale_arguments_are_named():
@@ -634,5 +649,5 @@ def test_write_kv_and_scale_arguments_are_named():
     k = jnp.zeros((2, 2, 64), jnp.float32)
     with pytest.raises(TypeError, match=r"slot_mapping must be an int array of shape \(2,\), got a list"):
         write_kv(paged.kc, paged.vc, k, k, [16, 17])
-    with pytest.raises(ValueError, match="scale must be a finite positive number, got 'x'"):
+    with pytest.raises(TypeError, match="scale must be a finite positive number, got 'x'"):
         paged.run([(0, 5)], scale="x")

@@ -192,7 +192,7 @@ def test_launch_choices_keep_the_bits():
 
 
 @pytest.mark.parametrize("hq,launch", [(6, {}), (14, {"consumers": 2, "order": "heaviest"})])
-def test_dense_row_packing_keeps_the_bits(hq, launch):
+def test_dense_row_packing_keeps_the_bits(hq, launch, monkeypatch):
     """``packing="dense"``: 21 tokens of a 3-head group (9 of 7) in a tile's 64 rows instead of 16
     (8) with the group padded to a power of two - fewer tiles, the same bits, no race (interpret
     mode), alone and with a pair launch; a padding token's rows stay zero. Control: a different
@@ -217,9 +217,21 @@ def test_dense_row_packing_keeps_the_bits(hq, launch):
         assert not get_races().races_found, kw
         return bits(out)
 
+    from pallas_kernels import attention_math, attention_mgpu
+
+    seen = []  # the kernel's tile counts: proof that the packing reached it
+
+    def spy(*args):
+        out = attention_math.row_tiles(*args)
+        seen.append((args[-1], out[1].shape[0]))
+        return out
+
+    monkeypatch.setattr(attention_mgpu, "row_tiles", spy)
     base = run()
     dense = run(packing="dense", **launch)
     np.testing.assert_array_equal(dense, base)
+    (p0, n0), (p1, n1) = seen
+    assert (p0, p1) == ("pow2", "dense") and n1 < n0, seen
     assert np.all(dense[-1] == 0)
     assert not np.array_equal(run(split_size=128, packing="dense"), base)
 

@@ -33,14 +33,19 @@ def test_rope_is_accurate():
 def test_rope_bad_input_is_named():
     """Shapes and dtypes that would broadcast or truncate silently are refused by name."""
     x, cs = rand((5, 4, 64), jnp.float32), angles(5, 64)
-    for bad_x, bad_cs, match in (
-        (x, cs[:1], r"cos_sin must be float32 of shape \(5, 2, 32\)"),  # one position for 5 tokens
-        (x[:, 0], cs, "x must be a floating \\[T, H, D\\] array"),
-        (x.astype(jnp.int32), cs, "x must be a floating"),
-        (x, cs.astype(jnp.bfloat16), "cos_sin must be float32"),
-        (x[..., :63], cs, "head dim must be even"),
+    for bad_x, bad_cs, err, match in (
+        (
+            x,
+            cs[:1],
+            ValueError,
+            r"cos_sin must be float32 of shape \(5, 2, 32\)",
+        ),  # one position for 5 tokens
+        (x[:, 0], cs, ValueError, "x must be a floating \\[T, H, D\\] array"),
+        (x.astype(jnp.int32), cs, TypeError, "x must be a floating"),
+        (x, cs.astype(jnp.bfloat16), ValueError, "cos_sin must be float32"),
+        (x[..., :63], cs, ValueError, "head dim must be even"),
     ):
-        with pytest.raises(ValueError, match=match):
+        with pytest.raises(err, match=match):
             pk.rope(bad_x, bad_cs)
 
 
