@@ -521,9 +521,9 @@ class LLM:
         state (``nnx.state(model, nnx.Param)``, e.g. a trainer's updated params) or that state
         as a pure dict - of the same structure, shapes and dtypes (else ValueError/TypeError
         naming the first mismatch). Nothing recompiles: the weights are an argument of the
-        compiled steps. The engine keeps no reference to its old weights; the arrays given are
-        used as they are (not copied; under tensor parallelism they are moved onto the mesh
-        unless already laid out that way), so a train step that donates them must be followed
+        compiled steps. The engine keeps no reference to its old weights; the JAX arrays given
+        are used as they are (not copied; under tensor parallelism they are moved onto the mesh
+        unless already laid out that way; numpy arrays are copied), so a train step that donates them must be followed
         by another ``update_weights`` before the next ``generate``."""
         if self.engine.has_unfinished_requests():
             raise RuntimeError("update_weights runs when no generation is in flight")
@@ -548,7 +548,7 @@ class LLM:
             )
         for k, ref in want.items():
             new = got[k]
-            if not hasattr(new, "shape") or not hasattr(new, "dtype"):
+            if not isinstance(new, (jax.Array, np.ndarray)):  # (a ShapeDtypeStruct has no values)
                 raise TypeError(f"weights{name(k)} must be an array, got {type(new).__name__}")
             if tuple(new.shape) != tuple(ref.shape):
                 raise ValueError(
@@ -558,6 +558,10 @@ class LLM:
                 raise ValueError(f"weights{name(k)} has dtype {new.dtype}, the model's is {ref.dtype}")
             if isinstance(new, jax.Array) and new.is_deleted():
                 raise ValueError(f"weights{name(k)} has been deleted (donated to a jitted step?)")
+        # numpy leaves are copied onto the device (the caller may change them in place later)
+        weights = jax.tree_util.tree_map_with_path(
+            lambda k, v: jax.device_put(v, want[k].sharding) if isinstance(v, np.ndarray) else v, weights
+        )
         nnx.replace_by_pure_dict(current, {k: v for k, v in weights.items()})
         nnx.update(self.model, current)
         self.engine.set_weights(self.model)  # also empties the prefix cache (KV of the old weights)

@@ -215,8 +215,8 @@ class Engine:
     def pending_buckets(
         self, *, logprobs: bool = False, max_step_tokens: int | None = None, step_tokens=None
     ) -> list[tuple[int, int]]:
-        """The (sequences, tokens) step buckets ``warmup`` would compile (all of them with
-        ``logprobs``: the top-logprobs variant is compiled separately); with
+        """The (sequences, tokens) step buckets ``warmup`` makes ready (their programs that do not
+        exist yet are compiled; with ``logprobs`` the top-logprobs variant too); with
         ``max_step_tokens``, only token buckets up to the one that holds that many tokens;
         with ``step_tokens`` (the token counts of the steps to expect, e.g. one prompt's
         chunks and then decoding), only the token buckets of those steps."""
@@ -225,17 +225,25 @@ class Engine:
         if max_step_tokens is not None and step_tokens is not None:
             raise ValueError("give max_step_tokens or step_tokens, not both")
         if max_step_tokens is not None:
-            if max_step_tokens < 1:
-                raise ValueError(f"max_step_tokens must be >= 1, got {max_step_tokens}")
-            cap = bucket(min(max_step_tokens, buckets[-1]), buckets)
+            if (
+                isinstance(max_step_tokens, bool)
+                or not isinstance(max_step_tokens, (int, np.integer))
+                or max_step_tokens < 1
+            ):
+                raise ValueError(f"max_step_tokens must be an int >= 1, got {max_step_tokens!r}")
+            cap = bucket(min(int(max_step_tokens), buckets[-1]), buckets)
             pairs = [(s, t) for s, t in pairs if t <= cap]
         if step_tokens is not None:
-            counts = list(step_tokens)
-            if not counts or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in counts):
+            counts = list(step_tokens) if isinstance(step_tokens, (list, tuple)) else []
+            if not counts or any(
+                isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1 for n in counts
+            ):
                 raise ValueError(f"step_tokens must be a non-empty list of ints >= 1, got {step_tokens!r}")
-            want = {bucket(min(n, buckets[-1]), buckets) for n in counts}
+            want = {bucket(min(int(n), buckets[-1]), buckets) for n in counts}
             pairs = [(s, t) for s, t in pairs if t in want]
-        return pairs if logprobs else [p for p in pairs if p not in self.runner.compiled_buckets]
+        # (every bucket in range: a bucket whose steps ran has only the sampling programs those
+        # steps used; ``ModelRunner.warmup`` skips the programs that exist)
+        return pairs
 
     def warmup(
         self,
@@ -259,7 +267,8 @@ class Engine:
             tracing += self.runner.warmup(pairs, num_logprobs, tick)
         if self.speculator is not None:  # verify steps sample every token row: (s, t, t)
             verify = self.speculator.verify_buckets(self.runner.bucket_pairs())
-            tracing += self.runner.warmup(verify, 0)
+            for num_logprobs in [0, MAX_LOGPROBS] if logprobs else [0]:  # (verify rows sample too)
+                tracing += self.runner.warmup(verify, num_logprobs)
             if self.speculator.draft is not None:  # its decode steps, and the verify steps it runs too
                 tracing += self.speculator.draft.warmup(self.runner.bucket_pairs() + verify)
         return tracing

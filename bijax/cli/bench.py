@@ -75,7 +75,12 @@ def _warm_up(llm, reqs, name: str) -> int:
     compiles every bucket the workload uses, and - tiered step programs (the GPUs' default) -
     once the whole forwards compiled in the background are kept, runs again on them, so that
     their first execution (CUDA graphs recorded, kernels loaded) is not inside a timed run.
-    Returns the number of warm-up runs."""
+    Returns the number of warm-up runs. With speculative decoding every bucket is compiled
+    first (``LLM.warmup``): adaptive drafting decides from measured times, so a timed run may
+    draft in steps the warm-up runs did not."""
+    if llm.engine.speculator is not None:
+        info(f"{name}: compiling every step bucket (speculative decoding: the drafted steps vary)")
+        llm.warmup(progress=False)
     for n in range(1, WARMUP_RUNS + 1):
         info(f"{name}: warm-up run {n} (compiles every bucket the workload uses)")
         before = llm.engine.stats().num_upgraded_programs

@@ -42,10 +42,12 @@ def _prompts(args) -> list[str]:
     return prompts
 
 
-def _json_output(out, index: int) -> dict:
+def _json_output(out, index: int, prompt: str) -> dict:
+    """One request's JSON line; ``prompt``: the text given (a chat's user message: its
+    template-rendered ids are in prompt_token_ids)."""
     return {
         "request_id": str(index),
-        "prompt": out.prompt,
+        "prompt": prompt,
         "prompt_token_ids": out.prompt_token_ids,
         "seed": out.seed,
         "outputs": [
@@ -165,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
         if stream is not None:
             stream.update(i, out)
         if out.finished and args.json:
-            print(json.dumps(_json_output(out, i)), flush=True)
+            print(json.dumps(_json_output(out, i, prompts[i])), flush=True)
 
     t1 = time.perf_counter()
     results = llm.generate(inputs, params, use_tqdm=False, on_output=on_output)

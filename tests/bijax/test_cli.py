@@ -306,6 +306,16 @@ def test_bench_reports_both_paths_and_compiles_nothing_in_timed_runs(capsys, pre
     assert all(x["warmup_runs"] == 1 for x in r["rows"])  # (the CPU's default: no tiered programs)
 
 
+def test_bench_with_speculation_compiles_every_bucket_before_timing(capsys):
+    """Adaptive n-gram drafting decides from measured times, so a timed run may draft where the
+    warm-up runs did not: bench compiles every bucket first, and the timed runs compile nothing."""
+    spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}'
+    assert cli.main([*BENCH, "--repeats", "2", "--speculative-config", spec]) == 0
+    out = capsys.readouterr()
+    assert "compiling every step bucket (speculative decoding" in out.err
+    assert all(x["compiles_in_timed_runs"] == 0 for x in json.loads(out.out)["rows"])
+
+
 def test_bench_warms_up_again_on_tiered_programs(capsys, monkeypatch):
     """Tiered step programs (the GPUs' default): the first warm-up run runs the chain while the
     whole forwards compile in the background; bench waits for them and warms up again on them,
@@ -479,6 +489,23 @@ def test_warmup_bounded_by_the_work_compiles_only_what_it_needs():
     before = num_compiled_steps()
     llm.generate([[7] * 3, [5] * 4], SP(max_tokens=3), use_tqdm=False)
     assert num_compiled_steps() == before
+
+
+def test_warmup_after_generate_makes_the_rest_of_a_used_bucket():
+    """A bucket a step already ran in has only the sampling program that step used: a later
+    ``warmup`` makes the others (top-k / top-p), so such a request then compiles nothing."""
+    llm = small_llm()
+    llm.generate([[7] * 3], SP(max_tokens=2, temperature=0), use_tqdm=False)
+    llm.warmup(progress=False, max_step_tokens=7)
+    before = num_compiled_steps()
+    llm.generate([[7] * 3], SP(max_tokens=2, temperature=0.8, top_k=3, seed=1), use_tqdm=False)
+    assert num_compiled_steps() == before
+    for bad in (1.5, True, "8"):
+        with pytest.raises(ValueError, match="max_step_tokens must be an int >= 1"):
+            llm.warmup(progress=False, max_step_tokens=bad)
+    with pytest.raises(ValueError, match="step_tokens must be a non-empty list"):
+        llm.warmup(progress=False, step_tokens=5)
+    llm.warmup(progress=False, step_tokens=[np.int64(3)])  # numpy ints are ints
 
 
 def test_warmup_of_known_steps_skips_the_buckets_between():

@@ -425,10 +425,11 @@ def test_adaptive_rule_probes_plain_with_async_scheduling(monkeypatch):
 
 def test_warmup_compiles_the_verify_steps():
     """After LLM.warmup every step - verify steps sample every token row: programs with more
-    sampled rows than sequences - runs a program compiled ahead of time. Control: warming
+    sampled rows than sequences - runs a program compiled ahead of time (with ``logprobs=True``,
+    the top-logprobs variants too). Control: warming
     only the plain buckets leaves verify steps to compile at run time."""
 
-    def aot_misses(warm):
+    def aot_misses(warm, logprobs=False):
         own = bijax.LLM(shared_model("tiny")[0], speculative_config=NGRAM, **KW)
         warm(own)
         runner, misses = own.engine.runner, []
@@ -441,10 +442,13 @@ def test_warmup_compiles_the_verify_steps():
 
         runner._aot = Recording(runner._aot)
         prompts, params = workload()
-        outs = own.generate(prompts, [dataclasses.replace(p, logprobs=None) for p in params], use_tqdm=False)
+        params = [dataclasses.replace(p, logprobs=3 if logprobs else None) for p in params]
+        outs = own.generate(prompts, params, use_tqdm=False)
         assert totals(outs)[0] > 0
         return misses
 
     assert aot_misses(lambda llm: llm.warmup(progress=False)) == []
+    # with top logprobs too: verify steps' sampling programs with them (2026-12-05)
+    assert aot_misses(lambda llm: llm.warmup(progress=False, logprobs=True), logprobs=True) == []
     plain_only = lambda llm: llm.engine.runner.warmup(llm.engine.runner.bucket_pairs())  # noqa: E731
     assert aot_misses(plain_only)

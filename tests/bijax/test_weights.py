@@ -98,9 +98,23 @@ def test_update_weights_rejects_a_different_tree():
     bad_leaf = dict(good, final_norm="ones")
     with pytest.raises(TypeError, match="must be an array"):
         llm.update_weights(bad_leaf)
+    abstract = dict(good, final_norm=jax.ShapeDtypeStruct(good["final_norm"].shape, jnp.float32))
+    with pytest.raises(TypeError, match=r"\['final_norm'\] must be an array, got ShapeDtypeStruct"):
+        llm.update_weights(abstract)
     # Nothing was half-applied: the engine still generates with its own weights.
     ref = bijax.LLM(_fresh(), **ENGINE).generate(PROMPTS, SAMPLING, use_tqdm=False)
     assert _same(llm.generate(PROMPTS, SAMPLING, use_tqdm=False), ref)
+
+
+def test_numpy_weights_are_copied_not_kept_by_reference():
+    """numpy leaves are copied onto the device: changing the caller's arrays in place afterwards
+    does not change the engine's outputs (same bits as a fresh LLM on those weights)."""
+    llm = bijax.LLM(_fresh(), **ENGINE)
+    host = jax.tree_util.tree_map(np.array, nnx.to_pure_dict(param_state(_fresh(seed=2))))
+    llm.update_weights(host)
+    host["final_norm"][...] = 0.0
+    want = bijax.LLM(_fresh(seed=2), **ENGINE).generate(PROMPTS, SAMPLING, use_tqdm=False)
+    assert _same(llm.generate(PROMPTS, SAMPLING, use_tqdm=False), want)
 
 
 def test_donated_weights_give_a_clear_error():
