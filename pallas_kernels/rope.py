@@ -67,6 +67,18 @@ def _triton_products(pairs):
     return tuple(_mul_rn(p, q) for p, q in pairs)
 
 
+def _check_cos_sin(op: str, cos_sin, t: int, d: int) -> None:
+    """cos_sin must be float32 [T, 2, D/2] (the cos and sin of each token's position)."""
+    if (
+        tuple(getattr(cos_sin, "shape", ())) != (t, 2, d // 2)
+        or getattr(cos_sin, "dtype", None) != jnp.float32
+    ):
+        raise ValueError(
+            f"{op}: cos_sin must be float32 of shape ({t}, 2, {d // 2}), got "
+            f"{getattr(cos_sin, 'dtype', None)}{tuple(getattr(cos_sin, 'shape', ()))}"
+        )
+
+
 def rope(x: jax.Array, cos_sin: jax.Array) -> jax.Array:
     """x [T, H, D] rotated by cos_sin [T, 2, D/2] (float32 cos and sin of each token's position),
     in float32, the result in x's dtype."""
@@ -80,14 +92,7 @@ def rope(x: jax.Array, cos_sin: jax.Array) -> jax.Array:
     t, _, d = x.shape
     if d % 2:
         raise ValueError(f"rope: the head dim must be even, got {d}")
-    if (
-        tuple(getattr(cos_sin, "shape", ())) != (t, 2, d // 2)
-        or getattr(cos_sin, "dtype", None) != jnp.float32
-    ):
-        raise ValueError(
-            f"rope: cos_sin must be float32 of shape ({t}, 2, {d // 2}), got "
-            f"{getattr(cos_sin, 'dtype', None)}{tuple(getattr(cos_sin, 'shape', ()))}"
-        )
+    _check_cos_sin("rope", cos_sin, t, d)
     cos, sin = cos_sin[:, None, 0], cos_sin[:, None, 1]  # [T, 1, D/2]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     lo, hi = _rotate(x1, x2, cos, sin, _xla_products)
@@ -244,14 +249,7 @@ def _check_heads(op: str, t: int, d: int, cos_sin, k_cache, v_cache) -> None:
     """The fused ops' checks of the head dim, ``cos_sin`` and the caches' dtypes."""
     if d < 2 or d & (d - 1):
         raise ValueError(f"{op}: the head dim must be a power of two, got {d}")
-    if (
-        tuple(getattr(cos_sin, "shape", ())) != (t, 2, d // 2)
-        or getattr(cos_sin, "dtype", None) != jnp.float32
-    ):
-        raise ValueError(
-            f"{op}: cos_sin must be float32 of shape ({t}, 2, {d // 2}), got "
-            f"{getattr(cos_sin, 'dtype', None)}{tuple(getattr(cos_sin, 'shape', ()))}"
-        )
+    _check_cos_sin(op, cos_sin, t, d)
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if c.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
             raise TypeError(f"{op}: {name} must be bfloat16, float16 or float32, got {c.dtype}")
