@@ -558,9 +558,13 @@ class LLM:
                 raise ValueError(f"weights{name(k)} has dtype {new.dtype}, the model's is {ref.dtype}")
             if isinstance(new, jax.Array) and new.is_deleted():
                 raise ValueError(f"weights{name(k)} has been deleted (donated to a jitted step?)")
-        # numpy leaves are copied onto the device (the caller may change them in place later)
+        # numpy leaves are copied (the caller may change them in place later; on a CPU device_put
+        # may alias a numpy buffer instead of copying it - so a private copy goes to the device)
         weights = jax.tree_util.tree_map_with_path(
-            lambda k, v: jax.device_put(v, want[k].sharding) if isinstance(v, np.ndarray) else v, weights
+            lambda k, v: (
+                jax.device_put(np.array(v, copy=True), want[k].sharding) if isinstance(v, np.ndarray) else v
+            ),
+            weights,
         )
         nnx.replace_by_pure_dict(current, {k: v for k, v in weights.items()})
         nnx.update(self.model, current)
