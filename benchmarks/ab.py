@@ -68,6 +68,11 @@ SWITCHES = {
             ("pair-all", {"stages": 4, "consumers": 2, "order": "heaviest", "one_drain": True}),
             ("dense", {"stages": 3, "consumers": 1, "packing": "dense"}),
             ("pair-dense", {"stages": 4, "consumers": 2, "packing": "dense"}),
+            ("heaviest-dense", {"stages": 3, "consumers": 1, "order": "heaviest", "packing": "dense"}),
+            (
+                "pair-all-dense",
+                {"stages": 4, "consumers": 2, "order": "heaviest", "one_drain": True, "packing": "dense"},
+            ),
         )
     },
     "decode-splits": {

@@ -208,6 +208,14 @@ LAUNCHES = {
     "pair, 4 stages, overlapped": {"consumers": 2, "stages": 4, "overlap": True},
     "dense rows": {"packing": "dense"},
     "pair, 4 stages, dense rows": {"consumers": 2, "stages": 4, "packing": "dense"},
+    "heaviest, dense rows": {"order": "heaviest", "packing": "dense"},
+    "pair, 4 stages, heaviest, one drain, dense rows": {
+        "consumers": 2,
+        "stages": 4,
+        "order": "heaviest",
+        "one_drain": True,
+        "packing": "dense",
+    },
     "pair, 4 stages, heaviest, one drain": {
         "consumers": 2,
         "stages": 4,

@@ -69,6 +69,8 @@ _AB = {
         ("launch-pair-smem-q", "prefill-launch", "pair-smem-q", _PREFILL),
         ("launch-pair-all", "prefill-launch", "pair-all", _PREFILL),
         ("launch-heaviest", "prefill-launch", "heaviest", _PREFILL),
+        ("launch-pair-all-dense", "prefill-launch", "pair-all-dense", _PREFILL),
+        ("launch-heaviest-dense", "prefill-launch", "heaviest-dense", _PREFILL),
         # a 3-head query group (SmolLM2's shape): where packing="dense" changes the tiles
         ("launch-one-smollm2", "prefill-launch", "one", _PREFILL_SMOLLM2),
         ("launch-dense-smollm2", "prefill-launch", "dense", _PREFILL_SMOLLM2),
@@ -127,7 +129,17 @@ STEPS = {
             240,
             f"engine bits vs the records with the Mosaic prefill launch '{side}' (ab.py prefill-launch)",
         )
-        for side in ("pair", "pair-smem-q", "pair-all", "heaviest", "drain", "dense", "pair-dense")
+        for side in (
+            "pair",
+            "pair-smem-q",
+            "pair-all",
+            "heaviest",
+            "drain",
+            "dense",
+            "pair-dense",
+            "pair-all-dense",
+            "heaviest-dense",
+        )
     },
     "mgpu-bits": (_py("attention_mgpu.py", "--child", "bits"), 270, "Mosaic attention == Triton bits"),
     "mgpu-timing": (

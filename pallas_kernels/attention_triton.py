@@ -59,12 +59,20 @@ GPU_KERNELS = ("auto", "tokens", "tiles", "tiles_mgpu")
 PREFILL_KERNEL = "tiles_mgpu"
 # How the Mosaic GPU prefill kernel launches: ``attention_mgpu.tiles_mgpu``'s arguments of that
 # name (stages, consumers, order, one_drain, q_from_smem, packing) - launch choices, never the
-# bits: its interpret-mode tests compare each with the default bit for bit on CPU. The default
-# is the launch measured on the H200 since session 24; warp specialization (consumers 2), the
-# heaviest-first order, one wgmma wait for p @ ones and p @ v, q read from shared memory and
-# dense rows for query groups of 3 or 7 are not yet measured there
+# bits: its interpret-mode tests compare each with the default bit for bit on CPU, and on the
+# H200 every launch gave the old default's bits (benchmarks/attention_mgpu.py launches; session
+# 38, RESULTS.md). Since 2026-12-05 the default takes the row tiles heaviest first and packs
+# query groups of 3 and 7 densely (kernel time 0.85-0.93x the old default's at D 128, 0.71x at
+# 9/3; the engine's digests MATCH); two consumer warpgroups were faster still on whole 4096-token
+# prompts but halve the programs of short prefill chunks, so they stay a choice
 # (benchmarks/attention_plan.md; the A/B switch of benchmarks/ab.py prefill-launch).
-MGPU_PREFILL_LAUNCH = (("stages", 3), ("consumers", 1), ("order", "ascending"), ("one_drain", False))
+MGPU_PREFILL_LAUNCH = (
+    ("stages", 3),
+    ("consumers", 1),
+    ("order", "heaviest"),
+    ("one_drain", False),
+    ("packing", "dense"),
+)
 # The decode kernel stores, and its combine folds, only the splits a token uses (same bits:
 # the others leave the fold unchanged). False: every split of the grid, as before 2026-12-02
 # (the A/B switch of benchmarks/ab.py).
