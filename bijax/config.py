@@ -14,6 +14,12 @@ def _pow2_upto(lo: int, hi: int) -> tuple[int, ...]:
     return tuple(sorted(set(out)))
 
 
+def check_positive_int(name: str, value) -> None:
+    """The engine limits' rule (``EngineConfig``, ``LLM``'s arguments): an int >= 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """max_model_len: longest prompt + output; max_num_seqs: sequences per step;
@@ -45,9 +51,7 @@ class EngineConfig:
             "num_kv_blocks",
             "tensor_parallel_size",
         ):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{f} must be a positive int, got {v!r}")
+            check_positive_int(f, getattr(self, f))
         if self.block_size & (self.block_size - 1) or self.block_size > 64:
             raise ValueError(f"block_size must be a power of two <= 64, got {self.block_size}")
         if self.max_num_batched_tokens < self.max_num_seqs:

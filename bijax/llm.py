@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bijax.config import EngineConfig
+from bijax.config import EngineConfig, check_positive_int
 from bijax.llm_engine import Engine
 from bijax.outputs import RequestOutput
-from bijax.sampling_params import SamplingParams
+from bijax.sampling_params import MAX_SEED, SamplingParams
 from bijax.speculative import SpeculativeConfig
 from models.configs import PRESETS
 from models.llama import Llama, param_state
@@ -119,17 +119,15 @@ def _check_arguments(*, dtype, gpu_memory_utilization, seed, flags: dict, **coun
     """``LLM``'s arguments, each checked by name: ``counts`` positive ints (None allowed for
     max_model_len and num_kv_blocks: sized by the engine), ``flags`` bools."""
     for name, v in counts.items():
-        if v is None and name in ("max_model_len", "num_kv_blocks"):
-            continue
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if v is not None or name not in ("max_model_len", "num_kv_blocks"):
+            check_positive_int(name, v)
     for name, v in flags.items():
         if not isinstance(v, bool):
             raise TypeError(f"{name} must be a bool, got {v!r}")
     g = gpu_memory_utilization
     if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 < g <= 1:
         raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {g!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < MAX_SEED:
         raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
     if dtype is not None:
         try:
@@ -384,26 +382,12 @@ class LLM:
                     if on_output is not None:
                         on_output(index[out.request_id], out)
         except BaseException:  # a failing step, callback or Ctrl-C: the engine stays usable
-            self._abandon([r for r in ids if r not in done])
+            self.engine.release([r for r in ids if r not in done])
             raise
         finally:
             if bar is not None:
                 bar.close()
         return [done[r] for r in ids]
-
-    def _abandon(self, request_ids) -> None:
-        """Aborts ``request_ids`` and runs the steps that release them (as the server's engine
-        loop does when a step fails), so that the next ``generate`` starts from an idle engine."""
-        for rid in request_ids:
-            try:
-                self.engine.abort(rid)
-            except ValueError:  # already gone
-                pass
-        try:
-            while self.engine.has_unfinished_requests():
-                self.engine.step(partial=False)
-        except Exception:  # the engine itself is failing: nothing more to release here
-            pass
 
     def chat(
         self,

@@ -362,6 +362,19 @@ class Engine:
                 self._finish(s, "abort")
         self._aborted.append(req)
 
+    def release(self, request_ids) -> None:
+        """Aborts ``request_ids`` (those still here) and runs the steps that free them, so the
+        engine is idle after a failure: what ``LLM.generate`` and the server's engine loop do
+        when a step, a callback or the device fails. A failing engine frees what it can."""
+        for rid in request_ids:
+            if rid in self._requests:
+                self.abort(rid)
+        try:
+            while self.has_unfinished_requests():
+                self.step(partial=False)
+        except Exception:  # the engine itself is failing: nothing more to free here
+            pass
+
     def step(self, *, partial: bool = True) -> list[RequestOutput]:
         """Runs one scheduled step; returns the outputs of the requests it advanced
         (``finished`` set on those that are done). With async scheduling it enqueues the next

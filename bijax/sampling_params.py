@@ -7,16 +7,12 @@ import math
 
 import numpy as np
 
+from pallas_kernels.checks import short_repr
+
 MAX_LOGPROBS = 20  # top-n logprobs per token at most
 MAX_SEED = 2**32
 MAX_N = 4096  # samples per request at most (each is a sequence the engine holds)
 MAX_TOP_K = 2**31 - 1  # (an int32 on the device; any k >= the vocabulary keeps every token)
-
-
-def short_repr(value, limit: int = 200) -> str:
-    """``repr(value)`` for an error message, cut to ``limit`` characters."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def _is_int(v) -> bool:

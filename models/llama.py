@@ -668,16 +668,19 @@ def check_packed(tokens, segment_ids, max_segments, config: LlamaConfig):
             raise ValueError("max_segments needs segment_ids (without them every row is one sequence)")
         max_segments = 1
         segment_ids = jnp.zeros((b, length), jnp.int32)
-        seg_np = np.zeros((b, length), np.int64)
-    else:
-        segment_ids = int_array_like_tokens("segment_ids", segment_ids, (b, length))
-        seg_np = pk.runtime.concrete(segment_ids)
-        if max_segments is None:
-            if seg_np is None:
-                raise ValueError(
-                    "segment_ids is traced: pass max_segments= (a static int bound on the segment ids)"
-                )
-            max_segments = max(1, int(seg_np.max()) + 1)
+        if length > config.max_position_embeddings:  # (positions 0..L-1 in every row)
+            raise ValueError(
+                f"a segment is {length} tokens long; the model's context is {config.max_position_embeddings}"
+            )
+        return tokens, segment_ids, max_segments, np.broadcast_to(np.arange(length), (b, length))
+    segment_ids = int_array_like_tokens("segment_ids", segment_ids, (b, length))
+    seg_np = pk.runtime.concrete(segment_ids)
+    if max_segments is None:
+        if seg_np is None:
+            raise ValueError(
+                "segment_ids is traced: pass max_segments= (a static int bound on the segment ids)"
+            )
+        max_segments = max(1, int(seg_np.max()) + 1)
     if isinstance(max_segments, bool) or not isinstance(max_segments, (int, np.integer)) or max_segments < 1:
         raise ValueError(f"max_segments must be a positive int, got {max_segments!r}")
     max_segments = int(max_segments)

@@ -12,6 +12,8 @@ import json
 import os
 from collections.abc import Sequence
 
+from pallas_kernels.checks import short_repr
+
 # Pre-tokenizer split patterns by GGUF ``tokenizer.ggml.pre`` (llama.cpp's names).
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -301,10 +303,9 @@ def message_text(message: dict, name: str) -> str | None:
         isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
     ):
         return "".join(p["text"] for p in content)
-    shown = repr(content)
-    shown = shown if len(shown) <= 80 else shown[:80] + "..."
     raise TypeError(
-        f"{name} must be a string or a non-empty list of {{'type': 'text', 'text': str}} parts, got {shown}"
+        f"{name} must be a string or a non-empty list of {{'type': 'text', 'text': str}} parts, got "
+        f"{short_repr(content, 80)}"
     )
 
 

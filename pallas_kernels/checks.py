@@ -51,3 +51,10 @@ def check_eps(op: str, eps) -> float:
     if not math.isfinite(eps) or eps < 0:
         raise ValueError(f"{op}: eps must be finite and >= 0, got {eps}")
     return float(eps)
+
+
+def short_repr(value, limit: int = 200) -> str:
+    """``repr(value)`` for an error message, cut to ``limit`` characters (an error never quotes a
+    whole multi-megabyte input)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"

@@ -215,18 +215,11 @@ class EngineLoop:
                 self.metrics.requests_finished[reason] = self.metrics.requests_finished.get(reason, 0) + 1
 
     def _fail_all(self, error: EngineError) -> None:
-        for rid, sink in list(self._sinks.items()):
-            try:
-                self._engine.abort(rid)
-            except ValueError:
-                pass
+        for sink in self._sinks.values():
             sink.put(error)
+        rids = list(self._sinks)
         self._sinks.clear()
-        try:  # flush the aborts: their blocks go back to the pool
-            while self._engine.has_unfinished_requests():
-                self._engine.step()
-        except Exception:  # the engine is already failing: nothing more to free
-            pass
+        self._engine.release(rids)  # their blocks go back to the pool
 
 
 def _set_result(fut: asyncio.Future, value) -> None:

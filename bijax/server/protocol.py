@@ -11,8 +11,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-from bijax.sampling_params import SamplingParams, short_repr
+from bijax.sampling_params import SamplingParams
 from models.tokenizer import message_text
+from pallas_kernels.checks import short_repr
 
 _MAX_MESSAGE = 1000  # characters of an error message, at most
 
