@@ -318,6 +318,59 @@ def time_launches():
         print(f"| {name} | {kernel} | {us:.1f} | {cud:.1f} | {us / cud:.2f} | {rate} |")
 
 
+PTXAS_LAUNCHES = {
+    "in order (old default)": {},
+    "heaviest, dense rows (default)": {"order": "heaviest", "packing": "dense"},
+    **{
+        name: LAUNCHES[name]
+        for name in ("pair, 4 stages", "pair, 5 stages", "pair, 4 stages, heaviest, one drain, dense rows")
+    },
+}
+
+
+def ptxas_report():
+    """What ptxas says of each launch's kernel (registers, spills, shared memory): the pair
+    launches' consumers hold two score tiles' worth of registers each - do they spill? Each
+    launch is compiled on a whole 4096-token prompt (32 / 8 heads) with ``MOSAIC_GPU_DUMP_TO``
+    set to a fresh directory; the ``.ptxas`` files written there are printed, then a table."""
+    import glob
+    import os
+    import re
+    import tempfile
+
+    c = Case(1, 4096, 32, 8, 128, seed=2)
+    ps, zs = np.arange(4096), np.zeros(4096, np.int32)
+    rows = []
+    for name, launch in PTXAS_LAUNCHES.items():
+        out = tempfile.mkdtemp(prefix="ptxas-")
+        os.environ["MOSAIC_GPU_DUMP_TO"] = out
+        try:
+            np.asarray(_mgpu(c, zs, ps, DEFAULT_VARIANT, launch=launch))
+        except Exception as err:  # noqa: BLE001 - a compile failure is a finding: report it
+            check(f"[{name}] compiles", False, f"{type(err).__name__}: {str(err)[:300]}")
+            continue
+        finally:
+            del os.environ["MOSAIC_GPU_DUMP_TO"]
+        text = "".join(open(f).read() for f in sorted(glob.glob(os.path.join(out, "*.ptxas"))))
+        print(f"\n## ptxas, {name}\n{text.strip() or '(no .ptxas file written)'}", flush=True)
+        regs = re.findall(r"Used (\d+) registers", text)
+        spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+        stack = re.findall(r"(\d+) bytes stack frame", text)
+        rows.append(
+            (
+                name,
+                ",".join(regs) or "?",
+                ",".join(f"{a}/{b}" for a, b in spills) or "?",
+                ",".join(stack) or "?",
+            )
+        )
+        check(f"[{name}] ptxas output found", bool(text.strip()), f"nothing in {out}")
+    print("\n| launch | registers | spill stores / loads (bytes) | stack frame (bytes) |")
+    print("|---|---|---|---|")
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+
+
 def _differ(got, want, ps):
     """'' if equal, else which tokens differ."""
     if np.array_equal(got, want):
@@ -445,7 +498,13 @@ def smoke():
             print(f"INFO smoke {label(v)} overlap={overlap}: finite {np.isfinite(out).all()}", flush=True)
 
 
-STAGES = {"probe": probe_math, "smoke": smoke, "launches": check_launches, "launch-timing": time_launches}
+STAGES = {
+    "probe": probe_math,
+    "smoke": smoke,
+    "launches": check_launches,
+    "launch-timing": time_launches,
+    "ptxas": ptxas_report,
+}
 
 
 def _child(stage):

@@ -157,6 +157,11 @@ STEPS = {
         280,
         "Mosaic attention launches vs default launch vs Triton vs cuDNN kernel time",
     ),
+    "mgpu-ptxas": (
+        _py("attention_mgpu.py", "--child", "ptxas"),
+        150,
+        "ptxas registers / spills / stack of the Mosaic attention launches (default, pair)",
+    ),
     "attention": (_py("attention.py"), 400, "attention kernels: bits and time vs cuDNN"),
     "attention-rows": (
         _py("attention.py", "--decode-rows"),
