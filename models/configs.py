@@ -246,22 +246,7 @@ def _from_hf_dict(hf: dict[str, Any]) -> LlamaConfig:
     if missing:
         raise ValueError(f"config.json lacks {', '.join(missing)}")
     heads = hf["num_attention_heads"]
-    scaling = None
-    # transformers >= 5 keeps theta and scaling together in "rope_parameters".
-    rp = hf.get("rope_parameters") or {}
-    theta = hf.get("rope_theta", rp.get("rope_theta", 10000.0))
-    rs = hf.get("rope_scaling") or (rp if rp.get("rope_type", "default") != "default" else None)
-    if rs:
-        kind = rs.get("rope_type", rs.get("type"))
-        if kind == "llama3":
-            scaling = RopeScaling(
-                float(rs["factor"]),
-                float(rs["low_freq_factor"]),
-                float(rs["high_freq_factor"]),
-                int(rs["original_max_position_embeddings"]),
-            )
-        elif kind not in (None, "default"):
-            raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: llama3)")
+    theta, scaling = _rope_from_hf(hf)
     eos = hf.get("eos_token_id")
     eos_ids = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
     bos = hf.get("bos_token_id")
@@ -274,7 +259,7 @@ def _from_hf_dict(hf: dict[str, Any]) -> LlamaConfig:
         num_kv_heads=hf.get("num_key_value_heads") or heads,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),  # transformers' default for every type here
-        rope_theta=float(theta),
+        rope_theta=theta,
         rope_scaling=scaling,
         max_position_embeddings=hf.get("max_position_embeddings", 4096),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
@@ -284,6 +269,51 @@ def _from_hf_dict(hf: dict[str, Any]) -> LlamaConfig:
         eos_token_ids=eos_ids,
         model_type=model_type,
         **(_moe_fields(hf) if model_type == "qwen3_moe" else {}),
+    )
+
+
+def _hf_number(value, name: str, kind=float):
+    """``value`` of config.json's field ``name`` as ``kind``, or an error naming the field."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or (kind is int and value != int(value))
+    ):
+        raise ValueError(
+            f"config.json: {name} must be {'an integer' if kind is int else 'a number'}, got {value!r}"
+        )
+    return kind(value)
+
+
+def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, Llama-3 scaling or None) from config.json; transformers >= 5 keeps both in
+    "rope_parameters", older files in "rope_theta" / "rope_scaling". A scaling block must name
+    its type (transformers fails on one that does not): a factor without a type is an error,
+    never dropped."""
+    blocks = {}
+    for key in ("rope_parameters", "rope_scaling"):
+        block = hf.get(key)
+        if block is not None and not isinstance(block, dict):
+            raise ValueError(f"config.json: {key} must be an object, got {block!r}")
+        blocks[key] = block or {}
+    rp = blocks["rope_parameters"]
+    theta = _hf_number(hf.get("rope_theta", rp.get("rope_theta", 10000.0)), "rope_theta")
+    name = "rope_scaling" if blocks["rope_scaling"] else "rope_parameters"
+    rs = blocks[name]
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind is None and "factor" in rs:
+        raise ValueError(f"config.json: {name} has a factor but no rope_type: {rs!r}")
+    if kind in (None, "default"):
+        return theta, None
+    if kind != "llama3":
+        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: llama3)")
+    fields = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [k for k in fields if k not in rs]
+    if missing:
+        raise ValueError(f"config.json: {name} (llama3) lacks {', '.join(map(repr, missing))}")
+    return theta, RopeScaling(
+        *(_hf_number(rs[k], f"{name}.{k}") for k in fields[:3]),
+        _hf_number(rs[fields[3]], f"{name}.{fields[3]}", int),
     )
 
 

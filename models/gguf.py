@@ -194,6 +194,23 @@ def _require(reader: GGUFFile, key: str):
     return v
 
 
+def _check_rope_scaling(reader, a: str) -> None:
+    """bijax applies no GGUF rope scaling (Llama 3's comes as the rope_freqs tensor): a file that
+    scales refuses to load. As llama.cpp reads it, the factor (or the older key
+    ``rope.scale_linear``) scales the frequencies whatever the type says, a factor of 0 means
+    "not set", and a missing type is linear."""
+    scaling = field(reader, a + "rope.scaling.type")
+    factor = field(reader, a + "rope.scaling.factor")
+    if factor in (None, 0.0):
+        factor = field(reader, a + "rope.scale_linear")
+    if factor in (None, 0.0, 1.0) and scaling in (None, "none", "linear"):
+        return
+    kind = scaling or "linear"
+    raise ValueError(
+        f"unsupported GGUF rope scaling {kind!r}" + ("" if factor is None else f" (factor {factor})")
+    )
+
+
 def config_from_gguf(reader) -> LlamaConfig:
     arch = field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHS:
@@ -201,9 +218,7 @@ def config_from_gguf(reader) -> LlamaConfig:
     if arch == "qwen3moe" and any(n.endswith("ffn_gate_inp_shexp.weight") for n in reader.tensors):
         raise ValueError("unsupported: a GGUF MoE with shared experts (ffn_*_shexp tensors)")
     a = arch + "."
-    scaling = field(reader, a + "rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise ValueError(f"unsupported GGUF rope scaling {scaling!r}")
+    _check_rope_scaling(reader, a)
     heads = int(_require(reader, a + "attention.head_count"))
     hidden = int(_require(reader, a + "embedding_length"))
     head_dim = int(field(reader, a + "attention.key_length", hidden // heads))

@@ -7,6 +7,7 @@ transformers-made HF fixtures, laid out as llama.cpp's converter does (Q/K rows 
 from __future__ import annotations
 
 import os
+import re
 
 import gguf
 import jax
@@ -29,8 +30,9 @@ def _permute(w, heads):
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(path, name="llama2", qtype=Q.F32, arch="llama", drop=None, extra=None):
-    """Writes the HF fixture ``name`` as a GGUF file with matrices stored as ``qtype``."""
+def write_gguf(path, name="llama2", qtype=Q.F32, arch="llama", drop=None, extra=None, meta=None):
+    """Writes the HF fixture ``name`` as a GGUF file with matrices stored as ``qtype`` (and
+    ``meta``'s keys, floats or strings, after the architecture's prefix)."""
     d = os.path.join(FIXTURES, name)
     cfg = load_hf(d).config
     f = SafetensorsFile(os.path.join(d, "model.safetensors"))
@@ -47,6 +49,8 @@ def write_gguf(path, name="llama2", qtype=Q.F32, arch="llama", drop=None, extra=
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
+    for key, value in (meta or {}).items():
+        (w.add_string if isinstance(value, str) else w.add_float32)(f"{arch}.{key}", value)
     if cfg.num_experts:  # as llama.cpp's converter: experts stacked [E, out, in], router ffn_gate_inp
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
@@ -184,6 +188,28 @@ def test_unsupported_architecture_named(tmp_path):
     write_gguf(tmp_path / "m.gguf", arch="gpt2")
     with pytest.raises(ValueError, match="'gpt2'"):
         load_gguf(tmp_path / "m.gguf")
+
+
+@pytest.mark.parametrize(
+    "meta, refused",
+    [
+        ({"rope.scaling.factor": 4.0}, "'linear' (factor 4.0)"),  # llama.cpp: no type is linear
+        ({"rope.scale_linear": 4.0}, "'linear' (factor 4.0)"),  # the older key
+        ({"rope.scaling.type": "none", "rope.scaling.factor": 2.0}, "'none' (factor 2.0)"),
+        ({"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0}, "'yarn'"),
+        ({"rope.scaling.type": "linear", "rope.scaling.factor": 1.0}, None),  # a no-op
+        ({"rope.scaling.factor": 0.0}, None),  # llama.cpp's "not set"
+    ],
+)
+def test_rope_scaling_is_refused_never_dropped(tmp_path, meta, refused):
+    """A file that scales RoPE (any way llama.cpp would read it) refuses to load: bijax applies
+    no GGUF scaling, and loading it unscaled gave wrong logits without a word."""
+    write_gguf(tmp_path / "m.gguf", meta=meta)
+    if refused is None:
+        assert load_gguf(tmp_path / "m.gguf").config.rope_scaling is None
+    else:
+        with pytest.raises(ValueError, match=re.escape(f"unsupported GGUF rope scaling {refused}")):
+            load_gguf(tmp_path / "m.gguf")
 
 
 def test_missing_and_unexpected_tensors_named(tmp_path):

@@ -194,6 +194,29 @@ def test_config_from_hf_both_rope_formats():
         ({"model_type": "gpt2"}, "model_type"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "yarn"),
+        # a scaling block without its type was dropped (unscaled RoPE, wrong logits)
+        ({"rope_scaling": {"factor": 8.0}}, "rope_scaling has a factor but no rope_type"),
+        (
+            {"rope_parameters": {"rope_theta": 1e4, "factor": 8.0}},
+            "rope_parameters has a factor but no rope_type",
+        ),
+        # malformed fields are named (they were KeyError / AttributeError tracebacks)
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, r"\(llama3\) lacks 'low_freq_factor'"),
+        ({"rope_scaling": "llama3"}, "rope_scaling must be an object"),
+        ({"rope_parameters": [1, 2]}, "rope_parameters must be an object"),
+        ({"rope_theta": None}, "rope_theta must be a number, got None"),
+        (
+            {
+                "rope_scaling": {
+                    "rope_type": "llama3",
+                    "factor": None,
+                    "low_freq_factor": 1,
+                    "high_freq_factor": 4,
+                    "original_max_position_embeddings": 8192,
+                }
+            },
+            r"rope_scaling\.factor must be a number",
+        ),  # fmt: skip
         ({"num_key_value_heads": 3}, "num_kv_heads"),
         ({"vocab_size": 0}, "vocab_size"),
     ],
