@@ -182,15 +182,19 @@ class Tokenizer:
         def token(v):
             return v.get("content") if isinstance(v, dict) else v
 
+        # the ids that end a generation besides the tokenizer's eos_token: generation_config.json's,
+        # or, without that file, config.json's (transformers' GenerationConfig.from_model_config)
         extra = []
-        gen_path = os.path.join(path, "generation_config.json")
-        if os.path.isfile(gen_path):
-            with open(gen_path, encoding="utf-8") as f:
-                try:
-                    eos = json.load(f).get("eos_token_id")
-                except json.JSONDecodeError:
-                    eos = None
-            extra = [eos] if isinstance(eos, int) else list(eos or [])
+        for name in ("generation_config.json", "config.json"):
+            gen_path = os.path.join(path, name)
+            if os.path.isfile(gen_path):
+                with open(gen_path, encoding="utf-8") as f:
+                    try:
+                        eos = json.load(f).get("eos_token_id")
+                    except (json.JSONDecodeError, AttributeError):
+                        eos = None
+                extra = [eos] if isinstance(eos, int) else [i for i in eos or [] if isinstance(i, int)]
+                break
         return cls(
             backend,
             bos_token=token(cfg.get("bos_token")),

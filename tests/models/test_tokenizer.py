@@ -70,6 +70,19 @@ def test_special_tokens(tok):
         assert tok.encode(t["content"], add_special_tokens=False) == [t["id"]]
 
 
+def test_end_ids_from_generation_config_else_model_config(hf_dir, tmp_path):
+    """The ids that end a generation, besides the tokenizer's eos_token: generation_config.json's;
+    without that file config.json's, as transformers reads them (they were ignored)."""
+    d = tmp_path / "tok"
+    shutil.copytree(hf_dir, d)
+    eos = load_tokenizer(d).eos_token_ids[0]
+    assert load_tokenizer(d).eos_token_ids == (eos,)
+    (d / "config.json").write_text(json.dumps({"eos_token_id": [eos, 7]}))
+    assert load_tokenizer(d).eos_token_ids == (eos, 7)
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": 5}))
+    assert load_tokenizer(d).eos_token_ids == (eos, 5)  # the generation config wins
+
+
 def test_negative_control_plain_bpe_differs(gguf_tok):
     """Without the control tokens registered as special, '<|im_start|>' would be cut into
     pieces: the check above can fail."""
