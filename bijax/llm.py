@@ -140,17 +140,18 @@ def _check_arguments(*, dtype, gpu_memory_utilization, seed, flags: dict, **coun
             )
 
 
-def _load(model, *, dtype, k_shards: int, seed: int, tensor_parallel_size: int) -> Llama:
-    """``model`` as a ``Llama`` (the target's or the draft's): a ``Llama`` as is, else ``load_model``."""
+def _load(model, *, dtype, k_shards: int, seed: int, tensor_parallel_size: int, what: str = "model") -> Llama:
+    """``model`` as a ``Llama`` (``what``: "model", or "draft model"): a ``Llama`` as is, else
+    ``load_model``."""
     if isinstance(model, Llama):  # (loading options: a model given as is has its own)
         if dtype is not None and jnp.dtype(dtype) != model.dtype:
             raise ValueError(
-                f"dtype={jnp.dtype(dtype)} but the given model is {model.dtype}: dtype applies to "
+                f"dtype={jnp.dtype(dtype)} but the given {what} is {model.dtype}: dtype applies to "
                 "models bijax loads (convert the model, or leave dtype out)"
             )
         if k_shards != 1 and k_shards != model.k_shards:
             raise ValueError(
-                f"k_shards={k_shards} but the given model has k_shards={model.k_shards}: k_shards "
+                f"k_shards={k_shards} but the given {what} has k_shards={model.k_shards}: k_shards "
                 "applies to models bijax loads (build the model with it, or leave it out)"
             )
         return model
@@ -290,7 +291,7 @@ class LLM:
             )
         draft = None
         if spec is not None and spec.method == "draft_model":
-            draft = load(spec.model)  # its vocabulary is checked by the Engine
+            draft = load(spec.model, what="draft model")  # its vocabulary is checked by the Engine
         blocks_per_seq = -(-max_model_len // block_size)
         if num_kv_blocks is None:
             num_kv_blocks = _kv_blocks(

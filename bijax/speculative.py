@@ -22,10 +22,16 @@ stops drafting for a while (``ADAPT_*``) so that low acceptance costs little.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from bijax.model_runner import Chunk, ModelRunner
+from models.llama import Llama
 
 METHODS = ("ngram", "draft_model")
+# The longest n-gram prompt lookup may match: its index keeps every n-gram from
+# prompt_lookup_min to prompt_lookup_max of a sequence, so its memory and time grow with the
+# span (a span of 10**7 took 51 s and 1.6 GB for one 56-token sequence).
+PROMPT_LOOKUP_LIMIT = 16
 # Adaptive drafting, two rules. Per engine: the engine's decode-only intervals (step to step,
 # or read-back to read-back with async scheduling, the pipeline drained and refilled for a
 # drafted step included) give tokens emitted per second with and without drafts (per
@@ -98,13 +104,31 @@ class SpeculativeConfig:
                 lo = min(lo, hi)
             if lo > hi:
                 raise ValueError(f"speculative_config: prompt_lookup_min ({lo}) > prompt_lookup_max ({hi})")
+            if hi > PROMPT_LOOKUP_LIMIT:
+                raise ValueError(
+                    f"speculative_config: prompt_lookup_max ({hi}) is over {PROMPT_LOOKUP_LIMIT}: each "
+                    "sequence keeps an index of every n-gram up to it"
+                )
             return cls("ngram", spec["num_speculative_tokens"], hi, lo, adaptive=adaptive)
         bad = [k for k in ("prompt_lookup_max", "prompt_lookup_min") if k in spec]
         if bad:
             raise ValueError(f"speculative_config: {bad[0]!r} is for method 'ngram', not 'draft_model'")
         if spec.get("model") is None:
             raise ValueError("speculative_config: method 'draft_model' needs 'model'")
+        _check_draft(spec["model"])
         return cls("draft_model", spec["num_speculative_tokens"], model=spec["model"], adaptive=adaptive)
+
+
+def _check_draft(model) -> None:
+    """A draft model is what ``LLM`` loads: a preset name, a path or a ``Llama`` (named here,
+    before the target model loads)."""
+    if isinstance(model, (str, os.PathLike, Llama)):
+        return
+    hint = " (for an LLM, pass its .model)" if type(model).__name__ == "LLM" else ""
+    raise TypeError(
+        "speculative_config['model'] must be a preset name, a checkpoint path or a Llama, "
+        f"got {type(model).__name__}{hint}"
+    )
 
 
 def ngram_propose(token_ids, k: int, max_n: int, min_n: int) -> list[int]:

@@ -205,6 +205,9 @@ def test_loading_options_for_a_given_model_are_refused_not_ignored(llm):
         bijax.LLM(m, dtype=other)
     with pytest.raises(ValueError, match="k_shards applies to models bijax loads"):
         bijax.LLM(m, k_shards=8 if m.k_shards != 8 else 2)
+    draft = {"method": "draft_model", "model": m, "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match=f"dtype={jnp.dtype(other)} but the given draft model is"):
+        bijax.LLM("tiny", dtype=other, speculative_config=draft, max_model_len=64, num_kv_blocks=8)
     same = bijax.LLM(m, dtype=m.dtype, k_shards=m.k_shards, max_model_len=64, max_num_seqs=2,
                      max_num_batched_tokens=32, num_kv_blocks=8)  # fmt: skip
     assert same.model is m

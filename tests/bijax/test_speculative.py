@@ -23,6 +23,7 @@ from bijax.speculative import (
     PROBE_EVERY,
     PROBE_MAX,
     PROBE_TRIES,
+    PROMPT_LOOKUP_LIMIT,
     NgramIndex,
     SpeculativeConfig,
     Speculator,
@@ -292,6 +293,16 @@ def test_config_errors():
         SpeculativeConfig.create({**NGRAM, "prompt_lookup_min": 5})
     with pytest.raises(ValueError, match="needs 'model'"):
         SpeculativeConfig.create({"method": "draft_model", "num_speculative_tokens": 2})
+    for limit in (PROMPT_LOOKUP_LIMIT, PROMPT_LOOKUP_LIMIT + 1):  # the bound and one past it
+        spec = {**NGRAM, "prompt_lookup_max": limit}
+        if limit == PROMPT_LOOKUP_LIMIT:
+            assert SpeculativeConfig.create(spec).prompt_lookup_max == limit
+        else:
+            with pytest.raises(ValueError, match=rf"prompt_lookup_max \({limit}\) is over"):
+                SpeculativeConfig.create(spec)
+    with pytest.raises(TypeError, match=r"'model'\] must be a preset name.*got int"):
+        SpeculativeConfig.create({"method": "draft_model", "num_speculative_tokens": 2, "model": 5})
+    assert SpeculativeConfig.create({"method": "draft_model", "num_speculative_tokens": 2, "model": "tiny"})
     with pytest.raises(TypeError, match="dict"):
         SpeculativeConfig.create("ngram")
     small = Llama(dataclasses.replace(preset("tiny"), vocab_size=300), dtype=jnp.float32, seed=0)
