@@ -259,6 +259,13 @@ STEPS = {
         300,
         "bijax bench llama3-8b, one stream 64 + 256, invariant vs the XLA baseline",
     ),
+    # session 39: cmdbuf-modes had staged inputs 0.5-0.9 ms a step slower, bench-single in the
+    # same call 4.81 ms ITL with them: alternate these two with bench-single to settle it
+    "bench-single-unstaged": (
+        _with("BIJAX_STAGED_INPUTS=0", "baseline.py", "--part", "bench", "--single"),
+        300,
+        "bench-single with the step inputs in new buffers every step (BIJAX_STAGED_INPUTS=0)",
+    ),
     "startup": (
         _py("startup.py"),
         540,
