@@ -277,6 +277,7 @@ def _hf_number(value, name: str, kind=float):
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, float))
+        or not math.isfinite(value)
         or (kind is int and value != int(value))
     ):
         raise ValueError(

@@ -209,6 +209,18 @@ def test_config_from_hf_both_rope_formats():
             {
                 "rope_scaling": {
                     "rope_type": "llama3",
+                    "factor": 8,
+                    "low_freq_factor": 1,
+                    "high_freq_factor": 4,
+                    "original_max_position_embeddings": float("inf"),
+                }
+            },
+            r"original_max_position_embeddings must be an integer, got inf",
+        ),  # fmt: skip
+        (
+            {
+                "rope_scaling": {
+                    "rope_type": "llama3",
                     "factor": None,
                     "low_freq_factor": 1,
                     "high_freq_factor": 4,
