@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from bijax.config import EngineConfig
+from bijax.config import EngineConfig, check_positive_int
 from bijax.llm_engine import Engine
 from bijax.sampling_params import SamplingParams
 
@@ -333,8 +333,7 @@ def run_check(
     """
     if not isinstance(num_requests, int) or num_requests < 2:
         raise ValueError(f"num_requests must be an int >= 2, got {num_requests!r}")
-    if not isinstance(max_tokens, int) or max_tokens < 1:
-        raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+    check_positive_int("max_tokens", max_tokens)
     t0 = time.perf_counter()
     mcfg = model.config
     max_model_len = min(mcfg.max_position_embeddings, 1024) if max_model_len is None else max_model_len

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from bijax.config import check_positive_int
 from bijax.model_runner import Chunk, ModelRunner
 from models.llama import Llama
 
@@ -88,9 +89,7 @@ class SpeculativeConfig:
         if "num_speculative_tokens" not in spec:
             raise ValueError("speculative_config needs 'num_speculative_tokens'")
         for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
-            v = spec.get(key, 1)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"speculative_config[{key!r}] must be a positive int, got {v!r}")
+            check_positive_int(f"speculative_config[{key!r}]", spec.get(key, 1))
         adaptive = spec.get("adaptive", True)
         if not isinstance(adaptive, bool):
             raise ValueError(f"speculative_config['adaptive'] must be true or false, got {adaptive!r}")

@@ -192,6 +192,9 @@ def test_check_with_prefix_caching_off_skips_that_dimension_by_name():
     assert status.pop("prefix cache hit/miss") == "SKIPPED" and report.ok, report.table()
     assert set(status.values()) <= {"PASS", "N/A"} and "batch 1 vs N" in status
     assert "prefix cache hit/miss: skipped, as the engine flags ask" in report.summary()
+    for bad in (0, True):  # (True passed as 1 before the shared positive-int rule)
+        with pytest.raises(ValueError, match="max_tokens must be a positive int"):
+            run_check(_llm("tiny").model, max_tokens=bad, progress=False)
 
 
 TINY_DIGEST = [
