@@ -140,6 +140,17 @@ def _check_arguments(*, dtype, gpu_memory_utilization, seed, flags: dict, **coun
             )
 
 
+def _checkpoint_tokenizer(model):
+    """The tokenizer a checkpoint carries (a GGUF file, or a directory with tokenizer.json; an
+    embedded model's name), or None (a preset, a Llama, a checkpoint without one)."""
+    if isinstance(model, Llama) or (isinstance(model, str) and model in PRESETS):
+        return None
+    path = embedded_model_path(model) if isinstance(model, str) and model in EMBEDDED else os.fspath(model)
+    if path.endswith(".gguf") or os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return load_tokenizer(path)
+    return None
+
+
 def _load(model, *, dtype, k_shards: int, seed: int, tensor_parallel_size: int, what: str = "model") -> Llama:
     """``model`` as a ``Llama`` (``what``: "model", or "draft model"): a ``Llama`` as is, else
     ``load_model``."""
@@ -269,18 +280,8 @@ class LLM:
             _load, dtype=dtype, k_shards=k_shards, seed=seed, tensor_parallel_size=tensor_parallel_size
         )
         self.model = load(model)
-        if (
-            tokenizer is None
-            and not isinstance(model, Llama)
-            and not (isinstance(model, str) and model in PRESETS)
-        ):
-            path = (
-                embedded_model_path(model)
-                if isinstance(model, str) and model in EMBEDDED
-                else os.fspath(model)
-            )
-            if path.endswith(".gguf") or os.path.isfile(os.path.join(path, "tokenizer.json")):
-                tokenizer = load_tokenizer(path)
+        if tokenizer is None:
+            tokenizer = _checkpoint_tokenizer(model)
         self.tokenizer = tokenizer
         cfg = self.model.config
         if max_model_len is None:  # CPU: a shorter default keeps the attention splits (and compiles) few
@@ -289,9 +290,10 @@ class LLM:
             raise ValueError(
                 f"max_model_len ({max_model_len}) exceeds the model's context ({cfg.max_position_embeddings})"
             )
-        draft = None
+        draft = draft_tokenizer = None
         if spec is not None and spec.method == "draft_model":
             draft = load(spec.model, what="draft model")  # its vocabulary is checked by the Engine
+            draft_tokenizer = _checkpoint_tokenizer(spec.model)
         blocks_per_seq = -(-max_model_len // block_size)
         if num_kv_blocks is None:
             num_kv_blocks = _kv_blocks(
@@ -316,7 +318,7 @@ class LLM:
             tensor_parallel_size=tensor_parallel_size,
             async_scheduling=async_scheduling,
         )
-        self.engine = Engine(self.model, self.tokenizer, self.config, spec, draft)
+        self.engine = Engine(self.model, self.tokenizer, self.config, spec, draft, draft_tokenizer)
         self._counter = 0
         self.last_warmup: WarmupReport | None = None
         note = graph_update_note(jax.default_backend())

@@ -23,7 +23,7 @@ from bijax.prompts import ValidPrompt
 from bijax.sampling_params import MAX_LOGPROBS, SamplingParams, check_temperature
 from bijax.scheduler import Scheduler
 from bijax.sequence import Sequence, Status
-from bijax.speculative import SpeculativeConfig, Speculator
+from bijax.speculative import SpeculativeConfig, Speculator, check_draft_vocabulary
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,19 +85,18 @@ class _Request:
 class Engine:
     """``add_request`` / ``step`` / ``has_unfinished_requests`` / ``abort`` (vLLM's LLMEngine)."""
 
-    def __init__(self, model, tokenizer, config: EngineConfig, speculative=None, draft_model=None):
+    def __init__(
+        self, model, tokenizer, config: EngineConfig, speculative=None, draft_model=None, draft_tokenizer=None
+    ):
         """``speculative``: a ``SpeculativeConfig`` or its dict (None: off); ``draft_model``: the
-        loaded draft for method "draft_model" (its vocabulary must be the model's)."""
+        loaded draft for method "draft_model", ``draft_tokenizer`` its tokenizer if known (the
+        vocabularies must be one: ``speculative.check_draft_vocabulary``)."""
         self.config = config
         spec = SpeculativeConfig.create(speculative)
         if spec is not None and spec.method == "draft_model":
             if draft_model is None:
                 raise ValueError("speculative method 'draft_model' needs the loaded draft_model")
-            if draft_model.config.vocab_size != model.config.vocab_size:
-                raise ValueError(
-                    f"speculative_config: the draft model's vocabulary ({draft_model.config.vocab_size}) "
-                    f"is not the model's ({model.config.vocab_size}): it must use the same tokenizer"
-                )
+            check_draft_vocabulary(model, tokenizer, draft_model, draft_tokenizer)
         self.speculator = None if spec is None else Speculator(spec, config, draft_model)
         # speculation's counters, by EngineStats field
         self._spec_totals = dict.fromkeys(_SPEC_COUNTERS, 0)

@@ -130,6 +130,35 @@ def _check_draft(model) -> None:
     )
 
 
+def check_draft_vocabulary(model, tokenizer, draft, draft_tokenizer) -> None:
+    """That ``draft`` (a Llama) may draft for ``model``: ids mean the same tokens to both.
+
+    The draft's embedding may have fewer rows than the model's (checkpoints pad their
+    vocabulary differently: Qwen2.5-0.5B has 151,936 rows, Qwen2.5-7B 152,064, one tokenizer),
+    never more - a draft the model has no row for cannot be verified. Rows that differ are
+    taken only when both tokenizers are known and their vocabularies are the same; equal rows
+    with two known tokenizers that differ are refused too. (A wrong draft could never change an
+    output - drafts are verified - it would only waste every step's drafting.)"""
+    rows, draft_rows = model.config.vocab_size, draft.config.vocab_size
+    if draft_rows > rows:
+        raise ValueError(
+            f"speculative_config: the draft model's vocabulary ({draft_rows}) is larger than the "
+            f"model's ({rows}): it must use the same tokenizer, with at most the model's rows"
+        )
+    if tokenizer is not None and draft_tokenizer is not None:
+        if tokenizer.vocabulary() != draft_tokenizer.vocabulary():
+            raise ValueError(
+                "speculative_config: the draft model's tokenizer is not the model's "
+                f"({draft_tokenizer.vocab_size} and {tokenizer.vocab_size} tokens, different ids)"
+            )
+    elif draft_rows != rows:
+        raise ValueError(
+            f"speculative_config: the draft model's vocabulary ({draft_rows}) is not the model's "
+            f"({rows}), and without both tokenizers (a checkpoint with tokenizer.json or a GGUF "
+            "file, for the model and the draft) nothing shows they share one"
+        )
+
+
 def ngram_propose(token_ids, k: int, max_n: int, min_n: int) -> list[int]:
     """Up to ``k`` tokens that followed the latest earlier occurrence of the last n tokens of
     ``token_ids``, for the longest n in [min_n, max_n] that occurs; [] if none does."""

@@ -84,6 +84,11 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    def vocabulary(self) -> dict[str, int]:
+        """Every token (added ones too) and its id: two tokenizers with the same vocabulary read
+        and write the same ids."""
+        return self._tok.get_vocab(with_added_tokens=True)
+
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; special tokens written in the text become their ids."""
         if not isinstance(text, str):

@@ -306,12 +306,63 @@ def test_config_errors():
     with pytest.raises(TypeError, match="dict"):
         SpeculativeConfig.create("ngram")
     small = Llama(dataclasses.replace(preset("tiny"), vocab_size=300), dtype=jnp.float32, seed=0)
-    with pytest.raises(ValueError, match=r"draft model's vocabulary \(300\) is not the model's"):
+    with pytest.raises(
+        ValueError,
+        match=r"draft model's vocabulary \(300\) is not the model's \(512\), and without both tokenizers",
+    ):
         bijax.LLM(
             shared_model("tiny")[0],
             speculative_config={"method": "draft_model", "model": small, "num_speculative_tokens": 2},
             **KW,
         )
+
+
+def word_tokenizer(path, words):
+    """A tokenizer.json in ``path`` whose ids are ``words``' positions."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0]))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+
+
+def test_draft_with_fewer_rows_and_the_same_tokenizer(tmp_path):
+    """A draft whose embedding has fewer rows than the model's (checkpoints pad their vocabulary
+    differently) drafts when both tokenizers are known and equal - with plain decoding's bits,
+    also where the model's tokens have no row in the draft (ids 300-511 here). More rows than
+    the model's, or another tokenizer, are refused."""
+    from models.loading import save_orbax
+    from models.tokenizer import load_tokenizer
+
+    words = [f"w{i}" for i in range(256)]
+    model = shared_model("tiny")[0]
+
+    def draft_dir(name, rows, words):
+        path = tmp_path / name
+        save_orbax(
+            Llama(dataclasses.replace(preset("tiny"), vocab_size=rows), dtype=jnp.float32, seed=7), path
+        )
+        word_tokenizer(path, words)
+        return path
+
+    word_tokenizer(tmp_path, words)
+    tok = load_tokenizer(tmp_path)
+
+    def make(path, **kw):
+        spec = {"method": "draft_model", "model": path, "num_speculative_tokens": 3, "adaptive": False}
+        return bijax.LLM(model, tokenizer=tok, speculative_config=spec, **KW, **kw)
+
+    llm_small = make(draft_dir("small", 300, words))
+    prompts, params = workload()
+    outs = llm_small.generate(prompts, params, use_tqdm=False)
+    assert same(outs, plain_outputs())
+    assert totals(outs)[0] > 0  # it drafted
+    with pytest.raises(
+        ValueError, match=r"draft model's vocabulary \(600\) is larger than the model's \(512\)"
+    ):
+        make(draft_dir("large", 600, words))
+    with pytest.raises(ValueError, match="draft model's tokenizer is not the model's"):
+        make(draft_dir("other", 512, words[::-1]))  # the same rows, other ids
 
 
 def test_smollm2_text_and_stop_strings():
