@@ -328,29 +328,86 @@ PTXAS_LAUNCHES = {
 }
 
 
+def sass_spills(sass: str, context: int = 2) -> str:
+    """Where a kernel's SASS touches local memory (STL / LDL: register spills): how many, and
+    each with the label of the basic block it sits in, whether it lies inside a loop (between a
+    label and a later branch back to it: paid every iteration, e.g. every KV tile) and its
+    neighbours."""
+    import re
+
+    lines = sass.splitlines()
+    block, current, line_of = [], "(entry)", {}
+    for n, line in enumerate(lines):
+        m = re.match(r"\s*\.?(L_x_\d+):", line)
+        if m:
+            current = m.group(1)
+            line_of[current] = n
+        block.append(current)
+    loops = {}  # label -> the last line that branches back to it
+    for n, line in enumerate(lines):
+        for target in re.findall(r"BRA[^`]*`\(\.?(L_x_\d+)\)", line):
+            if line_of.get(target, n + 1) <= n:
+                loops[target] = max(loops.get(target, n), n)
+    spans = [(line_of[t], end) for t, end in loops.items()]
+    spills = [n for n, line in enumerate(lines) if re.search(r"\b(STL|LDL)\b", line)]
+    if not spills:
+        return "no STL / LDL"
+    looped = [n for n in spills if any(a <= n <= b for a, b in spans)]
+    out = [
+        f"{len(spills)} STL / LDL instructions ({sum('STL' in lines[n] for n in spills)} stores), "
+        f"{len(looped)} inside loops"
+    ]
+    for n in spills[:40]:
+        where = "loop" if n in looped else "straight-line"
+        out.append(f"  line {n} [{block[n]}, {where}]: {lines[n].strip()[:120]}")
+        out += [
+            f"      {lines[k].strip()[:120]}"
+            for k in range(max(0, n - context), min(len(lines), n + context + 1))
+            if k != n
+        ]
+    if len(spills) > 40:
+        out.append(f"  ... {len(spills) - 40} more")
+    return "\n".join(out)
+
+
 def ptxas_report():
     """What ptxas says of each launch's kernel (registers, spills, shared memory): the pair
     launches' consumers hold two score tiles' worth of registers each - do they spill? Each
     launch is compiled on a whole 4096-token prompt (32 / 8 heads) with ``MOSAIC_GPU_DUMP_TO``
-    set to a fresh directory; the ``.ptxas`` files written there are printed, then a table."""
+    set to a fresh directory; the ``.ptxas`` files written there are printed, then a table.
+    The SASS is dumped too (``sass_spills``: where the STL / LDL sit) and, under ``$OUT``, every
+    dump (PTX, SASS) is kept in ``$OUT/ptxas/<launch>/``."""
     import glob
     import os
     import re
+    import shutil
     import tempfile
 
     c = Case(1, 4096, 32, 8, 128, seed=2)
     ps, zs = np.arange(4096), np.zeros(4096, np.int32)
     rows = []
+    dumps = {"MOSAIC_GPU_DUMP_SASS": "1", "MOSAIC_GPU_DUMP_PTX": "1"}  # where the spills sit
     for name, launch in PTXAS_LAUNCHES.items():
         out = tempfile.mkdtemp(prefix="ptxas-")
         os.environ["MOSAIC_GPU_DUMP_TO"] = out
+        os.environ.update(dumps)
         try:
             np.asarray(_mgpu(c, zs, ps, DEFAULT_VARIANT, launch=launch))
         except Exception as err:  # noqa: BLE001 - a compile failure is a finding: report it
             check(f"[{name}] compiles", False, f"{type(err).__name__}: {str(err)[:300]}")
             continue
         finally:
-            del os.environ["MOSAIC_GPU_DUMP_TO"]
+            for k in ("MOSAIC_GPU_DUMP_TO", *dumps):
+                del os.environ[k]
+        if os.environ.get("OUT"):  # the dumps come back with the call ($OUT/ptxas/<launch>/)
+            keep = os.path.join(os.environ["OUT"], "ptxas", re.sub(r"[^a-z0-9]+", "-", name.lower()))
+            shutil.copytree(out, keep, dirs_exist_ok=True)
+        for f in sorted(
+            g for g in glob.glob(os.path.join(out, "*")) if "sass" in os.path.basename(g).lower()
+        ):
+            print(
+                f"\n## SASS spills, {name} ({os.path.basename(f)})\n{sass_spills(open(f).read())}", flush=True
+            )
         text = "".join(open(f).read() for f in sorted(glob.glob(os.path.join(out, "*.ptxas"))))
         print(f"\n## ptxas, {name}\n{text.strip() or '(no .ptxas file written)'}", flush=True)
         regs = re.findall(r"Used (\d+) registers", text)

@@ -160,7 +160,7 @@ STEPS = {
     "mgpu-ptxas": (
         _py("attention_mgpu.py", "--child", "ptxas"),
         150,
-        "ptxas registers / spills / stack of the Mosaic attention launches (default, pair)",
+        "ptxas registers / spills / stack of the Mosaic attention launches (default, pair); SASS: where the spills sit",
     ),
     "attention": (_py("attention.py"), 400, "attention kernels: bits and time vs cuDNN"),
     "attention-rows": (

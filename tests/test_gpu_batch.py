@@ -48,3 +48,28 @@ def test_runner_kills_steps_past_their_limit_with_their_children(tmp_path, monke
     assert "| ok | ok |" in table and "| long | not started (budget) | 0 |" in table
     combined = (tmp_path / "gpu_batch.log").read_text()  # one file: a section per step that ran
     assert "######## ok: ok" in combined and "done" in combined and "long" not in combined
+
+
+def test_sass_spills_finds_local_memory_and_loops():
+    """The SASS reader of ``mgpu-ptxas`` (where the prefill kernel's spills sit): a spill before a
+    loop, one inside it (between its label and the branch back) and one after; none in a kernel
+    without STL / LDL."""
+    from benchmarks.attention_mgpu import sass_spills
+
+    sass = "\n".join(
+        [
+            "        /*0000*/                   MOV R1, c[0x0][0x28] ;",
+            "        /*0010*/                   STL [R1], R2 ;",
+            ".L_x_3:",
+            "        /*0020*/                   FADD R3, R3, R4 ;",
+            "        /*0030*/                   LDL.64 R4, [R1+0x8] ;",
+            "        /*0040*/                   @P0 BRA `(.L_x_3) ;",
+            "        /*0050*/                   LDL R6, [R1] ;",
+            "        /*0060*/                   EXIT ;",
+        ]
+    )
+    report = sass_spills(sass)
+    assert report.startswith("3 STL / LDL instructions (1 stores), 1 inside loops")
+    assert "line 4 [L_x_3, loop]" in report and "line 1 [(entry), straight-line]" in report
+    assert "line 6 [L_x_3, straight-line]" in report
+    assert sass_spills(sass.replace("STL", "STS").replace("LDL", "LDS")) == "no STL / LDL"
