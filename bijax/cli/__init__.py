@@ -15,8 +15,16 @@ import sys
 from bijax.cli import bench, check, generate, serve
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's own errors (an unknown flag, a bad choice, a bad value) in one line, as every
+    other bad input: ``bijax generate: error: ...`` and where the usage is (no usage dump)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bijax", description="Batch-invariant LLM inference for JAX.")
+    p = _Parser(prog="bijax", description="Batch-invariant LLM inference for JAX.")
     sub = p.add_subparsers(dest="command", required=True)
     for command in (generate, check, bench, serve):
         command.add_parser(sub)
@@ -24,7 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # named by the command's parser (its usage is the one to read)
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        commands.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     for name in ("requests", "num_prompts", "input_len", "output_len", "repeats", "max_tokens"):
         v = getattr(args, name, None)
         if v is not None and v < 1:

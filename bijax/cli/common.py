@@ -80,6 +80,14 @@ def positive_int(text: str) -> int:
     return value
 
 
+def token_ids(text: str) -> list[int]:
+    """argparse type: token ids separated by commas or spaces."""
+    try:
+        return [int(x) for x in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be token ids separated by commas, got {text!r}") from None
+
+
 def _json_dict(text: str) -> dict:
     import json
 
@@ -100,9 +108,9 @@ def sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--seed", type=int, help="the request's seed (default: drawn and reported)")
     g.add_argument("--n", type=int, default=1, help="samples per prompt")
-    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--max-tokens", type=int, default=128, help="tokens to generate (default 128)")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
-    g.add_argument("--stop-token-ids", type=lambda s: [int(x) for x in s.replace(",", " ").split()])
+    g.add_argument("--stop-token-ids", type=token_ids, help="token ids that end a sample, e.g. '2,7'")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--logprobs", type=int, help="also the top-N logprobs of each step (JSON output)")
 

@@ -20,6 +20,7 @@ from bijax import SamplingParams as SP
 from bijax import cli
 from bijax.model_runner import num_compiled_steps
 from tests.bijax.test_engine import shared_llm as _llm
+from tests.bijax.test_engine import shared_model
 from tests.conftest import bits
 
 SMOL = [
@@ -129,9 +130,39 @@ def test_bad_input_exits_2_with_a_message(argv, message, capsys):
     assert last.startswith("bijax: error:") and message in last and "Traceback" not in err
 
 
-def test_text_prompt_without_tokenizer_is_a_clear_error(capsys):
+def test_text_prompt_without_tokenizer_is_a_clear_error(capsys, tmp_path):
+    # a preset is refused before its weights are built (llama3-8b's would take a while)
     assert cli.main(["generate", "hi", "--model", "tiny", "--no-warmup", "--max-model-len", "64"]) == 2
+    err = capsys.readouterr().err
+    assert "--model tiny is a preset (random weights, no tokenizer)" in err and "loaded in" not in err
+    # a checkpoint without a tokenizer, after loading
+    from models.loading import save_orbax
+
+    save_orbax(shared_model("tiny")[0], tmp_path / "ckpt")
+    assert (
+        cli.main(
+            ["generate", "hi", "--model", str(tmp_path / "ckpt"), "--no-warmup", "--max-model-len", "64"]
+        )
+        == 2
+    )
     assert "has no tokenizer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["generate", "x", "--dtype", "float64"], "argument --dtype: invalid choice: 'float64'"),
+        (["generate", "x", "--speculative-config", "{bad"], "argument --speculative-config: not valid JSON"),
+        (["generate", "x", "--stop-token-ids", "abc"], "must be token ids separated by commas, got 'abc'"),
+        (["bench", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    ],
+)
+def test_argparse_errors_are_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and message in err, err
+    assert err.startswith(f"bijax {argv[0]}: error:") and f"(see bijax {argv[0]} --help)" in err
 
 
 def test_check_passes_on_tiny_and_control_detects(capsys):
