@@ -1,4 +1,4 @@
-"""`make demo`: text from the embedded SmolLM2-135M-Instruct, greedy and seeded, and a batched
+"""Text from the embedded SmolLM2-135M-Instruct, greedy and seeded, and a batched
 run that matches the solo runs bit for bit (token ids and float32 logprobs).
 
 The issue the demo shows: serving engines batch requests together, and their kernels change

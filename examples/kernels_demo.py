@@ -2,7 +2,7 @@
 
 XLA's ``x @ w`` picks its algorithm from the whole batch shape, so the same row can get
 different bits at different batch sizes. ``pallas_kernels.matmul`` plans its reduction
-from the weight alone, so row 0 never changes. (`make demo` runs this.)
+from the weight alone, so row 0 never changes. Run: ``PYTHONPATH=. python examples/kernels_demo.py``.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import numpy as np
 
 from models.checkpoint import abstract_model, check_tensor_names, variable
 from models.configs import LlamaConfig
-from models.llama import Llama
+from models.llama import Llama, weight_dtype
 
 SUPPORTED_QUANTS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 BLOCK_QUANTS = ("Q8_0", "Q4_0", "Q4_1")
@@ -345,7 +345,7 @@ def load_gguf(
     expected = gguf_names(config)
     tensors = reader.tensors
     check_tensor_names(tensors, expected, path, ignore=lambda n: n == "rope_freqs.weight")
-    model = abstract_model(config, jnp.dtype(dtype), k_shards)
+    model = abstract_model(config, weight_dtype(dtype), k_shards)
     items = expected.items()
     if progress:
         from tqdm import tqdm

@@ -431,6 +431,22 @@ class Block(nnx.Module):
             self.mlp = MLP(config, dtype=dtype, seed=seed, prefix=prefix + "mlp.")
 
 
+WEIGHT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+def weight_dtype(dtype) -> jnp.dtype:
+    """``dtype`` as the weights' dtype (bfloat16, float16 or float32, by object or name), or a
+    TypeError naming it."""
+    try:
+        dt = jnp.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt not in WEIGHT_DTYPES:
+        shown = repr(dtype) if dt is None else str(dt)
+        raise TypeError(f"dtype must be bfloat16, float16 or float32, got {shown}")
+    return dt
+
+
 class Llama(nnx.Module):
     """A Llama-family decoder.
 
@@ -456,9 +472,7 @@ class Llama(nnx.Module):
     ):
         if not isinstance(config, LlamaConfig):
             raise TypeError(f"config must be a LlamaConfig, got {type(config).__name__}")
-        dtype = jnp.dtype(dtype)
-        if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
-            raise TypeError(f"dtype must be bfloat16, float16 or float32, got {dtype}")
+        dtype = weight_dtype(dtype)
         if k_shards not in K_SHARDS:
             raise ValueError(f"k_shards must be one of {K_SHARDS}, got {k_shards!r}")
         if tp_parts < 1 or k_shards % tp_parts:

@@ -17,7 +17,7 @@ from flax import nnx
 
 from models.checkpoint import abstract_model, check_tensor_names, variable
 from models.configs import LlamaConfig, RopeScaling, read_hf_config
-from models.llama import Llama, compile_draws
+from models.llama import Llama, compile_draws, weight_dtype
 from models.safetensors import SafetensorsFile
 
 _DTYPE_NAMES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
@@ -103,7 +103,7 @@ def load_hf(path: str | os.PathLike, *, dtype=None, k_shards: int = 1) -> Llama:
         raise FileNotFoundError(f"no checkpoint directory at {path}")
     hf = read_hf_config(path)
     config = LlamaConfig.from_hf(hf)
-    dtype = _checkpoint_dtype(hf) if dtype is None else jnp.dtype(dtype)
+    dtype = _checkpoint_dtype(hf) if dtype is None else weight_dtype(dtype)
     expected = param_names(config)
     sources = dict(_tensor_sources(path))
     _check_experts(sources, config, path)
@@ -289,6 +289,8 @@ def load_model(
     """
     from models.configs import PRESETS, preset
 
+    if dtype is not None:
+        weight_dtype(dtype)  # named before anything loads
     if isinstance(name_or_path, str) and name_or_path in PRESETS:
         make = lambda: Llama(  # noqa: E731
             preset(name_or_path), dtype=jnp.bfloat16 if dtype is None else dtype, k_shards=k_shards, seed=seed

@@ -309,3 +309,15 @@ def test_preset_draws_compile_ahead_side_by_side():
     assert _same_params(loaded, Llama(preset("tiny"), dtype=jnp.float32, seed=5))
     assert not _same_params(loaded, Llama(preset("tiny"), dtype=jnp.float32, seed=6))  # control
     assert isinstance(built, Llama)
+
+
+def test_a_dtype_that_is_no_weight_dtype_is_named_before_loading():
+    """``load_model``'s dtype: a name numpy does not know ('fp16') or a non-float dtype is a
+    TypeError naming it, for presets and checkpoints alike (numpy's own error named neither)."""
+    from models.loading import load_model
+
+    for bad, shown in (("fp16", "'fp16'"), ("int8", "int8"), (jnp.float64, "float64")):
+        for name in ("tiny", "smollm2-135m"):
+            with pytest.raises(TypeError, match=f"dtype must be bfloat16, float16 or float32, got {shown}"):
+                load_model(name, dtype=bad)
+    assert load_model("tiny", dtype="float16").dtype == jnp.float16
