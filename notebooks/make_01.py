@@ -1,5 +1,5 @@
 """Writes notebooks/01_batch_invariance.ipynb (run: python notebooks/make_01.py). The notebook is
-executed in CI by tests/test_notebooks.py."""
+executed in CI by tests/test_notebooks.py; `python notebooks/execute.py` stores its outputs."""
 
 import nbformat as nbf
 

@@ -1,5 +1,5 @@
 """Writes notebooks/02_on_policy_rl.ipynb (run: python notebooks/make_02.py). The notebook is
-executed in CI by tests/test_notebooks.py."""
+executed in CI by tests/test_notebooks.py; `python notebooks/execute.py` stores its outputs."""
 
 import nbformat as nbf
 

@@ -18,6 +18,18 @@ def test_the_notebooks_are_found():
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_the_stored_outputs_are_this_numerics_version(path):
+    """A reader sees the stored outputs: they must come from the bits this tree computes
+    (``python notebooks/execute.py`` refreshes them after a change of bits)."""
+    from bijax import NUMERICS_VERSION
+
+    ran_at = nbformat.read(path, as_version=4).metadata.get("bijax", {}).get("numerics_version")
+    assert ran_at == NUMERICS_VERSION, (
+        f"{path.name}: outputs from NUMERICS_VERSION {ran_at}; run notebooks/execute.py"
+    )
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_executes(path):
     nb = nbformat.read(path, as_version=4)
     NotebookClient(
