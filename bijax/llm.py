@@ -20,7 +20,7 @@ from bijax.sampling_params import MAX_SEED, SamplingParams
 from bijax.speculative import SpeculativeConfig
 from models.configs import PRESETS
 from models.llama import Llama, param_state
-from models.loading import DEFAULT_MODEL, EMBEDDED, embedded_model_path, load_model
+from models.loading import DEFAULT_MODEL, embedded_model_path, is_embedded, is_preset, load_model
 from models.sharding import check_tensor_parallel
 from models.tokenizer import load_tokenizer
 
@@ -143,9 +143,9 @@ def _check_arguments(*, dtype, gpu_memory_utilization, seed, flags: dict, **coun
 def _checkpoint_tokenizer(model):
     """The tokenizer a checkpoint carries (a GGUF file, or a directory with tokenizer.json; an
     embedded model's name), or None (a preset, a Llama, a checkpoint without one)."""
-    if isinstance(model, Llama) or (isinstance(model, str) and model in PRESETS):
+    if isinstance(model, Llama) or is_preset(model):
         return None
-    path = embedded_model_path(model) if isinstance(model, str) and model in EMBEDDED else os.fspath(model)
+    path = embedded_model_path(model) if is_embedded(model) else os.fspath(model)
     if path.endswith(".gguf") or os.path.isfile(os.path.join(path, "tokenizer.json")):
         return load_tokenizer(path)
     return None
@@ -166,7 +166,7 @@ def _load(model, *, dtype, k_shards: int, seed: int, tensor_parallel_size: int, 
                 "applies to models bijax loads (build the model with it, or leave it out)"
             )
         return model
-    if isinstance(model, str) and model in PRESETS:  # fail before building a large model
+    if is_preset(model):  # fail before building a large model
         check_tensor_parallel(PRESETS[model], tensor_parallel_size, k_shards)
     return load_model(
         model,
@@ -175,7 +175,7 @@ def _load(model, *, dtype, k_shards: int, seed: int, tensor_parallel_size: int, 
         seed=seed,
         progress=True,
         # presets are built in their shards; checkpoints load whole, then split
-        tensor_parallel_size=tensor_parallel_size if model in PRESETS else 1,
+        tensor_parallel_size=tensor_parallel_size if is_preset(model) else 1,
     )
 
 

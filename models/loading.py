@@ -268,6 +268,20 @@ def embedded_model_path(name: str) -> str:
     return path
 
 
+def is_preset(name_or_path) -> bool:
+    """Whether ``name_or_path`` names a preset: a preset's name for which no file or directory
+    of that name exists here (a local checkpoint wins, as in transformers: ``./tiny`` never
+    silently becomes random weights)."""
+    from models.configs import PRESETS
+
+    return isinstance(name_or_path, str) and name_or_path in PRESETS and not os.path.exists(name_or_path)
+
+
+def is_embedded(name_or_path) -> bool:
+    """Whether ``name_or_path`` names an embedded model (and no local file or directory)."""
+    return isinstance(name_or_path, str) and name_or_path in EMBEDDED and not os.path.exists(name_or_path)
+
+
 def load_model(
     name_or_path: str | os.PathLike,
     *,
@@ -286,12 +300,13 @@ def load_model(
     - an embedded model name (``smollm2-135m``) or a ``.gguf`` file: dequantized (default float32);
     - a HF checkpoint directory (config.json + safetensors; default: its torch_dtype);
     - a directory written by ``save_orbax``.
-    """
+
+    A name that is also a file or directory here loads that (``is_preset``)."""
     from models.configs import PRESETS, preset
 
     if dtype is not None:
         weight_dtype(dtype)  # named before anything loads
-    if isinstance(name_or_path, str) and name_or_path in PRESETS:
+    if is_preset(name_or_path):
         make = lambda: Llama(  # noqa: E731
             preset(name_or_path), dtype=jnp.bfloat16 if dtype is None else dtype, k_shards=k_shards, seed=seed
         )
@@ -302,7 +317,7 @@ def load_model(
 
         sharding.check_tensor_parallel(preset(name_or_path), tensor_parallel_size, k_shards)
         return sharding.build_sharded(make, sharding.make_mesh(tensor_parallel_size))
-    if isinstance(name_or_path, str) and name_or_path in EMBEDDED:
+    if is_embedded(name_or_path):
         name_or_path = embedded_model_path(name_or_path)
     path = os.fspath(name_or_path)
     if path.endswith(".gguf") or (os.path.isfile(path) and _is_gguf(path)):

@@ -114,11 +114,11 @@ class _Streamer:
 
 def run(args: argparse.Namespace) -> int:
     from bijax import SamplingParams
-    from models.configs import PRESETS
+    from models.loading import is_preset
 
     if args.system and not args.chat:
         raise ValueError("--system needs --chat")
-    if args.model in PRESETS:  # (before building its weights: llama3-8b's take a while)
+    if is_preset(args.model):  # (before building its weights: llama3-8b's take a while)
         raise ValueError(
             f"--model {args.model} is a preset (random weights, no tokenizer): generate takes text "
             "prompts, so it needs a model with a tokenizer (an embedded model, a .gguf file or a HF "

@@ -321,3 +321,20 @@ def test_a_dtype_that_is_no_weight_dtype_is_named_before_loading():
             with pytest.raises(TypeError, match=f"dtype must be bfloat16, float16 or float32, got {shown}"):
                 load_model(name, dtype=bad)
     assert load_model("tiny", dtype="float16").dtype == jnp.float16
+
+
+def test_a_local_checkpoint_named_like_a_preset_is_loaded_not_the_preset(tmp_path, monkeypatch):
+    """``./tiny`` (a checkpoint) in the working directory: "tiny" loads it, as transformers
+    would, never the random preset silently; elsewhere "tiny" is the preset."""
+    import dataclasses
+
+    from models.loading import is_preset, load_model, save_orbax
+
+    mine = Llama(dataclasses.replace(preset("tiny"), vocab_size=300), dtype=jnp.float32, seed=5)
+    save_orbax(mine, tmp_path / "tiny")
+    assert is_preset("tiny") and load_model("tiny").config.vocab_size == 512  # not here yet
+    monkeypatch.chdir(tmp_path)
+    assert not is_preset("tiny")
+    got = load_model("tiny")
+    assert got.config.vocab_size == 300
+    assert np.array_equal(np.asarray(got.embed[...]), np.asarray(mine.embed[...]))
