@@ -24,6 +24,7 @@ from bijax.sampling_params import MAX_LOGPROBS, SamplingParams, check_temperatur
 from bijax.scheduler import Scheduler
 from bijax.sequence import Sequence, Status
 from bijax.speculative import SpeculativeConfig, Speculator, check_draft_vocabulary
+from pallas_kernels.attention_math import HEAD_DIMS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +93,12 @@ class Engine:
         loaded draft for method "draft_model", ``draft_tokenizer`` its tokenizer if known (the
         vocabularies must be one: ``speculative.check_draft_vocabulary``)."""
         self.config = config
+        for m, what in ((model, "model"), (draft_model, "draft model")):
+            if config.invariant and m is not None and m.config.head_dim not in HEAD_DIMS:
+                raise ValueError(
+                    f"the {what}'s head_dim is {m.config.head_dim}: the invariant attention kernels "
+                    f"take {' or '.join(map(str, HEAD_DIMS))} (invariant=False runs XLA's attention)"
+                )
         spec = SpeculativeConfig.create(speculative)
         if spec is not None and spec.method == "draft_model":
             if draft_model is None:

@@ -203,9 +203,12 @@ def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
         raise FileNotFoundError(f"no HF config.json at {path}")
     with open(path) as f:
         try:
-            return json.load(f)
+            hf = json.load(f)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(hf).__name__}")
+    return hf
 
 
 def _from_hf_dict(hf: dict[str, Any]) -> LlamaConfig:
@@ -248,7 +251,10 @@ def _from_hf_dict(hf: dict[str, Any]) -> LlamaConfig:
     heads = hf["num_attention_heads"]
     theta, scaling = _rope_from_hf(hf)
     eos = hf.get("eos_token_id")
-    eos_ids = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+    eos_ids = tuple(
+        _hf_number(e, "eos_token_id", int)
+        for e in ([] if eos is None else eos if isinstance(eos, list) else [eos])
+    )
     bos = hf.get("bos_token_id")
     return LlamaConfig(
         vocab_size=hf["vocab_size"],
@@ -265,7 +271,7 @@ def _from_hf_dict(hf: dict[str, Any]) -> LlamaConfig:
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
-        bos_token_id=None if bos is None else int(bos),
+        bos_token_id=None if bos is None else _hf_number(bos, "bos_token_id", int),
         eos_token_ids=eos_ids,
         model_type=model_type,
         **(_moe_fields(hf) if model_type == "qwen3_moe" else {}),

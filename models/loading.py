@@ -63,7 +63,8 @@ def param_names(config: LlamaConfig) -> dict[str, tuple[str, tuple[int, ...], bo
 
 
 def _checkpoint_dtype(hf: dict) -> jnp.dtype:
-    name = hf.get("torch_dtype") or hf.get("dtype") or "float32"
+    # transformers >= 5 writes "dtype" (and keeps it over "torch_dtype" when a file has both)
+    name = hf.get("dtype") or hf.get("torch_dtype") or "float32"
     return jnp.dtype(_DTYPE_NAMES.get(str(name).removeprefix("torch."), jnp.float32))
 
 
@@ -76,6 +77,8 @@ def _tensor_sources(path: str) -> Iterator[tuple[str, SafetensorsFile]]:
                 weight_map = json.load(f)["weight_map"]
             except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise ValueError(f"{index}: not a valid safetensors index ({e!r})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ValueError(f"{index}: weight_map must map tensor names to shard file names")
         files = {}
         for name, fname in weight_map.items():
             if fname not in files:

@@ -175,14 +175,23 @@ class Tokenizer:
                     cfg = json.load(f)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{cfg_path} is not valid JSON: {e}") from None
-        template = cfg.get("chat_template")
-        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-            template = named.get("default") or next(iter(named.values()), None)
+            if not isinstance(cfg, dict):
+                raise ValueError(f"{cfg_path} must hold a JSON object, got {type(cfg).__name__}")
+        # chat_template.jinja overrides tokenizer_config.json's template (as in transformers)
         jinja_path = os.path.join(path, "chat_template.jinja")
-        if template is None and os.path.isfile(jinja_path):
+        if os.path.isfile(jinja_path):
             with open(jinja_path, encoding="utf-8") as f:
                 template = f.read()
+        else:
+            template = cfg.get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            if "default" not in named:  # (transformers asks for a template name then)
+                raise ValueError(
+                    f"{cfg_path}: chat templates {sorted(map(str, named))} and none named 'default' "
+                    "(bijax renders the default one)"
+                )
+            template = named["default"]
 
         def token(v):
             return v.get("content") if isinstance(v, dict) else v
@@ -195,9 +204,12 @@ class Tokenizer:
             if os.path.isfile(gen_path):
                 with open(gen_path, encoding="utf-8") as f:
                     try:
-                        eos = json.load(f).get("eos_token_id")
-                    except (json.JSONDecodeError, AttributeError):
-                        eos = None
+                        gen = json.load(f)
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{gen_path} is not valid JSON: {e}") from None
+                if not isinstance(gen, dict):
+                    raise ValueError(f"{gen_path} must hold a JSON object, got {type(gen).__name__}")
+                eos = gen.get("eos_token_id")
                 extra = [eos] if isinstance(eos, int) else [i for i in eos or [] if isinstance(i, int)]
                 break
         return cls(

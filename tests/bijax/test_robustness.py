@@ -163,3 +163,23 @@ def test_soak_random_arrivals():
         solo_params = SP(**{**{f: getattr(p, f) for f in p.__dataclass_fields__}, "seed": seeds[k]})
         solo = llm.generate([prompts[k]], solo_params, use_tqdm=False)[0]
         assert _same([out], [solo]), k
+
+
+def test_a_head_dim_the_kernels_do_not_take_is_named_when_the_engine_is_made():
+    """A model with head_dim 32 built an invariant engine and failed at its first step, deep in
+    the attention op; now the engine refuses it (the XLA path takes it)."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from models.configs import preset
+    from models.llama import Llama
+
+    model = Llama(dataclasses.replace(preset("tiny"), head_dim=32), dtype=jnp.float32, seed=0)
+    with pytest.raises(
+        ValueError, match="the model's head_dim is 32: the invariant attention kernels take 64 or 128"
+    ):
+        bijax.LLM(model, max_model_len=64, num_kv_blocks=16)
+    assert (
+        bijax.LLM(model, invariant=False, max_model_len=64, num_kv_blocks=16).engine.config.invariant is False
+    )

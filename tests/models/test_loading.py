@@ -231,6 +231,8 @@ def test_config_from_hf_both_rope_formats():
         ),  # fmt: skip
         ({"num_key_value_heads": 3}, "num_kv_heads"),
         ({"vocab_size": 0}, "vocab_size"),
+        ({"eos_token_id": [2, None]}, "eos_token_id must be an integer, got None"),  # (int() TypeErrors)
+        ({"bos_token_id": [1]}, r"bos_token_id must be an integer, got \[1\]"),
     ],
 )
 def test_bad_configs(change, match):
@@ -338,3 +340,26 @@ def test_a_local_checkpoint_named_like_a_preset_is_loaded_not_the_preset(tmp_pat
     got = load_model("tiny")
     assert got.config.vocab_size == 300
     assert np.array_equal(np.asarray(got.embed[...]), np.asarray(mine.embed[...]))
+
+
+def test_checkpoint_files_as_transformers_reads_them(tmp_path):
+    """config.json's "dtype" wins over "torch_dtype" (transformers 5 keeps "dtype"; bijax read
+    "torch_dtype"); a config.json or an index's weight_map that is not an object is named (they
+    were TypeError / AttributeError tracebacks)."""
+    d = _copy("llama2", tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "float16", "dtype": "bfloat16"}))
+    assert load_hf(d).dtype == jnp.bfloat16
+    older = {k: v for k, v in cfg.items() if k != "dtype"}
+    (d / "config.json").write_text(json.dumps({**older, "torch_dtype": "float16"}))
+    assert load_hf(d).dtype == jnp.float16  # the older key alone still counts
+    (d / "config.json").write_text("[]")
+    with pytest.raises(ValueError, match="config.json must hold a JSON object, got list"):
+        load_hf(d)
+    (d / "config.json").write_text(json.dumps(cfg))
+    t = _tensors(d)
+    os.rename(d / "model.safetensors", d / "model-00001-of-00001.safetensors")
+    for weight_map in (sorted(t), {n: None for n in t}):
+        (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+        with pytest.raises(ValueError, match="weight_map must map tensor names to shard file names"):
+            load_hf(d)

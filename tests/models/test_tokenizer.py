@@ -131,3 +131,34 @@ def test_unsupported_gguf_tokenizer_named():
     Fake.metadata = dict(Fake.metadata, **{"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "mystery"})
     with pytest.raises(ValueError, match="'mystery'"):
         Tokenizer.from_gguf(Fake())
+
+
+def test_hf_directory_files_as_transformers_reads_them(hf_dir, tmp_path):
+    """chat_template.jinja overrides tokenizer_config.json's template (it was the other way
+    round: a silently different prompt); a template list needs a "default"; a corrupt or
+    non-object generation_config.json / tokenizer_config.json is named (a corrupt
+    generation_config.json was skipped, and config.json's eos ids with it)."""
+    d = tmp_path / "tok"
+    shutil.copytree(hf_dir, d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    (d / "chat_template.jinja").write_text("NEW {{ messages[0]['content'] }}")
+    (d / "tokenizer_config.json").write_text(
+        json.dumps({**cfg, "chat_template": "OLD {{ messages[0]['content'] }}"})
+    )
+    hi = [{"role": "user", "content": "hi"}]
+    assert load_tokenizer(d).apply_chat_template(hi) == "NEW hi"
+    os.remove(d / "chat_template.jinja")
+    assert load_tokenizer(d).apply_chat_template(hi) == "OLD hi"  # the control: the config's alone
+    listed = [{"name": "tool_use", "template": "TOOL"}, {"name": "default", "template": "DEF"}]
+    (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": listed}))
+    assert load_tokenizer(d).apply_chat_template(hi) == "DEF"
+    (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": listed[:1]}))
+    with pytest.raises(ValueError, match=r"chat templates \['tool_use'\] and none named 'default'"):
+        load_tokenizer(d)
+    (d / "tokenizer_config.json").write_text("[]")
+    with pytest.raises(ValueError, match="tokenizer_config.json must hold a JSON object, got list"):
+        load_tokenizer(d)
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (d / "generation_config.json").write_text('{"eos_token_id": [1, 2],}')
+    with pytest.raises(ValueError, match="generation_config.json is not valid JSON"):
+        load_tokenizer(d)
