@@ -1,8 +1,12 @@
 """Paged KV blocks: a free list with reference counts and a prefix cache.
 
 Block 0 is the reserved null block (padding tokens write there). A full block whose tokens
-are all computed is registered under a key of (its parent block's key, its token ids), so a
-later sequence with the same prefix reuses it instead of recomputing it. A block whose
+are all computed is registered under a key of (its parent's chain id, its token ids), so a
+later sequence with the same prefix reuses it instead of recomputing it. A chain id names one
+registered prefix exactly (a counter, never reused: when a block is evicted its id dies with
+it, and blocks registered under it can no longer be reached), so keys stay flat - a key that
+nested its parent's key made a 1,500-block prefix a 1,500-deep tuple, whose hash and
+comparison recursed past Python's limit. A block whose
 reference count drops to zero goes to the back of the free list but keeps its content and
 key until it is handed out again (least recently freed first): the cache evicts lazily.
 Reused KV has the same bits as recomputed KV (the kernels are batch invariant), so a cache
@@ -25,7 +29,9 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
         self.ref = [0] * num_blocks
         self.key_of: list[tuple | None] = [None] * num_blocks
+        self.chain_of: list[int | None] = [None] * num_blocks  # the chain id of a registered block
         self.cached: dict[tuple, int] = {}
+        self._chains = 0  # chain ids handed out (0: the empty prefix)
         self.hit_blocks = 0
 
     @property
@@ -37,7 +43,7 @@ class BlockManager:
         key = self.key_of[b]
         if key is not None:  # evict its cached content
             del self.cached[key]
-            self.key_of[b] = None
+            self.key_of[b] = self.chain_of[b] = None
         return b
 
     def blocks_needed(self, seq, new_tokens: int) -> int:
@@ -77,48 +83,56 @@ class BlockManager:
 
     # ------------------------------------------------------------------ prefix cache
 
-    def _key(self, seq, i: int, parent):
+    def _key(self, seq, i: int, parent: int):
         bs = self.block_size
         return (parent, tuple(seq.token_slice(i * bs, (i + 1) * bs)))
+
+    def _new_chain(self) -> int:
+        self._chains += 1
+        return self._chains
 
     def match_prefix(self, seq) -> int:
         """For a sequence with no blocks: takes the cached blocks of its longest cached prefix
         (leaving at least one token to compute) and marks their tokens computed. Returns the
-        number of blocks reused."""
+        number of blocks reused (the caller counts them as hits if it keeps them)."""
         if not self.enable_prefix_caching or seq.block_table:
             return 0
-        parent, n = None, 0
+        parent, n = 0, 0
         limit = len(seq) - 1 if seq.prefix_limit is None else min(len(seq) - 1, seq.prefix_limit)
         for i in range(limit // self.block_size):
-            key = self._key(seq, i, parent)
-            b = self.cached.get(key)
+            b = self.cached.get(self._key(seq, i, parent))
             if b is None:
                 break
             if self.ref[b] == 0:
                 del self.free[b]
             self.ref[b] += 1
             seq.block_table.append(b)
-            seq.block_keys.append(key)
-            parent, n = key, n + 1
+            parent, n = self.chain_of[b], n + 1
+            seq.block_keys.append(parent)
         seq.num_computed = n * self.block_size
-        self.hit_blocks += n
         return n
 
     def register(self, seq) -> None:
-        """Registers the sequence's newly completed full blocks in the cache."""
+        """Registers the sequence's newly completed full blocks in the cache (``seq.block_keys``:
+        each full block's chain id)."""
         if not self.enable_prefix_caching:
             return
         full = min(seq.num_computed // self.block_size, len(seq.block_table))
         for i in range(len(seq.block_keys), full):
-            parent = seq.block_keys[-1] if seq.block_keys else None
-            key = self._key(seq, i, parent)
+            key = self._key(seq, i, seq.block_keys[-1] if seq.block_keys else 0)
             b = seq.block_table[i]
-            if key not in self.cached and self.key_of[b] is None:
-                self.cached[key] = b
-                self.key_of[b] = key
-            seq.block_keys.append(key)
+            have = self.cached.get(key)
+            if have is not None:  # another block holds this prefix: its chain goes on
+                chain = self.chain_of[have]
+            else:
+                chain = self._new_chain()  # (one no block holds if b is taken: unreachable)
+                if self.key_of[b] is None:
+                    self.cached[key] = b
+                    self.key_of[b], self.chain_of[b] = key, chain
+            seq.block_keys.append(chain)
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached block (their KV was computed with weights that changed)."""
         self.cached.clear()
         self.key_of = [None] * self.num_blocks
+        self.chain_of = [None] * self.num_blocks

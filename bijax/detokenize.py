@@ -29,3 +29,16 @@ def current_text(decode, ids, text: str, k: int) -> tuple[str, str, int]:
         return (now, text, k) if now.endswith("\ufffd") else (now, now, len(ids))
     now = text + tail[len(head) :]
     return (now, text, k) if tail.endswith("\ufffd") else (now, now, len(ids))
+
+
+def stop_prefix_len(text: str, stops) -> int:
+    """How many characters at the end of ``text`` could begin one of the stop strings ``stops``
+    (the longest such suffix, shorter than that stop): a partial output holds them back, so
+    streamed text never shows what the final text cuts."""
+    longest = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), longest, -1):
+            if text.endswith(s[:k]):
+                longest = k
+                break
+    return longest

@@ -16,7 +16,7 @@ import numpy as np
 from bijax import prompts, scoring
 from bijax.block_manager import BlockManager
 from bijax.config import EngineConfig, bucket
-from bijax.detokenize import current_text
+from bijax.detokenize import current_text, stop_prefix_len
 from bijax.model_runner import Chunk, Launched, ModelRunner, num_compiled_steps
 from bijax.outputs import CompletionOutput, RequestOutput, SpeculativeMetrics
 from bijax.prompts import ValidPrompt
@@ -162,7 +162,7 @@ class Engine:
         return prompts.tokenize(self.tokenizer, prompt)
 
     def _check(self, ids: list[int], params: SamplingParams) -> None:
-        prompts.check_request(ids, params, self.model_config.vocab_size, self.config)
+        prompts.check_request(ids, params, self.model_config.vocab_size, self.config, self.blocks.num_blocks)
 
     # ------------------------------------------------------------------ API
 
@@ -352,6 +352,7 @@ class Engine:
             )
         self.blocks = BlockManager(num_blocks, self.config.block_size, enable_prefix_caching=False)
         self.scheduler = Scheduler(self.config, self.blocks)
+        self._token = object()  # prompts checked against the whole pool are checked again
 
     def _require_idle(self, what: str) -> None:
         if self.has_unfinished_requests():
@@ -626,6 +627,8 @@ class Engine:
                 # partial outputs (streaming) from the incremental text; a finished one decoded whole
                 done = s.status == Status.FINISHED
                 text = self._text(s.output_token_ids) if done else self._current_text(s)
+                if not done and s.params.stop:  # a stop string may be forming at the end
+                    text = text[: len(text) - stop_prefix_len(text, s.params.stop)]
             outs.append(
                 CompletionOutput(
                     index=s.sample_index,

@@ -47,9 +47,17 @@ def tokenize(tokenizer, prompt) -> tuple[str | None, list[int]]:
     return None, ids
 
 
-def check_request(ids: list[int], params: SamplingParams, vocab_size: int, cfg: EngineConfig) -> None:
+def check_request(
+    ids: list[int],
+    params: SamplingParams,
+    vocab_size: int,
+    cfg: EngineConfig,
+    num_kv_blocks: int | None = None,
+) -> None:
     """Raises ValueError when the prompt ids and ``params.max_tokens`` do not fit the model's
-    vocabulary, ``max_model_len`` or the KV pool."""
+    vocabulary, ``max_model_len`` or the KV pool (``num_kv_blocks``: the pool scheduled into,
+    default ``cfg``'s)."""
+    pool = cfg.num_kv_blocks if num_kv_blocks is None else num_kv_blocks
     if not ids:
         raise ValueError("prompt is empty")
     bad = [t for t in ids if not 0 <= t < vocab_size]
@@ -61,8 +69,7 @@ def check_request(ids: list[int], params: SamplingParams, vocab_size: int, cfg: 
             f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
             f"max_model_len ({cfg.max_model_len})"
         )
-    if -(-total // cfg.block_size) > cfg.num_kv_blocks - 1:
+    if -(-total // cfg.block_size) > pool - 1:
         raise ValueError(
-            f"a request of {total} tokens needs {-(-total // cfg.block_size)} KV blocks; the pool has "
-            f"{cfg.num_kv_blocks - 1}"
+            f"a request of {total} tokens needs {-(-total // cfg.block_size)} KV blocks; the pool has {pool - 1}"
         )

@@ -60,12 +60,13 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.finishing:  # preempted while its last token is on the device: it ends next step
                 break
-            self.blocks.match_prefix(seq)  # reuse cached KV blocks of its prefix
+            reused = self.blocks.match_prefix(seq)  # reuse cached KV blocks of its prefix
             n = min(seq.num_pending, budget)
             if not self.blocks.can_allocate(seq, n):
                 self.blocks.release(seq)
                 seq.num_computed = 0
                 break
+            self.blocks.hit_blocks += reused  # (counted once it is admitted: not at every try)
             self.waiting.popleft()
             self.blocks.allocate(seq, n)
             seq.status = Status.RUNNING

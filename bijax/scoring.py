@@ -17,6 +17,15 @@ def score_sequences(runner, blocks, config, seqs, prompt_lens, temperature: floa
     sched = Scheduler(config, blocks)
     for s in seqs:
         sched.add(s)
+    try:
+        _run(runner, sched, seqs, prompt_lens, temperature, results)
+    finally:  # a failure or Ctrl-C midway: every sequence's blocks go back to the pool
+        for s in (*sched.running, *sched.waiting):
+            sched.finish(s, "abort")
+    return results
+
+
+def _run(runner, sched, seqs, prompt_lens, temperature, results) -> None:
     while sched.has_unfinished():
         chunks = sched.schedule()
         targets, where = [], []
@@ -37,4 +46,3 @@ def score_sequences(runner, blocks, config, seqs, prompt_lens, temperature: floa
             seq.num_computed += n
             if seq.num_computed == len(seq):
                 sched.finish(seq, "stop")
-    return results

@@ -114,7 +114,7 @@ class Sequence:
         self.status = Status.WAITING
         self.num_computed = 0
         self._block_table = BlockTable()
-        self.block_keys: list[tuple] = []  # prefix-cache keys of its full blocks
+        self.block_keys: list[int] = []  # prefix-cache chain ids of its full blocks
         self.prefix_limit: int | None = None  # at most this many tokens may come from the cache
         self.finish_reason: str | None = None
         self.text = ""  # the text of the first ``text_tokens`` outputs (bijax.detokenize)

@@ -69,8 +69,8 @@ class _Streamer:
     """Prints the requests' text in order: the earliest unfinished one streams live, later
     ones are held and printed (then streamed) when their turn comes."""
 
-    def __init__(self, prompts, holdback: int, headers: bool):
-        self.prompts, self.holdback, self.headers = prompts, holdback, headers
+    def __init__(self, prompts, headers: bool):
+        self.prompts, self.headers = prompts, headers
         self.latest: dict[int, object] = {}
         self.cur, self.shown = 0, 0
         self.headed = -1  # the last request whose header is printed
@@ -97,7 +97,7 @@ class _Streamer:
                 sys.stdout.flush()
                 self.cur, self.shown = self.cur + 1, 0
                 continue
-            end = len(text) - self.holdback
+            end = len(text)  # (a partial output holds back what could begin a stop string)
             while end > self.shown and text[end - 1] == "\ufffd":  # an incomplete UTF-8 sequence
                 end -= 1
             if end > self.shown:
@@ -167,8 +167,7 @@ def run(args: argparse.Namespace) -> int:
         warmup(llm, args, logprobs=bool(args.logprobs), step_tokens=steps)
     else:
         warmup(llm, args, logprobs=bool(args.logprobs), max_step_tokens=max(work, s))
-    holdback = max((len(x) for x in params.stop), default=1) - 1
-    stream = None if args.json else _Streamer(prompts, holdback, headers=len(prompts) > 1)
+    stream = None if args.json else _Streamer(prompts, headers=len(prompts) > 1)
 
     def on_output(i, out):
         if stream is not None:

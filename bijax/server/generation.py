@@ -134,8 +134,7 @@ class Job:
 
     async def _events(self):
         n, tok = self.params.n, self.srv.tokenizer
-        holdback = max((len(s) for s in self.params.stop), default=1) - 1
-        states = {rid: StreamState(n, holdback) for rid in self.rids}
+        states = {rid: StreamState(n) for rid in self.rids}
         index = {rid: p for p, rid in enumerate(self.rids)}
         remaining, finals = set(self.rids), []
         obj = "chat.completion.chunk" if self.chat else "text_completion"

@@ -67,13 +67,11 @@ def chat_logprobs(tok, o: CompletionOutput, a: int, b: int, top: bool) -> dict:
 
 
 class StreamState:
-    """What each sample of one request has sent so far. Text waits for complete UTF-8 and,
-    while unfinished, holds back the last ``holdback`` characters (a stop string may be
-    forming there: the final text is cut before it)."""
+    """What each sample of one request has sent so far. Text waits for complete UTF-8 (a
+    partial output's text already holds back what could begin a stop string: ``Engine``)."""
 
-    def __init__(self, n: int, holdback: int):
+    def __init__(self, n: int):
         self.tokens, self.chars, self.done = [0] * n, [0] * n, [False] * n
-        self.holdback = holdback
 
     def deltas(self, out):
         """(sample, first new token, end, characters sent before, new text, finish reason or
@@ -88,7 +86,7 @@ class StreamState:
             if o.finish_reason is not None:
                 end = max(shown, len(text))
             else:
-                end = len(text) - self.holdback
+                end = len(text)
                 while end > shown and text[end - 1] == "\ufffd":  # an incomplete UTF-8 sequence
                     end -= 1
             delta = text[shown:end] if end > shown else ""

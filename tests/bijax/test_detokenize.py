@@ -1,9 +1,11 @@
 """bijax.detokenize: the incremental text equals the whole decode at every token."""
 
+import itertools
+
 import numpy as np
 import pytest
 
-from bijax.detokenize import current_text
+from bijax.detokenize import current_text, stop_prefix_len
 from models.loading import embedded_model_path
 from models.tokenizer import load_tokenizer
 
@@ -66,3 +68,17 @@ def test_a_decoder_that_does_not_concatenate_gets_the_whole_decode():
     # control: appending each token's own text (no window, no check) goes wrong here
     naive = "".join(decode([i]) for i in ids)
     assert naive != decode(ids)
+
+
+def test_stop_prefix_len_is_the_longest_suffix_a_stop_string_begins_with():
+    assert stop_prefix_len("a, 6, ", [" 7"]) == 1
+    assert stop_prefix_len("a, 6,", [" 7"]) == 0
+    assert stop_prefix_len("xxab", ["abc", "b"]) == 2  # "ab" of "abc" (a whole "b" would have stopped)
+    assert stop_prefix_len("", ["abc"]) == 0 and stop_prefix_len("ab", []) == 0
+    assert (
+        stop_prefix_len("aaa", ["aaab"]) == 3 and stop_prefix_len("aab", ["aab"]) == 0
+    )  # shorter than the stop
+    rng = np.random.default_rng(0)  # held text only grows: a shown prefix is never taken back
+    text = "".join(rng.choice(list("ab "), 200))
+    shown = [t[: len(t) - stop_prefix_len(t, ["ab a", "bb"])] for t in (text[:i] for i in range(201))]
+    assert all(b.startswith(a) for a, b in itertools.pairwise(shown))

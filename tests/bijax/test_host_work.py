@@ -98,3 +98,53 @@ def test_free_list_keeps_least_recently_freed_first():
     c = _seq(range(200, 220), seq_id=3)
     bm.allocate(c, 20)
     assert list(c.block_table) == [5, 6, 7, 2, 1]
+
+
+def test_a_long_cached_prefix_matches_without_deep_keys():
+    """A 3,000-block prefix (block_size 1) is registered and matched: keys nested their parent's
+    key, so a lookup compared 1,500-deep tuples and raised RecursionError (a cache hit on a
+    24k-token prompt at block_size 16). The chain ids stay exact: the same tokens after a
+    different first token match nothing, a prefix that stops early matches only its blocks."""
+    bm = BlockManager(8000, 1)
+    a = _seq(range(3001), seq_id=0)
+    bm.allocate(a, len(a))
+    a.num_computed = len(a)
+    bm.register(a)
+    hit = _seq(range(3001), seq_id=1)
+    assert bm.match_prefix(hit) == 3000 and list(hit.block_table) == list(a.block_table)[:3000]
+    assert bm.match_prefix(_seq([7, *range(1, 3001)], seq_id=2)) == 0  # all but the first token
+    assert bm.match_prefix(_seq([*range(1500), 7, 7], seq_id=3)) == 1500
+    # a second sequence computing the same prefix into its own blocks continues the same chain
+    b = _seq([*range(3001), 5, 6], seq_id=4)
+    bm.allocate(b, len(b))
+    b.num_computed = len(b)
+    bm.register(b)
+    longer = _seq([*range(3001), 5, 6, 9], seq_id=5)
+    assert bm.match_prefix(longer) == 3003
+
+
+def test_prefix_hits_count_once_a_request_is_admitted():
+    """A waiting request whose prefix is cached matches it at every step it waits for blocks:
+    the hits were counted each try (22 for a 2-block prefix in a probe); now once, admitted."""
+    from bijax.scheduler import Scheduler
+
+    cfg = EngineConfig(
+        max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64, block_size=4, num_kv_blocks=9
+    )
+    bm = BlockManager(9, 4)
+    sched = Scheduler(cfg, bm)
+    warm = _seq(range(9), seq_id=0)
+    sched.add(warm)
+    assert sched.schedule() == [(warm, 9)]
+    warm.num_computed = 9
+    bm.register(warm)
+    sched.finish(warm, "stop")  # blocks 1, 2 stay cached, at the free list's end
+    hog = _seq(range(100, 124), seq_id=1)  # 6 of the 8 blocks; the 2 cached ones stay free
+    sched.add(hog)
+    assert sched.schedule() == [(hog, 24)]
+    waiter = _seq(range(9), seq_id=2)  # its 2-block prefix is cached, but it needs 3 blocks
+    sched.add(waiter)
+    for _ in range(5):
+        assert sched.schedule() == [(hog, 24)] and waiter.block_table == [] and bm.hit_blocks == 0
+    sched.finish(hog, "stop")
+    assert [s for s, _ in sched.schedule()] == [waiter] and bm.hit_blocks == 2

@@ -167,6 +167,22 @@ def test_stop_strings_with_a_real_tokenizer():
         smol.tokenizer.decode(ids + [v])
 
 
+def test_streamed_text_never_shows_what_a_stop_string_cuts():
+    """With ``on_output``, a partial text could end with the start of a stop string that the
+    final text then cut (stop " 7": ' 5, 6, ' streamed, ' 5, 6,' final). A partial output now
+    holds back what could begin a stop string: every partial text is a prefix of the final."""
+    smol = _llm("smollm2")
+    parts = []
+    out = smol.generate(
+        "Count from 1 to 10: 1, 2, 3, 4,",
+        SP(temperature=0, max_tokens=20, stop=[" 7", "eleven"]),
+        use_tqdm=False,
+        on_output=lambda i, o: parts.append(o.outputs[0].text),
+    )[0]
+    assert out.finish_reason == "stop" and out.text == " 5, 6," and len(parts) > 3
+    assert all(out.text.startswith(p) for p in parts), parts
+
+
 @pytest.mark.parametrize(
     "kw, err, match",
     [

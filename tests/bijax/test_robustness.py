@@ -183,3 +183,46 @@ def test_a_head_dim_the_kernels_do_not_take_is_named_when_the_engine_is_made():
     assert (
         bijax.LLM(model, invariant=False, max_model_len=64, num_kv_blocks=16).engine.config.invariant is False
     )
+
+
+def test_a_failing_score_gives_its_blocks_back(monkeypatch):
+    """``LLM.score`` interrupted midway (Ctrl-C, a device error) kept its sequences' KV blocks
+    for good, and every later request failed ("the KV pool cannot hold the next request"). Now
+    the pool is whole again and the next score has the same bits as before."""
+    llm = _llm()
+    rng = np.random.default_rng(4)
+    seqs = [list(map(int, rng.integers(3, 500, 150))) for _ in range(4)]
+    before = llm.score(seqs, [1] * 4)
+    free = llm.engine.stats().num_free_blocks
+    runner = llm.engine.runner
+    real, calls = runner.score_step, []
+
+    def fails_at_the_third_step(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(runner, "score_step", fails_at_the_third_step)
+    with pytest.raises(KeyboardInterrupt):
+        llm.score(seqs, [1] * 4)
+    monkeypatch.setattr(runner, "score_step", real)
+    assert llm.engine.stats().num_free_blocks == free and not llm.engine.has_unfinished_requests()
+    again = llm.score(seqs, [1] * 4)
+    assert all(np.array_equal(bits(x), bits(y)) for x, y in zip(again, before, strict=True))
+
+
+def test_a_request_larger_than_a_limited_pool_is_refused():
+    """After ``Engine.limit_kv_pool`` a request was still checked against the whole pool: one
+    larger than the limited pool was accepted and preempted itself forever (a livelock). Now
+    it is refused, also as a ValidPrompt checked before the limit."""
+    llm = _llm(num_kv_blocks=64)
+    eng = llm.engine
+    params = SP(max_tokens=40)
+    valid = eng.validate([5] * 10, params)  # 50 tokens: 4 blocks of 16, fine in the whole pool
+    eng.limit_kv_pool(3)  # 2 usable blocks
+    with pytest.raises(ValueError, match="needs 4 KV blocks; the pool has 2"):
+        eng.validate([5] * 10, params)
+    with pytest.raises(ValueError, match="needs 4 KV blocks; the pool has 2"):
+        eng.add_request("r", valid)
+    assert not eng.has_unfinished_requests()
