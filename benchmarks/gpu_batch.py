@@ -266,6 +266,30 @@ STEPS = {
         300,
         "bench-single with the step inputs in new buffers every step (BIJAX_STAGED_INPUTS=0)",
     ),
+    # the same question in one process: two engines on one model, runs interleaved, with the
+    # host time spent staging (does the copy into donated buffers wait for the step in flight?)
+    "staged-ab": (
+        _py("staged_ab.py", "--runs", "6"),
+        300,
+        "staged vs unstaged step inputs, one process, llama3-8b 1 x (64 + 256), runs interleaved",
+    ),
+    "staged-ab-64": (
+        _py(
+            "staged_ab.py",
+            "--seqs",
+            "64",
+            "--input-len",
+            "256",
+            "--output-len",
+            "128",
+            "--runs",
+            "3",
+            "--num-kv-blocks",
+            "2048",
+        ),
+        400,
+        "staged vs unstaged step inputs, one process, llama3-8b 64 x (256 + 128), runs interleaved",
+    ),
     "startup": (
         _py("startup.py"),
         540,
