@@ -34,11 +34,30 @@ def current_text(decode, ids, text: str, k: int) -> tuple[str, str, int]:
 def stop_prefix_len(text: str, stops) -> int:
     """How many characters at the end of ``text`` could begin one of the stop strings ``stops``
     (the longest such suffix, shorter than that stop): a partial output holds them back, so
-    streamed text never shows what the final text cuts."""
+    streamed text never shows what the final text cuts. O(len(stop)) per stop string (a prefix
+    function over the stop and the text's last characters), whatever the stop's length."""
     longest = 0
     for s in stops:
-        for k in range(min(len(s) - 1, len(text)), longest, -1):
-            if text.endswith(s[:k]):
-                longest = k
-                break
+        tail = text[len(text) - min(len(text), len(s) - 1) :]
+        if not tail:
+            continue
+        joined = s + "\0" + tail  # the longest border of joined: a suffix of tail that begins s
+        pi = [0] * len(joined)
+        for i in range(1, len(joined)):
+            k = pi[i - 1]
+            while k and joined[i] != joined[k]:
+                k = pi[k - 1]
+            pi[i] = k + (joined[i] == joined[k])
+        k = pi[-1]
+        while k > len(tail):  # (a border through the separator: a stop that holds "\0" itself)
+            k = pi[k - 1]
+        longest = max(longest, k)
     return longest
+
+
+def partial_text(text: str, stops) -> str:
+    """A partial output's text as shown: without a trailing incomplete UTF-8 character (U+FFFD:
+    the next token completes it) and, with stop strings, without an end that could begin one -
+    so every partial text is a prefix of the final text."""
+    text = text.rstrip("\ufffd")
+    return text[: len(text) - stop_prefix_len(text, stops)] if stops else text

@@ -293,7 +293,11 @@ class LLM:
         draft = draft_tokenizer = None
         if spec is not None and spec.method == "draft_model":
             draft = load(spec.model, what="draft model")  # its vocabulary is checked by the Engine
-            draft_tokenizer = _checkpoint_tokenizer(spec.model)
+            if draft.config.vocab_size != cfg.vocab_size:  # then its tokenizer must show it is one
+                try:
+                    draft_tokenizer = _checkpoint_tokenizer(spec.model)
+                except (ValueError, TypeError, FileNotFoundError) as e:
+                    raise type(e)(f"the draft model's tokenizer: {e}") from None
         blocks_per_seq = -(-max_model_len // block_size)
         if num_kv_blocks is None:
             num_kv_blocks = _kv_blocks(

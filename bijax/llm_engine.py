@@ -16,7 +16,7 @@ import numpy as np
 from bijax import prompts, scoring
 from bijax.block_manager import BlockManager
 from bijax.config import EngineConfig, bucket
-from bijax.detokenize import current_text, stop_prefix_len
+from bijax.detokenize import current_text, partial_text
 from bijax.model_runner import Chunk, Launched, ModelRunner, num_compiled_steps
 from bijax.outputs import CompletionOutput, RequestOutput, SpeculativeMetrics
 from bijax.prompts import ValidPrompt
@@ -626,9 +626,11 @@ class Engine:
             if not s.stop_cut and self.tokenizer is not None:
                 # partial outputs (streaming) from the incremental text; a finished one decoded whole
                 done = s.status == Status.FINISHED
-                text = self._text(s.output_token_ids) if done else self._current_text(s)
-                if not done and s.params.stop:  # a stop string may be forming at the end
-                    text = text[: len(text) - stop_prefix_len(text, s.params.stop)]
+                text = (
+                    self._text(s.output_token_ids)
+                    if done
+                    else partial_text(self._current_text(s), s.params.stop)
+                )
             outs.append(
                 CompletionOutput(
                     index=s.sample_index,

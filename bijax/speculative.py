@@ -136,15 +136,18 @@ def check_draft_vocabulary(model, tokenizer, draft, draft_tokenizer) -> None:
     The draft's embedding may have fewer rows than the model's (checkpoints pad their
     vocabulary differently: Qwen2.5-0.5B has 151,936 rows, Qwen2.5-7B 152,064, one tokenizer),
     never more - a draft the model has no row for cannot be verified. Rows that differ are
-    taken only when both tokenizers are known and their vocabularies are the same; equal rows
-    with two known tokenizers that differ are refused too. (A wrong draft could never change an
-    output - drafts are verified - it would only waste every step's drafting.)"""
+    taken only when both tokenizers are known and their vocabularies are the same (``LLM``
+    loads the draft's tokenizer only then); equal rows with two known tokenizers that differ
+    are refused too. (A wrong draft could never change an output - drafts are verified - it
+    would only waste every step's drafting.)"""
     rows, draft_rows = model.config.vocab_size, draft.config.vocab_size
     if draft_rows > rows:
         raise ValueError(
             f"speculative_config: the draft model's vocabulary ({draft_rows}) is larger than the "
             f"model's ({rows}): it must use the same tokenizer, with at most the model's rows"
         )
+    if not hasattr(tokenizer, "vocabulary") or not hasattr(draft_tokenizer, "vocabulary"):
+        tokenizer = draft_tokenizer = None  # (a tokenizer of the user's own: nothing to compare)
     if tokenizer is not None and draft_tokenizer is not None:
         if tokenizer.vocabulary() != draft_tokenizer.vocabulary():
             raise ValueError(

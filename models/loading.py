@@ -336,6 +336,11 @@ def load_model(
     if os.path.isdir(path):
         return load_hf(path, dtype=dtype, k_shards=k_shards)
     known = sorted(PRESETS) + sorted(EMBEDDED)
+    if path in known:  # a file of that name here shadows the model of that name
+        raise FileNotFoundError(
+            f"{path!r} names a built-in model, but a file {path!r} in the working directory is taken "
+            "as the path (it is no .gguf file or checkpoint directory): run elsewhere or rename it"
+        )
     raise FileNotFoundError(
         f"{path!r} is not a known model name ({', '.join(known)}), a .gguf file or a checkpoint directory"
     )

@@ -71,6 +71,7 @@ class Tokenizer:
         eos_token: str | None,
         chat_template: str | None,
         extra_eos_ids: Sequence[int] = (),
+        no_template_reason: str | None = None,
     ):
         self._tok = backend
         self.bos_token, self.eos_token = bos_token, eos_token
@@ -78,6 +79,7 @@ class Tokenizer:
         eos_id = None if eos_token is None else backend.token_to_id(eos_token)
         self.eos_token_ids = tuple(dict.fromkeys([i for i in (eos_id, *extra_eos_ids) if i is not None]))
         self.chat_template = chat_template
+        self._no_template_reason = no_template_reason  # why chat_template is None, if it is known
         self._template = None
 
     @property
@@ -117,7 +119,7 @@ class Tokenizer:
     ) -> str:
         """Renders a conversation ([{"role": ..., "content": ...}, ...]) with the model's template."""
         if not self.chat_template:
-            raise ValueError("this tokenizer has no chat template")
+            raise ValueError(self._no_template_reason or "this tokenizer has no chat template")
         if isinstance(messages, dict) or not isinstance(messages, Sequence) or not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
         for i, m in enumerate(messages):
@@ -184,14 +186,15 @@ class Tokenizer:
                 template = f.read()
         else:
             template = cfg.get("chat_template")
+        no_template = None
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-            if "default" not in named:  # (transformers asks for a template name then)
-                raise ValueError(
+            template = named.get("default")
+            if template is None:  # (transformers asks for a template name then, when chatting)
+                no_template = (
                     f"{cfg_path}: chat templates {sorted(map(str, named))} and none named 'default' "
                     "(bijax renders the default one)"
                 )
-            template = named["default"]
 
         def token(v):
             return v.get("content") if isinstance(v, dict) else v
@@ -218,6 +221,7 @@ class Tokenizer:
             eos_token=token(cfg.get("eos_token")),
             chat_template=template,
             extra_eos_ids=extra,
+            no_template_reason=no_template,
         )
 
     @classmethod

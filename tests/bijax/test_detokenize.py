@@ -5,7 +5,7 @@ import itertools
 import numpy as np
 import pytest
 
-from bijax.detokenize import current_text, stop_prefix_len
+from bijax.detokenize import current_text, partial_text, stop_prefix_len
 from models.loading import embedded_model_path
 from models.tokenizer import load_tokenizer
 
@@ -82,3 +82,39 @@ def test_stop_prefix_len_is_the_longest_suffix_a_stop_string_begins_with():
     text = "".join(rng.choice(list("ab "), 200))
     shown = [t[: len(t) - stop_prefix_len(t, ["ab a", "bb"])] for t in (text[:i] for i in range(201))]
     assert all(b.startswith(a) for a, b in itertools.pairwise(shown))
+
+
+def test_stop_prefix_len_equals_the_plain_search():
+    """The prefix-function version against the obvious search (one endswith per length), on
+    random texts and stops over a small alphabet with a NUL (the separator's character)."""
+    rng = np.random.default_rng(1)
+
+    def plain(text, stops):
+        return max(
+            [
+                next((k for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])), 0)
+                for s in stops
+            ],
+            default=0,
+        )
+
+    for _ in range(3000):
+        text = "".join(rng.choice(list("ab\0"), rng.integers(0, 12)))
+        stops = ["".join(rng.choice(list("ab\0"), rng.integers(1, 7))) for _ in range(rng.integers(0, 4))]
+        assert stop_prefix_len(text, stops) == plain(text, stops), (text, stops)
+
+
+def test_partial_text_is_a_prefix_of_the_final_text_on_cjk(tok):
+    """SmolLM2's tokenizer cuts 答 and 案 into two tokens each: the partial texts of "foo\n答案 is
+    42" end in U+FFFD between them. Shown partial texts drop it and hold back a forming stop
+    string, so each is a prefix of the final text (cut at the stop), with and without stops;
+    the control: the raw incremental texts are not."""
+    ids = tok.encode("foo\n答案 is 42", add_special_tokens=False)
+    raw = _texts(tok.decode, ids)
+    final = tok.decode(ids)
+    assert any(not final.startswith(r) for r in raw)  # the control: U+FFFD in a raw partial
+    for stops in ([], ["答案"], ["\n答案"], ["案 is"]):
+        cut = min([final.find(s) for s in stops if s in final], default=len(final))
+        for r in raw:
+            if not any(s in r for s in stops):  # (the engine stops at the first partial that holds one)
+                assert final[:cut].startswith(partial_text(r, stops)), (stops, r)

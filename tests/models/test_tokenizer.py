@@ -153,8 +153,10 @@ def test_hf_directory_files_as_transformers_reads_them(hf_dir, tmp_path):
     (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": listed}))
     assert load_tokenizer(d).apply_chat_template(hi) == "DEF"
     (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": listed[:1]}))
+    no_default = load_tokenizer(d)  # loads (text needs no template); chatting says why not
+    assert no_default.encode("hi") == load_tokenizer(hf_dir).encode("hi")
     with pytest.raises(ValueError, match=r"chat templates \['tool_use'\] and none named 'default'"):
-        load_tokenizer(d)
+        no_default.apply_chat_template(hi)
     (d / "tokenizer_config.json").write_text("[]")
     with pytest.raises(ValueError, match="tokenizer_config.json must hold a JSON object, got list"):
         load_tokenizer(d)
