@@ -34,9 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
-    if unknown:  # named by the command's parser (its usage is the one to read)
+    if unknown:  # named by the command's parser (its usage is the one to read), or bijax's
+        given = sys.argv[1:] if argv is None else list(argv)
+        before = given[: given.index(args.command)] if args.command in given else []
         commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-        commands.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+        owner = parser if any(u in before for u in unknown) else commands.choices[args.command]
+        owner.error(f"unrecognized arguments: {' '.join(unknown)}")
     for name in ("requests", "num_prompts", "input_len", "output_len", "repeats", "max_tokens"):
         v = getattr(args, name, None)
         if v is not None and v < 1:

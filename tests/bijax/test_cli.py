@@ -155,6 +155,7 @@ def test_text_prompt_without_tokenizer_is_a_clear_error(capsys, tmp_path):
         (["generate", "x", "--speculative-config", "{bad"], "argument --speculative-config: not valid JSON"),
         (["generate", "x", "--stop-token-ids", "abc"], "must be token ids separated by commas, got 'abc'"),
         (["bench", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+        (["--no-such-flag", "bench"], "unrecognized arguments: --no-such-flag"),  # bijax's, not bench's
     ],
 )
 def test_argparse_errors_are_one_line(argv, message, capsys):
@@ -162,7 +163,8 @@ def test_argparse_errors_are_one_line(argv, message, capsys):
         cli.main(argv)
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and message in err, err
-    assert err.startswith(f"bijax {argv[0]}: error:") and f"(see bijax {argv[0]} --help)" in err
+    prog = "bijax" if argv[0].startswith("-") else f"bijax {argv[0]}"
+    assert err.startswith(f"{prog}: error:") and f"(see {prog} --help)" in err
 
 
 def test_check_passes_on_tiny_and_control_detects(capsys):
