@@ -197,13 +197,15 @@ def _require(reader: GGUFFile, key: str):
 def _check_rope_scaling(reader, a: str) -> None:
     """bijax applies no GGUF rope scaling (Llama 3's comes as the rope_freqs tensor): a file that
     scales refuses to load. As llama.cpp reads it, the factor (or the older key
-    ``rope.scale_linear``) scales the frequencies whatever the type says, a factor of 0 means
-    "not set", and a missing type is linear."""
+    ``rope.scale_linear``) scales the frequencies unless the type is "none" (llama.cpp then
+    never scales), a factor of 0 means "not set", and a missing type is linear."""
     scaling = field(reader, a + "rope.scaling.type")
+    if scaling == "none":
+        return
     factor = field(reader, a + "rope.scaling.factor")
     if factor in (None, 0.0):
         factor = field(reader, a + "rope.scale_linear")
-    if factor in (None, 0.0, 1.0) and scaling in (None, "none", "linear"):
+    if factor in (None, 0.0, 1.0) and scaling in (None, "linear"):
         return
     kind = scaling or "linear"
     raise ValueError(

@@ -195,7 +195,7 @@ def test_unsupported_architecture_named(tmp_path):
     [
         ({"rope.scaling.factor": 4.0}, "'linear' (factor 4.0)"),  # llama.cpp: no type is linear
         ({"rope.scale_linear": 4.0}, "'linear' (factor 4.0)"),  # the older key
-        ({"rope.scaling.type": "none", "rope.scaling.factor": 2.0}, "'none' (factor 2.0)"),
+        ({"rope.scaling.type": "none", "rope.scaling.factor": 2.0}, None),  # llama.cpp: none never scales
         ({"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0}, "'yarn'"),
         ({"rope.scaling.type": "linear", "rope.scaling.factor": 1.0}, None),  # a no-op
         ({"rope.scaling.factor": 0.0}, None),  # llama.cpp's "not set"
