@@ -34,24 +34,21 @@ def current_text(decode, ids, text: str, k: int) -> tuple[str, str, int]:
 def stop_prefix_len(text: str, stops) -> int:
     """How many characters at the end of ``text`` could begin one of the stop strings ``stops``
     (the longest such suffix, shorter than that stop): a partial output holds them back, so
-    streamed text never shows what the final text cuts. O(len(stop)) per stop string (a prefix
-    function over the stop and the text's last characters), whatever the stop's length."""
-    longest = 0
+    streamed text never shows what the final text cuts. Runs every step for every sequence with
+    stop strings, so the work is the C-level string search: per stop, the places in the text's
+    last len(stop) - 1 characters where the stop's first character occurs, from the earliest
+    (the longest suffix) on."""
+    longest, end = 0, len(text)
     for s in stops:
-        tail = text[len(text) - min(len(text), len(s) - 1) :]
-        if not tail:
+        n = min(len(s) - 1, end)
+        if n <= longest or s.find(text[-1], 0, n) == -1:  # (the suffix's last character is in s[:n])
             continue
-        joined = s + "\0" + tail  # the longest border of joined: a suffix of tail that begins s
-        pi = [0] * len(joined)
-        for i in range(1, len(joined)):
-            k = pi[i - 1]
-            while k and joined[i] != joined[k]:
-                k = pi[k - 1]
-            pi[i] = k + (joined[i] == joined[k])
-        k = pi[-1]
-        while k > len(tail):  # (a border through the separator: a stop that holds "\0" itself)
-            k = pi[k - 1]
-        longest = max(longest, k)
+        i = text.find(s[0], end - n)
+        while i != -1 and end - i > longest:
+            if s.startswith(text[i:]):
+                longest = end - i
+                break
+            i = text.find(s[0], i + 1)
     return longest
 
 
