@@ -607,8 +607,10 @@ class Engine:
         if (not p.ignore_eos and last in self.eos_ids) or last in p.stop_token_ids:
             return "stop"
         if p.stop and self.tokenizer is not None:
+            kept = seq.text  # searched at earlier tokens: only the new end can hold a stop now
             now = self._current_text(seq)  # decoded once per token, searched for every stop string
-            if any(s in now for s in p.stop):
+            start = len(kept) if now.startswith(kept) else 0
+            if any(now.find(s, max(0, start - len(s) + 1)) >= 0 for s in p.stop):
                 text = self._text(seq.output_token_ids)  # the cut comes from a whole decode
                 hits = [i for i in (text.find(s) for s in p.stop) if i >= 0]
                 if hits:

@@ -97,13 +97,11 @@ class _Streamer:
                 sys.stdout.flush()
                 self.cur, self.shown = self.cur + 1, 0
                 continue
-            end = len(text)  # (a partial output holds back what could begin a stop string)
-            while end > self.shown and text[end - 1] == "\ufffd":  # an incomplete UTF-8 sequence
-                end -= 1
-            if end > self.shown:
-                sys.stdout.write(text[self.shown : end])
+            # (a partial output's text is a prefix of the final one: ``detokenize.partial_text``)
+            if len(text) > self.shown:
+                sys.stdout.write(text[self.shown :])
                 sys.stdout.flush()
-                self.shown = end
+                self.shown = len(text)
             break
 
     @staticmethod

@@ -67,8 +67,8 @@ def chat_logprobs(tok, o: CompletionOutput, a: int, b: int, top: bool) -> dict:
 
 
 class StreamState:
-    """What each sample of one request has sent so far. Text waits for complete UTF-8 (a
-    partial output's text already holds back what could begin a stop string: ``Engine``)."""
+    """What each sample of one request has sent so far. A partial output's text already holds
+    back an incomplete UTF-8 character and what could begin a stop string (``Engine``)."""
 
     def __init__(self, n: int):
         self.tokens, self.chars, self.done = [0] * n, [0] * n, [False] * n
@@ -83,12 +83,8 @@ class StreamState:
                 continue
             a, b = self.tokens[i], len(o.token_ids)
             shown, text = self.chars[i], o.text
-            if o.finish_reason is not None:
-                end = max(shown, len(text))
-            else:
-                end = len(text)
-                while end > shown and text[end - 1] == "\ufffd":  # an incomplete UTF-8 sequence
-                    end -= 1
+            # (a partial output's text is always a prefix of the final one: ``detokenize.partial_text``)
+            end = max(shown, len(text))
             delta = text[shown:end] if end > shown else ""
             if b > a or delta or o.finish_reason is not None:
                 result.append((o, a, b, shown, delta, o.finish_reason))

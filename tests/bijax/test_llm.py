@@ -160,6 +160,14 @@ def test_stop_strings_with_a_real_tokenizer():
         "The capital of France is", SP(temperature=0, max_tokens=12, stop=[first]), use_tqdm=False
     )[0]
     assert o.finish_reason == "stop" and o.text == "" and o.token_ids
+    # a stop string across three tokens late in the output (each step searches only the new
+    # end of the text, reaching back len(stop) - 1 characters)
+    dec = smol.tokenizer.decode
+    span = ref.text[len(dec(ref.token_ids[:6])) - 2 : len(dec(ref.token_ids[:8])) - 1]
+    o = smol.generate(
+        "The capital of France is", SP(temperature=0, max_tokens=12, stop=[span]), use_tqdm=False
+    )[0]
+    assert o.finish_reason == "stop" and o.text == ref.text[: ref.text.find(span)], (span, o.text)
     # ids past the tokenizer's vocabulary (a model's padded rows) have no text, and no error
     ids, v = list(ref.token_ids), smol.tokenizer.vocab_size
     assert smol.engine._text(ids[:3] + [v, v + 7] + ids[3:]) == ref.text
