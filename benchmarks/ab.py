@@ -73,6 +73,33 @@ SWITCHES = {
                 "pair-all-dense",
                 {"stages": 4, "consumers": 2, "order": "heaviest", "one_drain": True, "packing": "dense"},
             ),
+            (  # the split fold's accumulator in SMEM (session 41): one warpgroup, and the pair
+                "heaviest-dense-fold",
+                {"stages": 3, "consumers": 1, "order": "heaviest", "packing": "dense", "fold_in_smem": True},
+            ),
+            (
+                "pair-all-dense-fold",
+                {
+                    "stages": 4,
+                    "consumers": 2,
+                    "order": "heaviest",
+                    "one_drain": True,
+                    "packing": "dense",
+                    "fold_in_smem": True,
+                },
+            ),
+            (
+                "pair-all-dense-fold-q",
+                {
+                    "stages": 4,
+                    "consumers": 2,
+                    "order": "heaviest",
+                    "one_drain": True,
+                    "packing": "dense",
+                    "fold_in_smem": True,
+                    "q_from_smem": True,
+                },
+            ),
         )
     },
     "decode-splits": {

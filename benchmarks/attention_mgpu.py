@@ -27,6 +27,7 @@ Exit code 1 if a check failed.
 from __future__ import annotations
 
 import datetime
+import os
 import sys
 import traceback
 
@@ -222,8 +223,36 @@ LAUNCHES = {
         "order": "heaviest",
         "one_drain": True,
     },
+    # session 41: the split fold's accumulator in SMEM (64 registers a thread fewer through the
+    # tile loop; one warpgroup then has room for 2 stages - hence the 2-stage control)
+    "heaviest, dense rows, stages=2": {"order": "heaviest", "packing": "dense", "stages": 2},
+    "heaviest, dense rows, fold in SMEM": {"order": "heaviest", "packing": "dense", "fold_in_smem": True},
+    "pair, 4 stages, heaviest, one drain, dense rows, fold in SMEM": {
+        "consumers": 2,
+        "stages": 4,
+        "order": "heaviest",
+        "one_drain": True,
+        "packing": "dense",
+        "fold_in_smem": True,
+    },
+    "pair, 4 stages, heaviest, one drain, dense rows, fold and q in SMEM": {
+        "consumers": 2,
+        "stages": 4,
+        "order": "heaviest",
+        "one_drain": True,
+        "packing": "dense",
+        "fold_in_smem": True,
+        "q_from_smem": True,
+    },
 }
 DEFAULT_VARIANT = ("into", "two")
+
+
+def selected(launches: dict) -> dict:
+    """``launches`` whose name contains one of the comma-separated words of the environment's
+    ``BIJAX_MGPU_LAUNCHES`` (unset: all) - a device call that asks about a few launches."""
+    words = [w.strip() for w in os.environ.get("BIJAX_MGPU_LAUNCHES", "").split(",") if w.strip()]
+    return {k: v for k, v in launches.items() if not words or any(w in k for w in words)}
 
 
 def check_launches():
@@ -234,7 +263,7 @@ def check_launches():
     ps, zs = np.arange(200, 300), np.zeros(100, np.int32)
     want = bits(_mgpu(c, zs, ps, DEFAULT_VARIANT))
     runs = []
-    for name, launch in LAUNCHES.items():
+    for name, launch in selected(LAUNCHES).items():
         try:
             got = bits(_mgpu(c, zs, ps, DEFAULT_VARIANT, launch=launch))
         except Exception as err:  # noqa: BLE001 - a compile failure is a finding: report it
@@ -291,7 +320,7 @@ def _time_launches_on(n, length, hq, hkv, d):
 
     tri = kernel_us(triton, q, c.kc, c.vc)
     rows = [(name, "Triton tiles", tri, cud, f"{flops / tri / 1e6:.1f} TFLOP/s")]
-    for what, launch in {"Mosaic, default launch": {}, **LAUNCHES}.items():
+    for what, launch in {"Mosaic, default launch": {}, **selected(LAUNCHES)}.items():
 
         def mosaic(q, k, v, launch=launch):
             return attention_mgpu.tiles_mgpu(qg(q), k, v, idx, spec=spec, pv="into", rounding="two", **launch)
@@ -323,7 +352,14 @@ PTXAS_LAUNCHES = {
     "heaviest, dense rows (default)": {"order": "heaviest", "packing": "dense"},
     **{
         name: LAUNCHES[name]
-        for name in ("pair, 4 stages", "pair, 5 stages", "pair, 4 stages, heaviest, one drain, dense rows")
+        for name in (
+            "pair, 4 stages",
+            "pair, 5 stages",
+            "pair, 4 stages, heaviest, one drain, dense rows",
+            "heaviest, dense rows, fold in SMEM",
+            "pair, 4 stages, heaviest, one drain, dense rows, fold in SMEM",
+            "pair, 4 stages, heaviest, one drain, dense rows, fold and q in SMEM",
+        )
     },
 }
 
@@ -387,7 +423,8 @@ def ptxas_report():
     ps, zs = np.arange(4096), np.zeros(4096, np.int32)
     rows = []
     dumps = {"MOSAIC_GPU_DUMP_SASS": "1", "MOSAIC_GPU_DUMP_PTX": "1"}  # where the spills sit
-    for name, launch in PTXAS_LAUNCHES.items():
+    launches = {k: v for k, v in PTXAS_LAUNCHES.items() if "(default)" in k} | selected(PTXAS_LAUNCHES)
+    for name, launch in launches.items():
         out = tempfile.mkdtemp(prefix="ptxas-")
         os.environ["MOSAIC_GPU_DUMP_TO"] = out
         os.environ.update(dumps)

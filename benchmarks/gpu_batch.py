@@ -36,6 +36,7 @@ def _startup(rows: str):
     return _py("startup.py", "--rows", rows)
 
 
+_FOLD = "BIJAX_MGPU_LAUNCHES=fold,stages=2"  # attention_mgpu.py's launches with the fold in SMEM
 _PREFILL_CASES = ("--cases", "prefill,prefill64", "--paths", "invariant")
 _CHECK_LIMITS = ("--max-num-seqs", "2", "--max-num-batched-tokens", "32", "--requests", "4", "--max-tokens", "6",
                  "--max-model-len", "512")  # fmt: skip
@@ -71,6 +72,9 @@ _AB = {
         ("launch-heaviest", "prefill-launch", "heaviest", _PREFILL),
         ("launch-pair-all-dense", "prefill-launch", "pair-all-dense", _PREFILL),
         ("launch-heaviest-dense", "prefill-launch", "heaviest-dense", _PREFILL),
+        ("launch-heaviest-dense-fold", "prefill-launch", "heaviest-dense-fold", _PREFILL),
+        ("launch-pair-all-dense-fold", "prefill-launch", "pair-all-dense-fold", _PREFILL),
+        ("launch-pair-all-dense-fold-q", "prefill-launch", "pair-all-dense-fold-q", _PREFILL),
         # a 3-head query group (SmolLM2's shape): where packing="dense" changes the tiles
         ("launch-one-smollm2", "prefill-launch", "one", _PREFILL_SMOLLM2),
         ("launch-dense-smollm2", "prefill-launch", "dense", _PREFILL_SMOLLM2),
@@ -139,6 +143,9 @@ STEPS = {
             "pair-dense",
             "pair-all-dense",
             "heaviest-dense",
+            "heaviest-dense-fold",
+            "pair-all-dense-fold",
+            "pair-all-dense-fold-q",
         )
     },
     "mgpu-bits": (_py("attention_mgpu.py", "--child", "bits"), 270, "Mosaic attention == Triton bits"),
@@ -157,9 +164,24 @@ STEPS = {
         280,
         "Mosaic attention launches vs default launch vs Triton vs cuDNN kernel time",
     ),
+    "mgpu-fold-launches": (
+        _with(_FOLD, "attention_mgpu.py", "--child", "launches"),
+        200,
+        "the split fold's accumulator in SMEM (and the 2-stage control) == the default launch's bits",
+    ),
+    "mgpu-fold-timing": (
+        _with(_FOLD, "attention_mgpu.py", "--child", "launch-timing"),
+        200,
+        "the split fold's accumulator in SMEM vs the default launch vs Triton vs cuDNN kernel time",
+    ),
+    "mgpu-fold-ptxas": (
+        _with(_FOLD, "attention_mgpu.py", "--child", "ptxas"),
+        150,
+        "ptxas registers / spills and SASS of the launches with the split fold's accumulator in SMEM",
+    ),
     "mgpu-ptxas": (
         _py("attention_mgpu.py", "--child", "ptxas"),
-        150,
+        240,
         "ptxas registers / spills / stack of the Mosaic attention launches (default, pair); SASS: where the spills sit",
     ),
     "attention": (_py("attention.py"), 400, "attention kernels: bits and time vs cuDNN"),

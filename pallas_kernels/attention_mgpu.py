@@ -126,11 +126,16 @@ def can_run(dtype, head_dim: int, spec: AttentionSpec, *, block_size: int, group
     return getattr(jax.devices()[0], "compute_capability", None) == "9.0"
 
 
-def _stages(tile: int, d: int, itemsize: int, stages: int, consumers: int = 1) -> int:
+def _stages(
+    tile: int, d: int, itemsize: int, stages: int, consumers: int = 1, fold_in_smem: bool = False
+) -> int:
     """Ring slots: as asked, fewer where the program would not fit (two programs per SM with one
-    warpgroup; one with warp specialization, which also holds each consumer's q), at least 2."""
+    warpgroup; one with warp specialization, which also holds each consumer's q), at least 2.
+    ``fold_in_smem``: each warpgroup also holds its split fold's fp32 accumulator."""
     per_stage = 2 * tile * d * itemsize
     fixed = tile * _SUM_N * itemsize + 4 * 1024  # ones; rows, segments, barriers
+    if fold_in_smem:
+        fixed += consumers * ROWS * d * 4
     budget = _SMEM_BYTES
     if consumers > 1:
         fixed += consumers * ROWS * d * itemsize
@@ -243,6 +248,7 @@ def _kernel(
     segs_ref, nseg_ref, order_ref, rpos_ref, rseq_ref, bt_ref, q_ref, k_ref, v_ref, ones_ref, o_ref,
     *, spec: AttentionSpec, block_size: int, max_blocks: int, stages: int, max_segs: int, pv: str,
     a_in_smem: bool, overlap: bool, rounding: str, consumers: int, one_drain: bool, q_from_smem: bool,
+    fold_in_smem: bool,
 ):  # fmt: skip
     i = lax.axis_index("tile") if order_ref is None else order_ref[lax.axis_index("tile")]
     h = lax.axis_index("head")
@@ -306,12 +312,26 @@ def _kernel(
         pf,
         tile_done,
         zero_v_sync,
+        fold_smem,
     ):
         """The walk's compute side for one warpgroup's 64 rows: the folded output [ROWS, D].
         ``prefetch(pf, c)`` (the single-warpgroup kernel's own loads; ``pf`` its cursor, () if
         none) runs at the start of tile c; ``tile_done(slot)`` once tile c's wgmmas are done
-        with its slot; ``zero_v_sync(zero)`` runs the zeroing of a slot's unseen V rows."""
+        with its slot; ``zero_v_sync(zero)`` runs the zeroing of a slot's unseen V rows.
+        ``fold_smem``: an fp32 [ROWS, D] SMEM buffer that holds the split fold's accumulator
+        between folds (None: it stays in registers, 64 a thread live through every tile)."""
         nseg = walk.nseg
+
+        def fold_split(fold, state, use):
+            """``fold_step`` with the fold's accumulator in registers or in ``fold_smem`` (each
+            thread reads back the elements it wrote: no barrier)."""
+            if fold_smem is None:
+                return fold_step(fold, state, use, fused_mul_add, fold_mul)
+            fm, fl, started = fold
+            facc = plgpu.load(fold_smem, layout=wgmma_layout)
+            fm, fl, facc, started = fold_step((fm, fl, facc, started), state, use, fused_mul_add, fold_mul)
+            fold_smem[...] = facc
+            return fm, fl, started
 
         def rows2(x, n):  # a row vector broadcast over n columns
             return lax.broadcast_in_dim(x, (ROWS, n), (0,))
@@ -482,7 +502,7 @@ def _kernel(
                 x = lax.fori_loop(first, a, functools.partial(tile_step, True), x)
                 x = lax.fori_loop(a, b, functools.partial(tile_step, False), x)
                 x = lax.fori_loop(b, num_tiles, functools.partial(tile_step, True), x)
-                fold = fold_step(fold, x[0], split_used(split, rpos, spec) & mine, fused_mul_add, fold_mul)
+                fold = fold_split(fold, x[0], split_used(split, rpos, spec) & mine)
                 return fold, *x[1:]
 
             return lax.fori_loop(first_split, end_split, one_split, carry)
@@ -501,8 +521,16 @@ def _kernel(
             s0 = pl.run_scoped(first_scores, plgpu.ACC((ROWS, tile), jnp.float32))
         else:
             s0 = jnp.int32(0)  # unused
-        init = ((*empty_state(), started), pf, jnp.int32(0), s0)
-        fold = lax.fori_loop(0, nseg, one_segment, init)[0]
+        fm, fl, facc = empty_state()
+        if fold_smem is None:
+            fold = (fm, fl, facc, started)
+        else:
+            fold_smem[...] = facc
+            fold = (fm, fl, started)
+        fold = lax.fori_loop(0, nseg, one_segment, (fold, pf, jnp.int32(0), s0))[0]
+        if fold_smem is not None:
+            fm, fl, started = fold
+            fold = (fm, fl, plgpu.load(fold_smem, layout=wgmma_layout), started)
         return fold_finish(fold).astype(dtype)
 
     def q_operand(q_smem, q_copy):
@@ -513,7 +541,7 @@ def _kernel(
             return q_copy
         return plgpu.load(q_smem, layout=wgmma_layout)
 
-    def body(k_smem, v_smem, ones_smem, rows_smem, segs_smem, a_smem, k_bar, v_bar, ones_bar):
+    def body(k_smem, v_smem, ones_smem, rows_smem, segs_smem, a_smem, fold_smem, k_bar, v_bar, ones_bar):
         """One warpgroup: it prefetches its own tiles (``stages - 1`` ahead) and computes."""
         nseg = nseg_ref[i]
         walk = _Walk(segs_smem, nseg, spec, tile, max_segs)
@@ -540,7 +568,7 @@ def _kernel(
             pf = prefetch(pf, jnp.int32(c))
         out = consume(
             walk, q, rpos, rseq, k_smem, v_smem, ones_smem, k_bar, v_bar, a_smem,
-            prefetch, pf, lambda slot: None, lambda zero: zero(),
+            prefetch, pf, lambda slot: None, lambda zero: zero(), fold_smem,
         )  # fmt: skip
         o_smem = k_smem.at[0, pl.ds(0, ROWS)]  # every load has been consumed: slot 0 is free
         o_smem[...] = out
@@ -549,7 +577,7 @@ def _kernel(
         plgpu.wait_smem_to_gmem(0)
 
     def body_specialized(
-        k_smem, v_smem, ones_smem, qo_smem, rows_smem, segs_smem, a_smem,
+        k_smem, v_smem, ones_smem, qo_smem, rows_smem, segs_smem, a_smem, fold_smem,
         k_bar, v_bar, setup_bar, q_bar, consumed_bar, zero_bar,
     ):  # fmt: skip
         """``consumers`` warpgroups compute (one 64-row tile each: tiles ``consumers * i + wg``)
@@ -609,6 +637,7 @@ def _kernel(
             out = consume(
                 walk, q, rpos, rseq, k_smem, v_smem, ones_smem, k_bar, v_bar, scratch,
                 lambda pf, c: pf, (), lambda slot: plgpu.barrier_arrive(consumed_bar.at[slot]), zero_v_sync,
+                None if fold_smem is None else fold_smem.at[wg],
             )  # fmt: skip
             q_smem[...] = out  # every wgmma reading q is done (each result was waited for)
             plgpu.commit_smem()
@@ -633,6 +662,7 @@ def _kernel(
             plgpu.SMEM((2, ROWS), jnp.int32),
             plgpu.SMEM((4, max_segs), jnp.int32),
             a_operands(),
+            plgpu.SMEM((ROWS, d), jnp.float32) if fold_in_smem else None,
             plgpu.Barrier(num_arrivals=pages, num_barriers=stages),
             plgpu.Barrier(num_arrivals=pages, num_barriers=stages),
             plgpu.Barrier(num_arrivals=5),
@@ -647,6 +677,7 @@ def _kernel(
         plgpu.SMEM((consumers, 2, ROWS), jnp.int32),
         plgpu.SMEM((4, max_segs), jnp.int32),
         a_operands(consumers),
+        plgpu.SMEM((consumers, ROWS, d), jnp.float32) if fold_in_smem else None,
         plgpu.Barrier(num_arrivals=pages, num_barriers=stages),
         plgpu.Barrier(num_arrivals=pages, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2),
@@ -689,6 +720,7 @@ def tiles_mgpu(
     one_drain: bool = False,
     q_from_smem: bool = False,
     packing: str = "pow2",
+    fold_in_smem: bool = False,
     interpret=None,
 ):
     """q [T, Hkv, G, D] -> normalised output [T, Hkv, G, D], the ``tiles`` walk on Mosaic GPU.
@@ -705,7 +737,10 @@ def tiles_mgpu(
     ``consumers=2``): wgmma reads q from shared memory, not registers (fewer registers a thread
     under warp specialization's 232). ``packing``: how a tile's 64 rows hold tokens x query
     heads (``attention_math.row_tiles``): "dense" fills 63 rows with 9 tokens of a group of 7
-    (or 21 of 3) where "pow2" pads the group to 8 (4): 8/9 (3/4) as many tiles to walk."""
+    (or 21 of 3) where "pow2" pads the group to 8 (4): 8/9 (3/4) as many tiles to walk.
+    ``fold_in_smem``: the split fold's fp32 accumulator waits in shared memory between folds
+    (once a split: 512 keys by default) instead of holding 64 registers a thread through every
+    tile; its 32 KB a warpgroup come out of the ring (one warpgroup: 2 stages, not 3)."""
     why = supported(qg.dtype, qg.shape[-1], spec)
     if why is not None:
         raise ValueError(f"attention (Mosaic GPU tiles): unsupported {why}")
@@ -761,7 +796,7 @@ def tiles_mgpu(
         program_order = heaviest_first(lo, hi, nseg, spec.window)
     ones = jnp.ones((tile, _SUM_N), qg.dtype)
     rows_view = (num_blocks * block_size, hkv, d)
-    stages = _stages(tile, d, qg.dtype.itemsize, stages, consumers)
+    stages = _stages(tile, d, qg.dtype.itemsize, stages, consumers, bool(fold_in_smem))
     kwargs = {} if interpret is None else {"interpret": interpret}
     if consumers > 1:
         kwargs.update(num_threads=consumers + 1, thread_name="wg")
@@ -779,6 +814,7 @@ def tiles_mgpu(
         consumers=consumers,
         one_drain=bool(one_drain),
         q_from_smem=bool(q_from_smem),
+        fold_in_smem=bool(fold_in_smem),
     )
     args = [segs, nseg, program_order, rpos, rseq, block_tables, q]
     if program_order is None:  # the program index is the tile's

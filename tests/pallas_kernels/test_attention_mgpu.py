@@ -91,6 +91,7 @@ def test_segments_are_each_tiles_sequences_ascending():
         ("add", "fma", False, {}),
         ("into", "two", False, {"consumers": 2, "stages": 5, "order": "heaviest", "one_drain": True}),
         ("into", "two", True, {"consumers": 2, "stages": 4, "q_from_smem": True}),
+        ("into", "two", False, {"fold_in_smem": True, "order": "heaviest", "packing": "dense"}),
     ],
 )
 def test_cuda_lowering_is_one_mosaic_gpu_kernel(pv, rounding, overlap, launch):
@@ -184,6 +185,8 @@ def test_launch_choices_keep_the_bits():
         {"consumers": 2, "q_from_smem": True},
         {"one_drain": True},
         {"consumers": 2, "stages": 4, "overlap": True, "order": "heaviest", "one_drain": True},
+        {"fold_in_smem": True},
+        {"consumers": 2, "q_from_smem": True, "fold_in_smem": True, "order": "heaviest"},
     ]
     for launch in launches:
         np.testing.assert_array_equal(run(**launch), base, err_msg=str(launch))
