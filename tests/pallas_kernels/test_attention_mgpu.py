@@ -152,8 +152,9 @@ def test_unsupported_calls_are_refused_by_name():
 def test_launch_choices_keep_the_bits():
     """``overlap`` (the next tile's q @ k.T issued before this tile's softmax), the number of
     stages, warp specialization (two consumer warpgroups walking the union of their tiles'
-    walks, a producer warpgroup loading), the heaviest-first order and one wait for a tile's
-    p @ ones and p @ v change when things run,
+    walks, a producer warpgroup loading), the heaviest-first order, one wait for a tile's
+    p @ ones and p @ v, and the split fold's accumulator kept in SMEM change when or where things
+    run,
     never what: the same bits on a walk through several sequences, splits and a window, tile
     pairs whose sequences differ, stale NaN cache rows - and interpret mode's race detector
     (TMA writes, barrier waits and SMEM reads as happens-before events) finds no race in the
