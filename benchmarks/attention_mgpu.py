@@ -227,6 +227,18 @@ LAUNCHES = {
     # tile loop; one warpgroup then has room for 2 stages - hence the 2-stage control)
     "heaviest, dense rows, stages=2": {"order": "heaviest", "packing": "dense", "stages": 2},
     "heaviest, dense rows, fold in SMEM": {"order": "heaviest", "packing": "dense", "fold_in_smem": True},
+    "heaviest, dense rows, fold in SMEM, overlapped": {
+        "order": "heaviest",
+        "packing": "dense",
+        "fold_in_smem": True,
+        "overlap": True,
+    },
+    "heaviest, dense rows, fold in SMEM, one drain": {
+        "order": "heaviest",
+        "packing": "dense",
+        "fold_in_smem": True,
+        "one_drain": True,
+    },
     "pair, 4 stages, heaviest, one drain, dense rows, fold in SMEM": {
         "consumers": 2,
         "stages": 4,

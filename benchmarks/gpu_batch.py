@@ -166,12 +166,12 @@ STEPS = {
     ),
     "mgpu-fold-launches": (
         _with(_FOLD, "attention_mgpu.py", "--child", "launches"),
-        200,
+        240,
         "the split fold's accumulator in SMEM (and the 2-stage control) == the default launch's bits",
     ),
     "mgpu-fold-timing": (
         _with(_FOLD, "attention_mgpu.py", "--child", "launch-timing"),
-        200,
+        260,
         "the split fold's accumulator in SMEM vs the default launch vs Triton vs cuDNN kernel time",
     ),
     "mgpu-fold-ptxas": (
