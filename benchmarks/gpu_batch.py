@@ -438,9 +438,11 @@ STEPS = {
 FRESH_CACHE = {"long", "ab-programs-copies"}
 
 
-def run_group(names, out_dir, parallel):
+def run_group(names, out_dir, parallel, cap=None):
     """Runs ``names`` at the same time (``parallel``) or the one step; each step's log is
-    ``<out_dir>/<name>.log``. Returns (name, status, seconds) per step."""
+    ``<out_dir>/<name>.log``; a step is killed at its time limit, or at ``cap`` seconds if that
+    is sooner (what is left of the call: a step's partial log still comes back). Returns
+    (name, status, seconds) per step."""
     procs = []
     for name in names:
         env = dict(os.environ)
@@ -449,6 +451,7 @@ def run_group(names, out_dir, parallel):
         if name in FRESH_CACHE:
             env["BIJAX_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"bijax-{name}-")
         cmd, limit, _ = STEPS[name]
+        limit = limit if cap is None else min(limit, cap)
         log = open(os.path.join(out_dir, f"{name}.log"), "w")  # noqa: SIM115 - closed below
         procs.append(
             (
@@ -467,7 +470,7 @@ def run_group(names, out_dir, parallel):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)  # its children too (startup.py runs some)
             proc.wait()
-            status = f"killed at {limit} s"
+            status = f"killed at {limit:.0f} s"
         log.close()
         rows.append((name, status, time.perf_counter() - t0))
         print(f"## {name}: {status} ({rows[-1][2]:.0f} s)", flush=True)
@@ -498,7 +501,7 @@ def main() -> int:
         if left < max(STEPS[n][1] for n in group) / 3:
             rows += [(n, "not started (budget)", 0.0) for n in group]
             continue
-        done = run_group(group, logs, parallel=len(group) > 1)
+        done = run_group(group, logs, parallel=len(group) > 1, cap=max(1.0, left + 15))
         rows += done
         with open(combined, "a") as out:
             for name, status, secs in done:
