@@ -261,10 +261,15 @@ DEFAULT_VARIANT = ("into", "two")
 
 
 def selected(launches: dict) -> dict:
-    """``launches`` whose name contains one of the comma-separated words of the environment's
-    ``BIJAX_MGPU_LAUNCHES`` (unset: all) - a device call that asks about a few launches."""
-    words = [w.strip() for w in os.environ.get("BIJAX_MGPU_LAUNCHES", "").split(",") if w.strip()]
-    return {k: v for k, v in launches.items() if not words or any(w in k for w in words)}
+    """``launches`` that the environment's ``BIJAX_MGPU_LAUNCHES`` names (unset: all) - a device
+    call that asks about a few launches: "|"-separated items, each a part of a launch's name, or
+    "=" and a whole name."""
+    items = [w.strip() for w in os.environ.get("BIJAX_MGPU_LAUNCHES", "").split("|") if w.strip()]
+
+    def named(k):
+        return any(k == w[1:] if w.startswith("=") else w in k for w in items)
+
+    return {k: v for k, v in launches.items() if not items or named(k)}
 
 
 def check_launches():

@@ -36,7 +36,7 @@ def _startup(rows: str):
     return _py("startup.py", "--rows", rows)
 
 
-_FOLD = "BIJAX_MGPU_LAUNCHES=fold,stages=2"  # attention_mgpu.py's launches with the fold in SMEM
+_FOLD = "BIJAX_MGPU_LAUNCHES=fold|stages=2"  # attention_mgpu.py's launches with the fold in SMEM
 _PREFILL_CASES = ("--cases", "prefill,prefill64", "--paths", "invariant")
 _CHECK_LIMITS = ("--max-num-seqs", "2", "--max-num-batched-tokens", "32", "--requests", "4", "--max-tokens", "6",
                  "--max-model-len", "512")  # fmt: skip
