@@ -144,11 +144,14 @@ def layer_switches() -> tuple[bool, bool]:
 
 def staged_inputs() -> bool:
     """Whether a step's inputs are copied into the same device buffers every step
-    (``ModelRunner._staged``: XLA's CUDA graphs then keep their recording): by default on GPUs,
-    not on CPU, which runs no graphs - there a copy into donated buffers waits for the step in
-    flight that reads them (tiny on 2 CPU cores: ~0.5 ms a step slower, 8.5-9.1 vs 7.9-8.3 ms).
+    (``ModelRunner._staged``: XLA's CUDA graphs then keep their recording). Off by default
+    everywhere since 2026-12-05 (session 41): the copy into donated buffers waits for the step
+    in flight that reads them - on the GPU 0.8-1.9 ms of host time a step (H100, llama3-8b,
+    ``benchmarks/staged_ab.py``) for no faster step (ITL p50 6.26 vs 6.25 ms at one sequence,
+    8.55 vs 8.38 ms at 64; session 39's H200: 0.5-0.9 ms a step slower staged), and on CPU
+    ~0.5 ms a step slower (tiny, 2 cores). The same bits either way (values only move).
     ``BIJAX_STAGED_INPUTS=0|1`` (read when an engine is made) says otherwise."""
-    return _switch("BIJAX_STAGED_INPUTS", jax.default_backend() != "cpu")
+    return _switch("BIJAX_STAGED_INPUTS", False)
 
 
 def layers_per_program() -> int:

@@ -149,7 +149,7 @@ def test_staged_inputs_keep_their_addresses_and_the_bits(monkeypatch):
     re-record a program's CUDA graph for inputs that moved: ``ModelRunner._staged``), and the
     tokens and logprob bits are those of inputs passed as new buffers every step."""
     prompts, params = _workload()
-    monkeypatch.setenv("BIJAX_STAGED_INPUTS", "1")  # (the GPUs' default; off on CPU)
+    monkeypatch.setenv("BIJAX_STAGED_INPUTS", "1")  # (off by default)
     llm = _llm(True)
     seen = _forward_input_addresses(llm)
     staged = _flat(llm.generate(prompts, params, use_tqdm=False))
