@@ -258,6 +258,21 @@ LAUNCHES = {
     },
 }
 DEFAULT_VARIANT = ("into", "two")
+# Measurement probes: timed next to the launches, never bit-checked (they give other bits).
+# approx exp: Mosaic GPU's ex2.approx for exp - how much of the time the exact exp costs (the
+# exp that the Triton kernels' bits on the H200 are made of).
+PROBES = {
+    "probe: heaviest, dense rows, approx exp": {"order": "heaviest", "packing": "dense", "approx_math": True},
+    "probe: pair, heaviest, one drain, dense rows, fold in SMEM, approx exp": {
+        "consumers": 2,
+        "stages": 4,
+        "order": "heaviest",
+        "one_drain": True,
+        "packing": "dense",
+        "fold_in_smem": True,
+        "approx_math": True,
+    },
+}
 
 
 def selected(launches: dict) -> dict:
@@ -337,7 +352,7 @@ def _time_launches_on(n, length, hq, hkv, d):
 
     tri = kernel_us(triton, q, c.kc, c.vc)
     rows = [(name, "Triton tiles", tri, cud, f"{flops / tri / 1e6:.1f} TFLOP/s")]
-    for what, launch in {"Mosaic, default launch": {}, **selected(LAUNCHES)}.items():
+    for what, launch in {"Mosaic, default launch": {}, **selected(LAUNCHES), **selected(PROBES)}.items():
 
         def mosaic(q, k, v, launch=launch):
             return attention_mgpu.tiles_mgpu(qg(q), k, v, idx, spec=spec, pv="into", rounding="two", **launch)

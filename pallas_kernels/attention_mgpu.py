@@ -723,6 +723,7 @@ def tiles_mgpu(
     q_from_smem: bool = False,
     packing: str = "pow2",
     fold_in_smem: bool = False,
+    approx_math: bool = False,
     interpret=None,
 ):
     """q [T, Hkv, G, D] -> normalised output [T, Hkv, G, D], the ``tiles`` walk on Mosaic GPU.
@@ -742,7 +743,12 @@ def tiles_mgpu(
     (or 21 of 3) where "pow2" pads the group to 8 (4): 8/9 (3/4) as many tiles to walk.
     ``fold_in_smem``: the split fold's fp32 accumulator waits in shared memory between folds
     (once a split: 512 keys by default) instead of holding 64 registers a thread through every
-    tile; its 32 KB a warpgroup come out of the ring (one warpgroup: 2 stages, not 3)."""
+    tile; its 32 KB a warpgroup come out of the ring (one warpgroup: 2 stages, not 3).
+
+    ``approx_math`` is a measurement probe, not a launch choice: Mosaic GPU's approximate math
+    (``exp`` as ``ex2.approx`` of ``x * log2(e)``), which gives other bits than the Triton
+    kernels' ``exp`` - it says how much of the kernel's time the exact ``exp`` costs. Nothing in
+    the engine passes it."""
     why = supported(qg.dtype, qg.shape[-1], spec)
     if why is not None:
         raise ValueError(f"attention (Mosaic GPU tiles): unsupported {why}")
@@ -800,6 +806,8 @@ def tiles_mgpu(
     rows_view = (num_blocks * block_size, hkv, d)
     stages = _stages(tile, d, qg.dtype.itemsize, stages, consumers, bool(fold_in_smem))
     kwargs = {} if interpret is None else {"interpret": interpret}
+    if approx_math:
+        kwargs["compiler_params"] = plgpu.CompilerParams(approx_math=True)
     if consumers > 1:
         kwargs.update(num_threads=consumers + 1, thread_name="wg")
     kernel = functools.partial(

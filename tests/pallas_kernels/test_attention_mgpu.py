@@ -113,6 +113,16 @@ def test_cuda_lowering_is_one_mosaic_gpu_kernel(pv, rounding, overlap, launch):
     )
     assert MOSAIC_GPU_CUSTOM_CALL in text and "bijax_attention_tiles_mgpu" in text
     assert "xla.gpu.triton" not in text
+    # the exact exp (the Triton kernels' bits), not ex2.approx: that is only the timing probe's
+    assert "ex2.approx" not in text
+    if not launch:
+        probe = cuda_export(
+            lambda q, k, v, idx: tiles_mgpu(
+                q, k, v, idx, spec=spec, pv=pv, rounding=rounding, overlap=overlap, approx_math=True
+            ),
+            *args,
+        )
+        assert "ex2.approx" in probe
 
 
 def test_unsupported_calls_are_refused_by_name():
