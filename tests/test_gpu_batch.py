@@ -41,6 +41,8 @@ def test_runner_kills_steps_past_their_limit_with_their_children(tmp_path, monke
     assert not _alive(child)
     assert (tmp_path / "ok.log").read_text().strip() == "done"
     assert gpu_batch.run_group(["fails"], str(tmp_path), parallel=False)[0][1] == "exit 3"
+    # what is left of the call caps a step's limit (its partial log still comes back)
+    assert gpu_batch.run_group(["hang"], str(tmp_path), parallel=False, cap=1)[0][1] == "killed at 1 s"
     # the budget: a step with less than a third of its limit left is not started
     monkeypatch.setattr(sys, "argv", ["gpu_batch.py", "ok", "long", "--out", str(tmp_path), "--budget", "15"])
     assert gpu_batch.main() == 1
@@ -73,3 +75,17 @@ def test_sass_spills_finds_local_memory_and_loops():
     assert "line 4 [L_x_3, loop]" in report and "line 1 [(entry), straight-line]" in report
     assert "line 6 [L_x_3, straight-line]" in report
     assert sass_spills(sass.replace("STL", "STS").replace("LDL", "LDS")) == "no STL / LDL"
+
+
+def test_launch_selection_by_part_or_whole_name(monkeypatch):
+    """``BIJAX_MGPU_LAUNCHES`` (a device call about a few Mosaic attention launches): "|"-separated
+    parts of names, or "=" and a whole name; unset, every launch."""
+    from benchmarks.attention_mgpu import LAUNCHES, selected
+
+    monkeypatch.delenv("BIJAX_MGPU_LAUNCHES", raising=False)
+    assert selected(LAUNCHES) == LAUNCHES
+    monkeypatch.setenv("BIJAX_MGPU_LAUNCHES", "=heaviest, dense rows|fold and q")
+    assert list(selected(LAUNCHES)) == [
+        "heaviest, dense rows",
+        "pair, 4 stages, heaviest, one drain, dense rows, fold and q in SMEM",
+    ]
