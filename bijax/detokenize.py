@@ -4,7 +4,9 @@ Decoding a whole output after every token costs O(length) per token (~150 us for
 with SmolLM2's tokenizer: ~5 ms of host time per step at 64 sequences). Instead a sequence keeps
 the text of its first k output tokens, and a new token's text is the difference between the
 decode of a window of ``WINDOW`` tokens before k plus the new ones and the decode of that window
-alone. The window absorbs what decoders do at a slice's first token (a stripped leading space);
+alone. The window absorbs what decoders do at a slice's first token (a stripped leading space;
+a window whose tokens decode to nothing - skipped special tokens - absorbs nothing, so then the
+whole output is decoded);
 a decode ending in U+FFFD (an incomplete UTF-8 character) is shown but not kept, so the next
 token completes it. For decoders whose text concatenates so (byte-level BPE, SentencePiece
 metaspace) the result is the decode of the whole output; a decoder caught not doing so (the
@@ -24,7 +26,10 @@ def current_text(decode, ids, text: str, k: int) -> tuple[str, str, int]:
     p = max(0, k - WINDOW)
     head = decode(ids[p:k]) if p < k else ""
     tail = decode(ids[p:])
-    if not tail.startswith(head):  # this decoder's text does not concatenate: decode it all
+    # a window with no text (special tokens, skipped) absorbs nothing a decoder does at a
+    # slice's start (a stripped leading space); nor does a decoder whose text does not
+    # concatenate keep its window's text: either way, decode it all
+    if (p > 0 and not head) or not tail.startswith(head):
         now = decode(ids)
         return (now, text, k) if now.endswith("\ufffd") else (now, now, len(ids))
     now = text + tail[len(head) :]

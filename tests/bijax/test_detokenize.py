@@ -57,6 +57,26 @@ def test_sentencepiece_style_decoders_too():
             assert now == t.decode(ids[:n]), (n, now, t.decode(ids[:n]))
 
 
+def test_a_window_of_skipped_special_tokens_absorbs_no_stripped_space():
+    """A window whose ids all decode to nothing (special tokens skipped) cannot absorb a
+    metaspace decoder's stripped leading space: after ``WINDOW`` or more of them the next
+    word's space was lost ('AB' streamed where the whole decode is 'A B')."""
+    from tokenizers import Tokenizer, decoders, models
+
+    from bijax.detokenize import WINDOW
+
+    words = ["<unk>", "▁A", "▁B", "<x>"]
+    t = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    t.add_special_tokens(["<x>"])
+    t.decoder = decoders.Metaspace()
+    decode = lambda ids: t.decode(ids, skip_special_tokens=True)  # noqa: E731
+    for run in (WINDOW - 1, WINDOW, WINDOW + 3):
+        ids = [1] + [3] * run + [2, 3, 1]
+        assert decode(ids) == "A B A"
+        for n, now in enumerate(_texts(decode, ids), start=1):
+            assert now == decode(ids[:n]), (run, n, now, decode(ids[:n]))
+
+
 def test_a_decoder_that_does_not_concatenate_gets_the_whole_decode():
     # a toy decoder that rewrites "ab" across token boundaries: a later token changes the text
     # of earlier ones, which the window check must catch
