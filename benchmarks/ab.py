@@ -80,7 +80,7 @@ SWITCHES = {
             (
                 "pair-all-dense-fold",
                 {
-                    "stages": 4,
+                    "stages": 3,
                     "consumers": 2,
                     "order": "heaviest",
                     "one_drain": True,
@@ -91,7 +91,7 @@ SWITCHES = {
             (
                 "pair-all-dense-fold-q",
                 {
-                    "stages": 4,
+                    "stages": 3,
                     "consumers": 2,
                     "order": "heaviest",
                     "one_drain": True,

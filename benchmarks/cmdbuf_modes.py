@@ -6,7 +6,8 @@ re-records the graph on the host before a run whenever one of the program's buff
 the last run: ``command_buffer::update`` took 1.56 ms of a traced single-stream step on the
 H200's host (``profile_step.py --engine 1 --trace``, 2026-12-04), next to ~5.0 ms of kernels.
 Two things move: the step's inputs (new device buffers every step, unless the runner copies
-them into the same ones: ``ModelRunner._staged``, off with ``BIJAX_STAGED_INPUTS=0``) and XLA's
+them into the same ones: ``ModelRunner._staged``, on with ``BIJAX_STAGED_INPUTS=1``, off by
+default since 2026-12-05) and XLA's
 scratch buffer (kept at fixed virtual addresses by ``--xla_gpu_command_buffer_update_mode=
 SKIP_TEMP``, which bijax sets on import unless XLA_FLAGS names the flag).
 

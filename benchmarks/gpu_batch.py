@@ -281,12 +281,12 @@ STEPS = {
         300,
         "bijax bench llama3-8b, one stream 64 + 256, invariant vs the XLA baseline",
     ),
-    # session 39: cmdbuf-modes had staged inputs 0.5-0.9 ms a step slower, bench-single in the
-    # same call 4.81 ms ITL with them: alternate these two with bench-single to settle it
-    "bench-single-unstaged": (
-        _with("BIJAX_STAGED_INPUTS=0", "baseline.py", "--part", "bench", "--single"),
+    # session 39 asked whether staged inputs help (session 41: no; off by default since): this
+    # step is bench-single with them on
+    "bench-single-staged": (
+        _with("BIJAX_STAGED_INPUTS=1", "baseline.py", "--part", "bench", "--single"),
         300,
-        "bench-single with the step inputs in new buffers every step (BIJAX_STAGED_INPUTS=0)",
+        "bench-single with the step inputs copied into the same buffers every step (BIJAX_STAGED_INPUTS=1)",
     ),
     # the same question in one process: two engines on one model, runs interleaved, with the
     # host time spent staging (does the copy into donated buffers wait for the step in flight?)

@@ -374,9 +374,9 @@ def main():
     p.add_argument(
         "--placed-inputs",
         action="store_true",
-        help="also run each case with the forward's inputs placed on the device once (the runner "
-        "copies a step's inputs into the same buffers every step anyway, since 2026-12-04; with "
-        "BIJAX_STAGED_INPUTS=0 this tells what new input buffers cost)",
+        help="also run each case with the forward's inputs placed on the device once (what new "
+        "input buffers every step cost - the default since 2026-12-05; BIJAX_STAGED_INPUTS=1 "
+        "copies them into the same buffers every step)",
     )
     args = p.parse_args()
     name = "tiny" if args.smoke else args.model

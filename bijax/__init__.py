@@ -14,9 +14,11 @@ from pallas_kernels.runtime import request_xla_flag  # noqa: E402
 
 # XLA runs a warmed-up GPU program as a CUDA graph and re-records the graph on the host (~1 ms for
 # a llama3-8b forward) before a run whenever one of the program's buffers moved since the last
-# run. The engine keeps a step's inputs in place (``ModelRunner._staged``); SKIP_TEMP
-# keeps XLA's scratch buffer at the same virtual addresses too (XLA's VMM allocator), so a
-# decode step's graph is recorded once (benchmarks/RESULTS.md, session 36). Set before JAX
+# run. SKIP_TEMP keeps XLA's scratch buffer at the same virtual addresses (XLA's VMM allocator);
+# with the step inputs kept in place too (``ModelRunner._staged``, ``BIJAX_STAGED_INPUTS=1``) a
+# decode step's graph is recorded once (benchmarks/RESULTS.md, session 36). Staging is off by
+# default since session 41 (its copy made the host wait and no step was faster): the inputs are
+# then new buffers every step, and XLA updates the graph while the device runs the step before. Set before JAX
 # starts its GPU backend; a user's own setting of the flag wins (README, Limits: it applies to the
 # whole process and makes XLA use its VMM allocator). No effect on CPU or on bits.
 GPU_GRAPH_UPDATE_MODE = "--xla_gpu_command_buffer_update_mode=SKIP_TEMP"

@@ -200,14 +200,17 @@ class WarmupReport:
     compiling_in_background: int = 0
 
 
-def graph_update_note(platform: str) -> str | None:
-    """On a GPU, why decode steps will take ~1 ms more host time than they could: XLA_FLAGS does
-    not name the CUDA graphs' update mode, so bijax's request (``bijax.GPU_GRAPH_UPDATE_MODE``)
-    was refused - JAX had started its backend before bijax was imported. None otherwise."""
+def graph_update_note(platform: str, staged: bool) -> str | None:
+    """On a GPU with staged step inputs (``BIJAX_STAGED_INPUTS=1``: kept in place so that CUDA
+    graphs need no update), why decode steps will take ~1 ms more host time than they could:
+    XLA_FLAGS does not name the CUDA graphs' update mode, so bijax's request
+    (``bijax.GPU_GRAPH_UPDATE_MODE``) was refused - JAX had started its backend before bijax was
+    imported. None otherwise (without staging the inputs are new buffers every step, and XLA
+    updates the graph whatever the mode)."""
     from bijax import GPU_GRAPH_UPDATE_MODE
     from pallas_kernels.runtime import xla_flag_named
 
-    if platform != "gpu" or xla_flag_named(GPU_GRAPH_UPDATE_MODE):
+    if platform != "gpu" or not staged or xla_flag_named(GPU_GRAPH_UPDATE_MODE):
         return None
     return (
         "bijax: JAX started its GPU backend before bijax was imported, so XLA re-records a "
@@ -325,7 +328,7 @@ class LLM:
         self.engine = Engine(self.model, self.tokenizer, self.config, spec, draft, draft_tokenizer)
         self._counter = 0
         self.last_warmup: WarmupReport | None = None
-        note = graph_update_note(jax.default_backend())
+        note = graph_update_note(jax.default_backend(), self.engine.runner._stage)
         if note is not None:
             warnings.warn(note, RuntimeWarning, stacklevel=2)
 

@@ -143,9 +143,10 @@ def _stages(
         fixed += consumers * ROWS * d * itemsize
         budget = _SMEM_BYTES_ALONE
     if fixed + 2 * per_stage > (2 * _SMEM_BYTES if consumers == 1 else budget):
+        fold = " with the fold in shared memory" if fold_in_smem else ""
         raise ValueError(
-            f"attention (Mosaic GPU tiles): {tile}-key tiles at head_dim {d} need more shared "
-            "memory than an SM has (use a block size of at most 128)"
+            f"attention (Mosaic GPU tiles): {tile}-key tiles at head_dim {d}{fold} need more shared "
+            "memory than an SM has (use a block size of at most 128, or fold_in_smem=False)"
         )
     return max(2, min(stages, (budget - fixed) // per_stage))
 
@@ -743,7 +744,8 @@ def tiles_mgpu(
     (or 21 of 3) where "pow2" pads the group to 8 (4): 8/9 (3/4) as many tiles to walk.
     ``fold_in_smem``: the split fold's fp32 accumulator waits in shared memory between folds
     (once a split: 512 keys by default) instead of holding 64 registers a thread through every
-    tile; its 32 KB a warpgroup come out of the ring (one warpgroup: 2 stages, not 3).
+    tile; its 32 KB a warpgroup (D 128) come out of the ring: at D 128 one warpgroup fits 2
+    stages, not 3, and a pair 3, not 4 (``stages`` is lowered to what fits, as always).
 
     ``approx_math`` is a measurement probe, not a launch choice: Mosaic GPU's approximate math
     (``exp`` as ``ex2.approx`` of ``x * log2(e)``), which gives other bits than the Triton

@@ -87,5 +87,5 @@ def test_launch_selection_by_part_or_whole_name(monkeypatch):
     monkeypatch.setenv("BIJAX_MGPU_LAUNCHES", "=heaviest, dense rows|fold and q")
     assert list(selected(LAUNCHES)) == [
         "heaviest, dense rows",
-        "pair, 4 stages, heaviest, one drain, dense rows, fold and q in SMEM",
+        "pair, 3 stages, heaviest, one drain, dense rows, fold and q in SMEM",
     ]

@@ -375,20 +375,22 @@ def test_the_gpu_graph_update_mode_is_asked_for_and_a_users_setting_wins():
 
 
 def test_a_gpu_process_that_started_jax_before_bijax_is_told_why_steps_are_slower(monkeypatch):
-    """The request for the graph update mode is refused once a backend runs; on a GPU the engine
-    then says so (a warning naming the fix), on CPU nothing; a flag named in XLA_FLAGS (bijax's
-    or the user's own value) is a choice made: no note."""
+    """The request for the graph update mode is refused once a backend runs; on a GPU with
+    staged step inputs the engine then says so (a warning naming the fix), on CPU or without
+    staging (the default: new input buffers every step update the graph anyway) nothing; a flag
+    named in XLA_FLAGS (bijax's or the user's own value) is a choice made: no note."""
     import bijax
     from bijax.llm import graph_update_note
 
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_platform_dependent_math=false")
-    note = graph_update_note("gpu")
+    note = graph_update_note("gpu", staged=True)
     assert note is not None and "before bijax was imported" in note and bijax.GPU_GRAPH_UPDATE_MODE in note
-    assert graph_update_note("cpu") is None
+    assert graph_update_note("gpu", staged=False) is None
+    assert graph_update_note("cpu", staged=True) is None
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_command_buffer_update_mode=ALWAYS_UPDATE")
-    assert graph_update_note("gpu") is None
+    assert graph_update_note("gpu", staged=True) is None
     monkeypatch.setenv("XLA_FLAGS", bijax.GPU_GRAPH_UPDATE_MODE)
-    assert graph_update_note("gpu") is None
+    assert graph_update_note("gpu", staged=True) is None
 
 
 def test_the_baseline_compiles_its_forward_without_the_dot_merger():
