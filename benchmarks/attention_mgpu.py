@@ -199,6 +199,8 @@ def _mgpu(c, zs, ps, variant, stages=3, overlap=False, launch=None, **kw):
 # p @ v (item 3), and combinations. Launch choices: each
 # must give the default launch's bits (``check_launches``) - interpret mode on CPU says so for
 # the walk, the H200 must say so for wgmma and the compiled barriers.
+# the pair launch at the stages that fit with two folds in SMEM (D 128)
+_PAIR3 = {"consumers": 2, "stages": 3, "order": "heaviest", "one_drain": True, "packing": "dense"}
 LAUNCHES = {
     "heaviest": {"order": "heaviest"},
     "one drain": {"one_drain": True},
@@ -240,27 +242,10 @@ LAUNCHES = {
         "one_drain": True,
     },
     # (two warpgroups' folds take 64 KB: 3 stages fit at D 128, not 4 - hence the 3-stage control)
-    "pair, 3 stages, heaviest, one drain, dense rows": {
-        "consumers": 2,
-        "stages": 3,
-        "order": "heaviest",
-        "one_drain": True,
-        "packing": "dense",
-    },
-    "pair, 3 stages, heaviest, one drain, dense rows, fold in SMEM": {
-        "consumers": 2,
-        "stages": 3,
-        "order": "heaviest",
-        "one_drain": True,
-        "packing": "dense",
-        "fold_in_smem": True,
-    },
+    "pair, 3 stages, heaviest, one drain, dense rows": _PAIR3,
+    "pair, 3 stages, heaviest, one drain, dense rows, fold in SMEM": {**_PAIR3, "fold_in_smem": True},
     "pair, 3 stages, heaviest, one drain, dense rows, fold and q in SMEM": {
-        "consumers": 2,
-        "stages": 3,
-        "order": "heaviest",
-        "one_drain": True,
-        "packing": "dense",
+        **_PAIR3,
         "fold_in_smem": True,
         "q_from_smem": True,
     },
@@ -272,11 +257,7 @@ DEFAULT_VARIANT = ("into", "two")
 PROBES = {
     "probe: heaviest, dense rows, approx exp": {"order": "heaviest", "packing": "dense", "approx_math": True},
     "probe: pair, 3 stages, heaviest, one drain, dense rows, fold in SMEM, approx exp": {
-        "consumers": 2,
-        "stages": 3,
-        "order": "heaviest",
-        "one_drain": True,
-        "packing": "dense",
+        **_PAIR3,
         "fold_in_smem": True,
         "approx_math": True,
     },
