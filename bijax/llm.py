@@ -18,6 +18,7 @@ from bijax.llm_engine import Engine
 from bijax.outputs import RequestOutput
 from bijax.sampling_params import MAX_SEED, SamplingParams
 from bijax.speculative import SpeculativeConfig
+from bijax.step_programs import staged_inputs
 from models.configs import PRESETS
 from models.llama import Llama, param_state
 from models.loading import DEFAULT_MODEL, embedded_model_path, is_embedded, is_preset, load_model
@@ -328,7 +329,7 @@ class LLM:
         self.engine = Engine(self.model, self.tokenizer, self.config, spec, draft, draft_tokenizer)
         self._counter = 0
         self.last_warmup: WarmupReport | None = None
-        note = graph_update_note(jax.default_backend(), self.engine.runner._stage)
+        note = graph_update_note(jax.default_backend(), staged_inputs())
         if note is not None:
             warnings.warn(note, RuntimeWarning, stacklevel=2)
 

@@ -36,7 +36,7 @@ barrier. One program per SM, so each KV tile in shared memory serves 128 rows. `
 puts 9 tokens of a 7-head group (21 of a 3-head group) in a tile's 64 rows instead of 8 (16)
 with the group padded to a power of two: fewer tiles for the same rows. ``fold_in_smem`` keeps
 the split fold's fp32 accumulator in shared memory between folds instead of 64 registers a
-thread (session 41: every launch measured so far spills). In interpret mode all
+thread: no launch spills then, but none ran faster for it (session 41, H100). In interpret mode all
 give the default launch's bits (tests), and on the H200 every one gave the bits of the launch
 measured since session 24 (2026-12-05, RESULTS.md); the engine's default since then is
 heaviest first with dense rows (``attention_triton.MGPU_PREFILL_LAUNCH``).
