@@ -9,7 +9,8 @@ Two things move: the step's inputs (new device buffers every step, unless the ru
 them into the same ones: ``ModelRunner._staged``, on with ``BIJAX_STAGED_INPUTS=1``, off by
 default since 2026-12-05) and XLA's
 scratch buffer (kept at fixed virtual addresses by ``--xla_gpu_command_buffer_update_mode=
-SKIP_TEMP``, which bijax sets on import unless XLA_FLAGS names the flag).
+SKIP_TEMP``, which bijax asks for on import with ``BIJAX_STAGED_INPUTS=1`` only, since
+session 42). Each variant here names its mode in XLA_FLAGS itself.
 
 Each variant runs in a fresh process (XLA reads its flags once): ``LLM.generate`` of one
 sequence (64 prompt + 128 sampled tokens, seeded) after a warm-up run and the background

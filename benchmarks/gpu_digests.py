@@ -7,12 +7,15 @@ GPU: ``smollm2-shape`` and ``llama3-8b`` (random weights from seed 0), bfloat16 
 Re-run it after any kernel change, in the same session as the change: a MISMATCH on an unchanged
 NUMERICS_VERSION means GPU bits moved. Each configuration also runs the suite twice in one
 engine (run to run). The records carry the device fingerprint (``bijax.digest.fingerprint``); a
-record from another device class is reported, not compared.
+record from another device class is not a MATCH / MISMATCH; where this device class has none,
+the row says which other classes' records its digest equals or differs from (the H100 gave the
+H200 records' digests, session 42).
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import time
 
@@ -27,6 +30,19 @@ ENGINE = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, num_
 def record_path(directory: str, model: str, dtype: str, device_class: str) -> str:
     kind = device_class.split(":")[1].replace(" ", "-").replace("/", "-").lower()
     return os.path.join(directory, f"{kind}-{model}-{dtype}.json")
+
+
+def other_classes(directory: str, model: str, dtype: str, got: str) -> str:
+    """' (digest equals: <class>, ...; differs: <class>, ...)' over the records of other device
+    classes for ``model`` / ``dtype``, or '' where there are none."""
+    same, other = [], []
+    for path in sorted(glob.glob(os.path.join(directory, f"*-{model}-{dtype}.json"))):
+        old = digest.load_record(path)
+        if old.get("model", {}).get("name") != model or old.get("model", {}).get("dtype") != dtype:
+            continue  # (another preset whose name ends like this one's)
+        (same if old["digest"] == got else other).append(old["fingerprint"]["device_class"])
+    parts = [f"{what}: {', '.join(c)}" for what, c in (("digest equals", same), ("differs", other)) if c]
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 def main():
@@ -76,7 +92,7 @@ def main():
             digest.write_record(record, path)
             status = "written"
         elif not os.path.exists(path):
-            status = "no record"
+            status = "no record" + other_classes(args.dir, model, dtype, record["digest"])
         else:
             old = digest.load_record(path)
             if old["fingerprint"]["device_class"] != cls:

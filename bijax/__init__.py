@@ -18,11 +18,18 @@ from pallas_kernels.runtime import request_xla_flag  # noqa: E402
 # with the step inputs kept in place too (``ModelRunner._staged``, ``BIJAX_STAGED_INPUTS=1``) a
 # decode step's graph is recorded once (benchmarks/RESULTS.md, session 36). Staging is off by
 # default since session 41 (its copy made the host wait and no step was faster): the inputs are
-# then new buffers every step, and XLA updates the graph while the device runs the step before.
-# Set before JAX starts its GPU backend; a user's own setting of the flag wins (README, Limits: it applies to the
-# whole process and makes XLA use its VMM allocator). No effect on CPU or on bits.
+# then new buffers every step and XLA updates the graph whatever the mode, and SKIP_TEMP alone
+# made no step faster (single stream, ms a step: H100 6.61 vs 6.64 under XLA's default,
+# session 42; H200 5.10 vs 5.04, session 39) while its VMM allocator keeps no memory
+# statistics. So the flag is asked for only with staging on (``BIJAX_STAGED_INPUTS=1`` set
+# before bijax is imported), before JAX starts its GPU backend; a user's own setting of the
+# flag wins (README, Limits). No effect on CPU or on bits.
 GPU_GRAPH_UPDATE_MODE = "--xla_gpu_command_buffer_update_mode=SKIP_TEMP"
-request_xla_flag(GPU_GRAPH_UPDATE_MODE)
+
+from bijax.step_programs import staged_inputs  # noqa: E402
+
+if staged_inputs():
+    request_xla_flag(GPU_GRAPH_UPDATE_MODE)
 
 from bijax import compile_cache  # noqa: E402
 

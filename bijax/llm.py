@@ -65,7 +65,8 @@ _MEM_FRACTION_VARS = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION
 def _device_memory(dev) -> tuple[int, int]:
     """(bytes this process may allocate on the device, bytes in use) for sizing the KV pool:
     XLA's allocator statistics (its limit and what is allocated); where the allocator keeps none
-    - XLA's VMM allocator, which ``bijax.GPU_GRAPH_UPDATE_MODE`` selects - the same limit (the
+    - XLA's VMM allocator, which ``bijax.GPU_GRAPH_UPDATE_MODE`` selects (asked for with
+    ``BIJAX_STAGED_INPUTS=1`` only) - the same limit (the
     client's memory fraction of the device, XLA_CLIENT_MEM_FRACTION or its old name
     XLA_PYTHON_CLIENT_MEM_FRACTION, default 0.75: the VMM allocator's budget) and the CUDA
     driver's count of the memory in use on the device."""
@@ -204,20 +205,21 @@ class WarmupReport:
 def graph_update_note(platform: str, staged: bool) -> str | None:
     """On a GPU with staged step inputs (``BIJAX_STAGED_INPUTS=1``: kept in place so that CUDA
     graphs need no update), why decode steps will take ~1 ms more host time than they could:
-    XLA_FLAGS does not name the CUDA graphs' update mode, so bijax's request
-    (``bijax.GPU_GRAPH_UPDATE_MODE``) was refused - JAX had started its backend before bijax was
-    imported. None otherwise (without staging the inputs are new buffers every step, and XLA
-    updates the graph whatever the mode)."""
+    XLA_FLAGS does not name the CUDA graphs' update mode (``bijax.GPU_GRAPH_UPDATE_MODE``).
+    Importing bijax asks for it only when ``BIJAX_STAGED_INPUTS=1`` is set by then, and the
+    request is refused once JAX has started its backend. None otherwise (without staging the
+    inputs are new buffers every step, and XLA updates the graph whatever the mode)."""
     from bijax import GPU_GRAPH_UPDATE_MODE
     from pallas_kernels.runtime import xla_flag_named
 
     if platform != "gpu" or not staged or xla_flag_named(GPU_GRAPH_UPDATE_MODE):
         return None
     return (
-        "bijax: JAX started its GPU backend before bijax was imported, so XLA re-records a "
-        "decode step's CUDA graph every step (~1 ms of host time on the H200; outputs are the "
-        f"same). Import bijax before running anything in JAX, or start Python with "
-        f"XLA_FLAGS={GPU_GRAPH_UPDATE_MODE}."
+        "bijax: BIJAX_STAGED_INPUTS=1 keeps a step's inputs in place, but XLA_FLAGS does not name "
+        "the CUDA graphs' update mode (set BIJAX_STAGED_INPUTS after bijax was imported, or JAX "
+        "started its GPU backend before), so XLA re-records a decode step's CUDA graph every step "
+        "(~1 ms of host time on the H200; outputs are the same). Set BIJAX_STAGED_INPUTS=1 before "
+        f"importing bijax and anything in JAX, or start Python with XLA_FLAGS={GPU_GRAPH_UPDATE_MODE}."
     )
 
 

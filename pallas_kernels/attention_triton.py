@@ -61,17 +61,23 @@ PREFILL_KERNEL = "tiles_mgpu"
 # name (stages, consumers, order, one_drain, q_from_smem, packing) - launch choices, never the
 # bits: its interpret-mode tests compare each with the default bit for bit on CPU, and on the
 # H200 every launch gave the old default's bits (benchmarks/attention_mgpu.py launches; session
-# 38, RESULTS.md). Since 2026-12-05 the default takes the row tiles heaviest first and packs
-# query groups of 3 and 7 densely (kernel time 0.85-0.93x the old default's at D 128, 0.71x at
-# 9/3; the engine's digests MATCH); two consumer warpgroups were faster still on whole 4096-token
-# prompts but halve the programs of short prefill chunks, so they stay a choice
-# (benchmarks/attention_plan.md; the A/B switch of benchmarks/ab.py prefill-launch).
+# 38, RESULTS.md). Since 2026-12-05 (session 38) the row tiles go heaviest first and query
+# groups of 3 and 7 are packed densely (kernel time 0.85-0.93x the old default's at D 128, 0.71x
+# at 9/3). Since session 42 a program is two consumer warpgroups and a producer, a tile's
+# p @ ones and p @ v are waited for once, and the split fold's accumulator waits in SMEM (3
+# stages: what fits at D 128; ``stages`` is lowered to what fits elsewhere): on an H100, same
+# run, 0.91 / 0.92 / 1.00 / 0.94x the one-warpgroup launch's kernel time on 1 x 4096 (32/8,
+# 28/4), 8 x 1024 and 9/3 D 64; the engine's 8 x 4096-token prefill the same (161.1-161.7 ms a
+# step, alternated); every bit check of benchmarks/attention_mgpu.py launches PASSes and the
+# engine's four digests equal the H200 records (RESULTS.md, session 42). The A/B switch:
+# benchmarks/ab.py prefill-launch (heaviest-dense: the launch before).
 MGPU_PREFILL_LAUNCH = (
     ("stages", 3),
-    ("consumers", 1),
+    ("consumers", 2),
     ("order", "heaviest"),
-    ("one_drain", False),
+    ("one_drain", True),
     ("packing", "dense"),
+    ("fold_in_smem", True),
 )
 # The decode kernel stores, and its combine folds, only the splits a token uses (same bits:
 # the others leave the fold unchanged). False: every split of the grid, as before 2026-12-02

@@ -352,30 +352,44 @@ def test_kv_pool_sizing_reads_xla_statistics_or_else_the_driver(monkeypatch):
         L._kv_blocks(cfg, np.float32, 16, 8, 4, 0.1)
 
 
-def test_the_gpu_graph_update_mode_is_asked_for_and_a_users_setting_wins():
-    """Importing bijax asks XLA to keep its scratch buffer in place for CUDA graphs (before any
-    backend starts); a flag the user set, or a backend already running, leaves XLA_FLAGS as is."""
+def test_the_gpu_graph_update_mode_is_asked_for_only_with_staged_inputs_and_a_users_setting_wins():
+    """Importing bijax asks XLA to keep its scratch buffer in place for CUDA graphs only when
+    ``BIJAX_STAGED_INPUTS=1`` is set by then (without staging SKIP_TEMP made no step faster and
+    its VMM allocator keeps no memory statistics); a flag the user set, or a backend already
+    running, leaves XLA_FLAGS as is."""
     import os
+    import subprocess
+    import sys
 
     import jax
 
     import bijax
     from pallas_kernels.runtime import request_xla_flag
 
-    flags = os.environ["XLA_FLAGS"].split()
-    # ours, unless the environment the tests run in named the flag itself
-    assert bijax.GPU_GRAPH_UPDATE_MODE in flags or any(
-        f.startswith("--xla_gpu_command_buffer_update_mode=") for f in flags
-    )
+    def flags_after_import(**env):
+        code = "import os, bijax; print(os.environ.get('XLA_FLAGS', ''))"
+        base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "BIJAX_STAGED_INPUTS")}
+        out = subprocess.run(
+            [sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout.split()
+
+    assert bijax.GPU_GRAPH_UPDATE_MODE in flags_after_import(BIJAX_STAGED_INPUTS="1")
+    assert bijax.GPU_GRAPH_UPDATE_MODE not in flags_after_import()  # (the control: the default)
+    users = "--xla_gpu_command_buffer_update_mode=ALWAYS_UPDATE"
+    assert flags_after_import(BIJAX_STAGED_INPUTS="1", XLA_FLAGS=users).count(users) == 1
+    assert bijax.GPU_GRAPH_UPDATE_MODE not in flags_after_import(BIJAX_STAGED_INPUTS="1", XLA_FLAGS=users)
+
     before = os.environ["XLA_FLAGS"]
-    assert not request_xla_flag("--xla_gpu_command_buffer_update_mode=ALWAYS_UPDATE")  # named already
     jax.devices()
     assert not request_xla_flag("--xla_gpu_dot_merger_threshold_mb=0")  # XLA read its flags
     assert os.environ["XLA_FLAGS"] == before
 
 
 def test_a_gpu_process_that_started_jax_before_bijax_is_told_why_steps_are_slower(monkeypatch):
-    """The request for the graph update mode is refused once a backend runs; on a GPU with
+    """The request for the graph update mode is refused once a backend runs (or not made: staging
+    switched on after the import); on a GPU with
     staged step inputs the engine then says so (a warning naming the fix), on CPU or without
     staging (the default: new input buffers every step update the graph anyway) nothing; a flag
     named in XLA_FLAGS (bijax's or the user's own value) is a choice made: no note."""
@@ -384,7 +398,7 @@ def test_a_gpu_process_that_started_jax_before_bijax_is_told_why_steps_are_slowe
 
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_platform_dependent_math=false")
     note = graph_update_note("gpu", staged=True)
-    assert note is not None and "before bijax was imported" in note and bijax.GPU_GRAPH_UPDATE_MODE in note
+    assert note is not None and "before importing bijax" in note and bijax.GPU_GRAPH_UPDATE_MODE in note
     assert graph_update_note("gpu", staged=False) is None
     assert graph_update_note("cpu", staged=True) is None
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_command_buffer_update_mode=ALWAYS_UPDATE")

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import attention_triton
 from pallas_kernels.attention import attention
 from pallas_kernels.attention_math import AttentionSpec
 from pallas_kernels.attention_mgpu import heaviest_first, segments, supported, tiles_mgpu
@@ -92,6 +93,7 @@ def test_segments_are_each_tiles_sequences_ascending():
         ("into", "two", False, {"consumers": 2, "stages": 5, "order": "heaviest", "one_drain": True}),
         ("into", "two", True, {"consumers": 2, "stages": 4, "q_from_smem": True}),
         ("into", "two", False, {"fold_in_smem": True, "order": "heaviest", "packing": "dense"}),
+        ("into", "two", False, dict(attention_triton.MGPU_PREFILL_LAUNCH)),  # the engine's
     ],
 )
 def test_cuda_lowering_is_one_mosaic_gpu_kernel(pv, rounding, overlap, launch):
@@ -261,21 +263,22 @@ def test_heaviest_first_orders_programs_by_the_keys_they_walk():
     assert heaviest_first(same * 0, same, jnp.ones(3, jnp.int32), None).tolist() == [0, 1, 2]
 
 
-def test_warp_specialized_launch_through_attention_accuracy_and_token_bits(monkeypatch):
-    """``attention_triton.MGPU_PREFILL_LAUNCH`` (what the engine's prefill launches) with two
-    consumers, 4 stages, heaviest first and q from shared memory: f64 accuracy over sequences of several tiles with
-    stale NaN cache rows and padding, and a token's bits as under the default launch."""
-    from pallas_kernels import attention_triton
-
+def test_the_engines_launch_through_attention_accuracy_and_token_bits(monkeypatch):
+    """``attention_triton.MGPU_PREFILL_LAUNCH`` as committed (what the engine's prefill launches:
+    since session 42 two consumers, heaviest first, one drain, dense rows, the split fold in SMEM)
+    through ``attention()``: f64 accuracy over sequences of several tiles with stale NaN cache
+    rows and padding, and a token's bits as under ``tiles_mgpu``'s own defaults (one warpgroup,
+    in order, padded rows). Control: a different split size changes the bits."""
+    committed = dict(attention_triton.MGPU_PREFILL_LAUNCH)
+    assert committed["consumers"] == 2 and committed["fold_in_smem"], committed  # what is tested
     paged = Paged([15, 150, 70], dtype=BF16, d=64, seed=3)
     tokens = all_tokens(paged)
     np.random.default_rng(2).shuffle(tokens)
     tokens = tokens[:9] + [(0, -1)] * 2 + tokens[9:]
-    base = bits(_run(paged, tokens))
-    launch = (("stages", 4), ("consumers", 2), ("order", "heaviest"), ("q_from_smem", True))
-    monkeypatch.setattr(attention_triton, "MGPU_PREFILL_LAUNCH", launch)
     got = _run(paged, tokens)
-    np.testing.assert_array_equal(bits(got), base)
+    monkeypatch.setattr(attention_triton, "MGPU_PREFILL_LAUNCH", ())
+    np.testing.assert_array_equal(bits(got), bits(_run(paged, tokens)))
+    assert not np.array_equal(bits(_run(paged, tokens, split_size=128)), bits(got))
     out = np.asarray(got, np.float64)
     real = [i for i, (_, p) in enumerate(tokens) if p >= 0]
     ref = np.stack([paged.f64(*tokens[i]) for i in real])
