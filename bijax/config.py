@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from pallas_kernels.checks import check_positive_int as _check_positive_int
+
 
 def _pow2_upto(lo: int, hi: int) -> tuple[int, ...]:
     out, b = [], lo
@@ -16,8 +18,7 @@ def _pow2_upto(lo: int, hi: int) -> tuple[int, ...]:
 
 def check_positive_int(name: str, value) -> None:
     """The engine limits' rule (``EngineConfig``, ``LLM``'s arguments): an int >= 1."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    _check_positive_int(name, value, numpy=False)
 
 
 @dataclasses.dataclass(frozen=True)

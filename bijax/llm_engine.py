@@ -25,6 +25,7 @@ from bijax.scheduler import Scheduler
 from bijax.sequence import Sequence, Status
 from bijax.speculative import SpeculativeConfig, Speculator, check_draft_vocabulary
 from pallas_kernels.attention_math import HEAD_DIMS
+from pallas_kernels.checks import is_int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,9 +242,7 @@ class Engine:
             pairs = [(s, t) for s, t in pairs if t <= cap]
         if step_tokens is not None:
             counts = list(step_tokens) if isinstance(step_tokens, (list, tuple)) else []
-            if not counts or any(
-                isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1 for n in counts
-            ):
+            if not counts or any(not is_int(n) or n < 1 for n in counts):
                 raise ValueError(f"step_tokens must be a non-empty list of ints >= 1, got {step_tokens!r}")
             want = {bucket(min(int(n), buckets[-1]), buckets) for n in counts}
             pairs = [(s, t) for s, t in pairs if t in want]
@@ -667,7 +666,7 @@ class Engine:
         dummy = SamplingParams(max_tokens=1)
         for i, (ids, pl) in enumerate(zip(token_ids, prompt_lens, strict=True)):
             _, ids = self._tokenize(list(ids))
-            if isinstance(pl, bool) or not isinstance(pl, (int, np.integer)) or not 1 <= pl <= len(ids):
+            if not is_int(pl) or not 1 <= pl <= len(ids):
                 raise ValueError(f"prompt_lens[{i}] must be an int in [1, {len(ids)}], got {pl!r}")
             pl = int(pl)
             vocab = self.model_config.vocab_size

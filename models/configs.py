@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from pallas_kernels.checks import check_positive_int
+
 # HF model_type values whose decoder is the Llama block (RMSNorm, RoPE, SwiGLU, GQA).
 # Qwen3 adds a per-head RMSNorm on q and k before RoPE (``qk_norm``); Qwen3-MoE replaces the
 # MLP of its sparse layers by a routed mixture of SwiGLU experts (``num_experts`` > 0).
@@ -100,9 +102,7 @@ class LlamaConfig:
             "head_dim",
             "max_position_embeddings",
         ):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"LlamaConfig: {name} must be a positive int, got {v!r}")
+            check_positive_int(f"LlamaConfig: {name}", getattr(self, name), numpy=False)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"LlamaConfig: num_heads ({self.num_heads}) is not a multiple of "
@@ -126,8 +126,7 @@ class LlamaConfig:
                 "decoder_sparse_step",
             ):
                 v = getattr(self, name)
-                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                    raise ValueError(f"LlamaConfig: {name} must be a positive int for a MoE model, got {v!r}")
+                check_positive_int(f"LlamaConfig: {name}", v, numpy=False, why="for a MoE model")
             if self.num_experts_per_tok > self.num_experts:
                 raise ValueError(
                     f"LlamaConfig: num_experts_per_tok ({self.num_experts_per_tok}) exceeds "

@@ -63,6 +63,7 @@ from models.configs import LlamaConfig
 from models.ops import TensorParallel, col_mm, col_mm_shared, moe, norm, qkv_rope_write_kv, row_mm_norm
 from models.paged import KVCache, PackedLayout, PagedBatch, init_kv_cache
 from pallas_kernels import K_SHARDS
+from pallas_kernels.checks import check_positive_int
 
 __all__ = [
     "FIRST_NORM_PATH",
@@ -695,8 +696,7 @@ def check_packed(tokens, segment_ids, max_segments, config: LlamaConfig):
                 "segment_ids is traced: pass max_segments= (a static int bound on the segment ids)"
             )
         max_segments = max(1, int(seg_np.max()) + 1)
-    if isinstance(max_segments, bool) or not isinstance(max_segments, (int, np.integer)) or max_segments < 1:
-        raise ValueError(f"max_segments must be a positive int, got {max_segments!r}")
+    check_positive_int("max_segments", max_segments)
     max_segments = int(max_segments)
     seg_pos = None
     if seg_np is not None:

@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from models.configs import LlamaConfig
+from pallas_kernels.checks import check_positive_int
 
 AXIS = "tp"
 _COLUMN = ("wq", "wk", "wv", "w_gate", "w_up")
@@ -35,8 +36,7 @@ _ROW = ("wo", "w_down")
 def check_tensor_parallel(config: LlamaConfig, size, k_shards: int, num_devices: int | None = None) -> None:
     """ValueError naming the problem unless ``size`` ranks can serve ``config`` with the bits
     of one device: size divides both head counts and ``k_shards``, and that many devices exist."""
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"tensor_parallel_size must be a positive int, got {size!r}")
+    check_positive_int("tensor_parallel_size", size, numpy=False)
     if size == 1:
         return
     if config.is_moe:

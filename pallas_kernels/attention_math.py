@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from pallas_kernels.checks import check_positive_int
+
 SPLIT_SIZE = 512
 HEAD_DIMS = (64, 128)
 MIN_KV_TILE = 64
@@ -39,15 +41,14 @@ class AttentionSpec:
         cls, head_dim: int, *, scale=None, sliding_window=None, logit_softcap=None, split_size=SPLIT_SIZE
     ):
         """Validated settings from the public arguments (clear errors naming the argument)."""
-        if not _is_int(split_size) or split_size < 1:
-            raise ValueError(f"attention: split_size must be a positive int, got {split_size!r}")
+        check_positive_int("attention: split_size", split_size)
         if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
             raise TypeError(f"attention: scale must be a finite positive number, got {scale!r}")
         scale = float(head_dim**-0.5 if scale is None else scale)
         if not (np.isfinite(scale) and scale > 0):
             raise ValueError(f"attention: scale must be a finite positive number, got {scale!r}")
-        if sliding_window is not None and (not _is_int(sliding_window) or sliding_window < 1):
-            raise ValueError(f"attention: sliding_window must be a positive int, got {sliding_window!r}")
+        if sliding_window is not None:
+            check_positive_int("attention: sliding_window", sliding_window)
         if logit_softcap is not None:
             ok = isinstance(logit_softcap, numbers.Real) and not isinstance(logit_softcap, bool)
             if not ok or not (np.isfinite(logit_softcap) and logit_softcap > 0):
@@ -64,10 +65,6 @@ class AttentionSpec:
     def num_splits(self, max_context: int) -> int:
         """Splits covering ``max_context`` keys (a block table's capacity)."""
         return -(-max_context // self.split_size)
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
 def kv_tile(block_size: int) -> int:

@@ -10,6 +10,20 @@ import numpy as np
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
+def is_int(x) -> bool:
+    """A Python or NumPy integer, not a bool."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def check_positive_int(what: str, value, *, numpy: bool = True, why: str = "") -> None:
+    """ValueError "``what`` must be a positive int[ ``why``], got ..." unless ``value`` is an
+    integer >= 1 (``numpy=False``: a Python int only - for values that end up in configs and
+    records as JSON). The one rule for every positive-int argument and setting."""
+    ok = is_int(value) if numpy else isinstance(value, int) and not isinstance(value, bool)
+    if not ok or value < 1:
+        raise ValueError(f"{what} must be a positive int{' ' + why if why else ''}, got {value!r}")
+
+
 def _dtype(op: str, name: str, a):
     dtype = getattr(a, "dtype", None)
     if dtype is None:

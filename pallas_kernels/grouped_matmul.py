@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import runtime
-from pallas_kernels.checks import check_float_dtype, check_same_dtype
+from pallas_kernels.checks import check_float_dtype, check_positive_int, check_same_dtype
 from pallas_kernels.matmul import jnp_row_tile
 from pallas_kernels.matmul_triton import GpuTiles, gpu_tile_m, k_loop, leaf_output, swizzle
 from pallas_kernels.plan import (
@@ -355,8 +355,7 @@ def group_rows(group_ids: jax.Array, num_groups: int) -> tuple[jax.Array, jax.Ar
     integer work: the result depends on the ids only."""
     if getattr(group_ids, "ndim", None) != 1 or not jnp.issubdtype(group_ids.dtype, jnp.integer):
         raise ValueError("group_rows: group_ids must be a 1-D integer array")
-    if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 1:
-        raise ValueError(f"group_rows: num_groups must be a positive int, got {num_groups!r}")
+    check_positive_int("group_rows: num_groups", num_groups, numpy=False)
     ids = runtime.concrete(group_ids)
     if ids is not None and ((ids < 0) | (ids >= num_groups)).any():
         bad = ids[(ids < 0) | (ids >= num_groups)][0]

@@ -283,3 +283,29 @@ def test_paged_forward_lowers_to_the_bijax_kernels_on_cuda():
     # Negative control: the XLA path has none of them.
     text = _export_paged(invariant=False)
     assert not any(f'name = "{k}"' in text for k in kernels)
+
+
+def test_one_positive_int_rule_names_the_setting_everywhere():
+    """``pallas_kernels.checks.check_positive_int`` is the one rule behind the model's, the
+    kernels' and the sharding's positive-int settings: each names its setting; NumPy integers
+    pass where they cannot reach a JSON record (attention's split size) and are refused where
+    they can (the config). Control: valid values pass."""
+    import dataclasses
+
+    from models.sharding import check_tensor_parallel
+    from pallas_kernels import AttentionSpec, group_rows
+
+    cfg = preset("tiny")
+    cases = [
+        (lambda: AttentionSpec.create(64, split_size=0), "attention: split_size"),
+        (lambda: AttentionSpec.create(64, sliding_window=True), "attention: sliding_window"),
+        (lambda: dataclasses.replace(cfg, num_heads=np.int64(cfg.num_heads)), "LlamaConfig: num_heads"),
+        (lambda: check_tensor_parallel(cfg, 2.0, 1), "tensor_parallel_size"),
+        (lambda: group_rows(jnp.zeros(4, jnp.int32), num_groups=0), "group_rows: num_groups"),
+    ]
+    for call, name in cases:
+        with pytest.raises(ValueError, match=f"^{name} must be a positive int, got "):
+            call()
+    assert AttentionSpec.create(64, split_size=np.int64(256), sliding_window=np.int32(8)) is not None
+    check_tensor_parallel(cfg, 1, 1)
+    dataclasses.replace(cfg, num_heads=cfg.num_heads)
