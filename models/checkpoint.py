@@ -1,16 +1,19 @@
 """What every checkpoint loader shares (HF safetensors, GGUF, orbax): the model built with no
 weights allocated, a parameter addressed by its dotted path, and the check that a file holds
-exactly the tensors the config expects (missing / unexpected tensors are clear errors)."""
+exactly the tensors the config expects (missing / unexpected tensors are clear errors), and the
+check that every loaded weight is finite."""
 
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from models.configs import LlamaConfig
-from models.llama import Llama, RopeTable, rope_table
+from models.llama import Llama, RopeTable, param_state, rope_table
 
 
 def abstract_model(config: LlamaConfig, dtype, k_shards: int) -> Llama:
@@ -43,3 +46,34 @@ def check_tensor_names(
     missing = [n for n in expected if n not in have]
     if missing:
         raise ValueError(f"tensor {missing[0]!r} is missing from {where} ({len(missing)} missing in all)")
+
+
+_all_finite = jax.jit(lambda x: jnp.isfinite(x).all())  # one fused pass, no bool copy
+_CHUNK = 1 << 24  # elements a host check looks at at once (its bool temporary: 16 MB)
+
+
+def _finite(x):
+    """Whether ``x`` holds only finite values: a device scalar on accelerators (read back later,
+    all together); on CPU devices a host pass over the same memory (no compile: a reduction
+    compiled per weight shape cost ~0.5-1 s of a CPU start)."""
+    if any(d.platform != "cpu" for d in x.devices()):
+        return _all_finite(x)
+    flat = np.asarray(x).reshape(-1)
+    return all(np.isfinite(flat[i : i + _CHUNK]).all() for i in range(0, flat.size, _CHUNK))
+
+
+def check_finite(model: Llama, where: str) -> None:
+    """ValueError naming the first parameter that holds a NaN or an infinity (and how many do):
+    a damaged checkpoint, or one cast into a dtype it overflows, would otherwise serve NaN
+    logprobs and arbitrary tokens. One pass over each parameter where it lives (a llama3-8b's
+    16 GB: ~5 ms of HBM reads on the H200), read back once."""
+    leaves = jax.tree_util.tree_flatten_with_path(param_state(model))[0]
+    flags = jax.device_get([_finite(x) for _, x in leaves])
+    names = [jax.tree_util.keystr(p, simple=True, separator=".") for p, _ in leaves]
+    bad = [name for name, ok in zip(names, flags, strict=True) if not ok]
+    if bad:
+        name = bad[0].removesuffix(".value")
+        raise ValueError(
+            f"{where}: parameter {name!r} holds NaN or infinite values ({len(bad)} such parameters in "
+            "all) - the checkpoint is damaged, or its values overflow the dtype it was loaded in"
+        )

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.checkpoint import abstract_model, check_tensor_names, variable
+from models.checkpoint import abstract_model, check_finite, check_tensor_names, variable
 from models.configs import LlamaConfig, RopeScaling, read_hf_config
 from models.llama import Llama, compile_draws, weight_dtype
 from models.safetensors import SafetensorsFile
@@ -127,7 +127,8 @@ def load_hf(path: str | os.PathLike, *, dtype=None, k_shards: int = 1) -> Llama:
         a = src.get(name)
         if not np.issubdtype(a.dtype, np.floating) and a.dtype != jnp.bfloat16:
             raise ValueError(f"tensor {name!r} has non-float dtype {a.dtype}")
-        a = np.asarray(a.T if transpose else a).astype(dtype)
+        with np.errstate(over="ignore"):  # (an overflow is named by check_finite, after the load)
+            a = np.asarray(a.T if transpose else a).astype(dtype)
         if index is None:
             variable(model, ours).set_value(jnp.asarray(a))
             continue
@@ -326,15 +327,20 @@ def load_model(
     if path.endswith(".gguf") or (os.path.isfile(path) and _is_gguf(path)):
         from models.gguf import load_gguf
 
-        return load_gguf(
+        model = load_gguf(
             path, dtype=jnp.float32 if dtype is None else dtype, k_shards=k_shards, progress=progress
         )
-    if is_orbax_dir(path):
+    elif is_orbax_dir(path):
         if dtype is not None:
             raise ValueError("dtype cannot be changed when restoring an orbax checkpoint")
-        return load_orbax(path, k_shards=k_shards)
-    if os.path.isdir(path):
-        return load_hf(path, dtype=dtype, k_shards=k_shards)
+        model = load_orbax(path, k_shards=k_shards)
+    elif os.path.isdir(path):
+        model = load_hf(path, dtype=dtype, k_shards=k_shards)
+    else:
+        model = None
+    if model is not None:
+        check_finite(model, path)
+        return model
     known = sorted(PRESETS) + sorted(EMBEDDED)
     if path in known:  # a file of that name here shadows the model of that name
         raise FileNotFoundError(

@@ -102,6 +102,33 @@ def test_misshaped_tensor_named(tmp_path):
         load_hf(d)
 
 
+def test_a_checkpoint_with_nan_or_overflowing_weights_is_refused_by_name(tmp_path, monkeypatch):
+    """A NaN in a tensor, or a value that overflows the dtype it is loaded in, is an error
+    naming the parameter (it would serve NaN logprobs); the host pass looks at every chunk (7
+    elements here), the accelerators' reduction sees a NaN too; control: the untouched copy
+    loads."""
+    from models import checkpoint
+    from models.loading import load_model
+
+    monkeypatch.setattr(checkpoint, "_CHUNK", 7)
+    assert not checkpoint._all_finite(jnp.array([1.0, np.nan], jnp.bfloat16))
+    assert checkpoint._all_finite(jnp.array([1.0, 2.0], jnp.bfloat16))
+    d = _copy("llama2", tmp_path)
+    assert load_model(d) is not None
+
+    def damage(t):
+        t["model.layers.1.mlp.up_proj.weight"][3, 5] = np.nan
+        t["model.norm.weight"][0] = 1e5  # finite in float32, inf in float16
+
+    _rewrite(d, damage)
+    with pytest.raises(
+        ValueError, match=r"parameter 'layers\.1\.mlp\.w_up' holds NaN or infinite values \(1 such"
+    ):
+        load_model(d)
+    with pytest.raises(ValueError, match=r"\(2 such parameters in all\)"):
+        load_model(d, dtype="float16")
+
+
 def test_qwen2_bias_is_required(tmp_path):
     d = _copy("qwen2", tmp_path)
     _rewrite(d, lambda t: t.pop("model.layers.0.self_attn.k_proj.bias"))
