@@ -149,3 +149,39 @@ def test_fused_epilogues_leave_no_leaf_combine_to_xla():
         assert "stablehlo.add" not in cuda_export(fn, *args), name
     x, w = CASES["matmul_norm_decode"][1][:2]
     assert "stablehlo.add" in cuda_export(lambda x, w: pk.matmul(x, w), x, w)
+
+
+def test_lowering_a_triton_kernel_looks_for_no_dialect_module_it_cannot_find():
+    """MLIR finds the Triton dialect's module where it looks first (``runtime.
+    TRITON_DIALECT_MODULE``, JAX's own module), so lowering a kernel for CUDA tries no failed
+    import (it tried three per "tt" value before: half of a program's kernel lowering time).
+    Control: the spy sees a failed lookup of a "tt" module when there is one."""
+    import importlib.abc
+    import sys
+
+    from jax._src.lib.triton import dialect
+
+    from pallas_kernels import runtime
+
+    assert sys.modules[runtime.TRITON_DIALECT_MODULE] is dialect
+    tried = []
+
+    class Spy(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.rsplit(".", 1)[-1] == "tt":  # a lookup of the "tt" dialect's module
+                tried.append(name)
+            return None
+
+    spy = Spy()
+    sys.meta_path.insert(0, spy)
+    try:
+        # shapes no other test lowers (no cached lowering)
+        text = cuda_export(lambda x, w: pk.matmul(x, w), S((3, 1088), BF16), S((1088, 192), BF16))
+        assert TRITON_CUSTOM_CALL in text
+        missed = list(tried)
+        with pytest.raises(ImportError):
+            __import__("jaxlib.mosaic.python.tt")  # (what MLIR tried before, after the first prefix)
+    finally:
+        sys.meta_path.remove(spy)
+    assert not missed, sorted(set(missed))
+    assert tried == ["jaxlib.mosaic.python.tt"]
