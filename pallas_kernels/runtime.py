@@ -106,11 +106,13 @@ def require_consistent_cpu_math() -> None:
 # prefixes (jaxlib.mlir.dialects, jaxlib.mosaic.python, ...) whenever they hand back a value of
 # that dialect, and cache only a module they found. JAX keeps the Triton dialect's module at
 # jaxlib.triton.dialect, which no prefix reaches, so every "tt" value built while lowering a
-# Pallas Triton kernel was three failed imports through sys.path: 1,734 of them in a 4-layer
-# llama3-8b decode program, about half of the time its kernels took to lower (benchmarks/
-# RESULTS.md, session 42: exported 2.0-2.5x faster, byte-identical text). Naming the module
-# where MLIR looks first ends the misses; the module is the one JAX's lowering imports (already
-# loaded with jax.experimental.pallas), so nothing else changes.
+# Pallas Triton kernel was three failed imports through sys.path (1,734 in a 4-layer llama3-8b
+# decode program's export). Naming the module where MLIR looks first ends the misses; the
+# module is the one JAX's lowering imports (already loaded with jax.experimental.pallas), so
+# nothing else changes: the exported text is byte-identical. Measured on a 2-core CPU
+# (benchmarks/lowering_ab.py, RESULTS.md session 42): the whole llama3-8b decode program's
+# second export (lowering) 0.29-0.32 s against 0.42-0.83, its first 0.98-1.07 against
+# 1.15-1.56; a 512-token prefill program's no different (its Mosaic kernel dominates).
 TRITON_DIALECT_MODULE = "jaxlib.mlir.dialects.tt"
 
 
