@@ -38,7 +38,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	@# Two workers, one test file each at a time (files share compiled engines within a worker).
-	$(PY) -m pytest -q -n 2 --dist loadfile tests
+	@# --capture=sys: Python output is captured per test, but what C++ writes to the process's
+	@# stderr is not, so the reason for an abort inside XLA reaches the log (two CI runs lost a
+	@# worker to an abort in JAX's cache write, `executable.serialize()`, with the message lost).
+	$(PY) -m pytest -q -n 2 --dist loadfile --capture=sys tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
