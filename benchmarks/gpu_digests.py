@@ -34,12 +34,14 @@ def record_path(directory: str, model: str, dtype: str, device_class: str) -> st
 
 def other_classes(directory: str, model: str, dtype: str, got: str) -> str:
     """' (digest equals: <class>, ...; differs: <class>, ...)' over the records of other device
-    classes for ``model`` / ``dtype``, or '' where there are none."""
+    classes for ``model`` / ``dtype`` under this NUMERICS_VERSION, or '' where there are none."""
     same, other = [], []
     for path in sorted(glob.glob(os.path.join(directory, f"*-{model}-{dtype}.json"))):
         old = digest.load_record(path)
         if old.get("model", {}).get("name") != model or old.get("model", {}).get("dtype") != dtype:
             continue  # (another preset whose name ends like this one's)
+        if old.get("numerics_version") != bijax.NUMERICS_VERSION:
+            continue  # (other numerics: not comparable)
         (same if old["digest"] == got else other).append(old["fingerprint"]["device_class"])
     parts = [f"{what}: {', '.join(c)}" for what, c in (("digest equals", same), ("differs", other)) if c]
     return f" ({'; '.join(parts)})" if parts else ""

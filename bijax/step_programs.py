@@ -150,7 +150,8 @@ def staged_inputs() -> bool:
     ``benchmarks/staged_ab.py``) for no faster step (ITL p50 6.26 vs 6.25 ms at one sequence,
     8.55 vs 8.38 ms at 64; session 39's H200: 0.5-0.9 ms a step slower staged), and on CPU
     ~0.5 ms a step slower (tiny, 2 cores). The same bits either way (values only move).
-    ``BIJAX_STAGED_INPUTS=0|1`` (read when an engine is made) says otherwise."""
+    ``BIJAX_STAGED_INPUTS=0|1`` (read when an engine is made, and when bijax is imported: only
+    with 1 then does bijax ask XLA for ``GPU_GRAPH_UPDATE_MODE``) says otherwise."""
     return _switch("BIJAX_STAGED_INPUTS", False)
 
 

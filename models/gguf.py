@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.checkpoint import abstract_model, check_tensor_names, variable
+from models.checkpoint import abstract_model, check_finite, check_tensor_names, variable
 from models.configs import LlamaConfig
 from models.llama import Llama, weight_dtype
 
@@ -362,5 +362,8 @@ def load_gguf(
             w = _unpermute(w, heads)
         if transpose:
             w = np.swapaxes(w, -1, -2)  # [out, in] -> [in, out]; per expert for [E, out, in]
-        variable(model, ours).set_value(jax.device_put(np.ascontiguousarray(w).astype(dtype)))
+        with np.errstate(over="ignore"):  # (an overflow is named by check_finite, below)
+            w = np.ascontiguousarray(w).astype(dtype)
+        variable(model, ours).set_value(jax.device_put(w))
+    check_finite(model, os.fspath(path))
     return model

@@ -140,6 +140,7 @@ def load_hf(path: str | os.PathLike, *, dtype=None, k_shards: int = 1) -> Llama:
             stacks.pop(ours, None)
         else:
             stacks[ours] = (buf, filled + 1)
+    check_finite(model, path)
     return model
 
 
@@ -240,6 +241,7 @@ def load_orbax(path: str | os.PathLike, *, k_shards: int = 1) -> Llama:
         except (ValueError, KeyError) as e:
             raise ValueError(f"{path}: orbax checkpoint does not match the model: {e}") from None
     nnx.update(model, restored)
+    check_finite(model, path)
     return model
 
 
@@ -327,20 +329,15 @@ def load_model(
     if path.endswith(".gguf") or (os.path.isfile(path) and _is_gguf(path)):
         from models.gguf import load_gguf
 
-        model = load_gguf(
+        return load_gguf(
             path, dtype=jnp.float32 if dtype is None else dtype, k_shards=k_shards, progress=progress
         )
-    elif is_orbax_dir(path):
+    if is_orbax_dir(path):
         if dtype is not None:
             raise ValueError("dtype cannot be changed when restoring an orbax checkpoint")
-        model = load_orbax(path, k_shards=k_shards)
-    elif os.path.isdir(path):
-        model = load_hf(path, dtype=dtype, k_shards=k_shards)
-    else:
-        model = None
-    if model is not None:
-        check_finite(model, path)
-        return model
+        return load_orbax(path, k_shards=k_shards)
+    if os.path.isdir(path):
+        return load_hf(path, dtype=dtype, k_shards=k_shards)
     known = sorted(PRESETS) + sorted(EMBEDDED)
     if path in known:  # a file of that name here shadows the model of that name
         raise FileNotFoundError(

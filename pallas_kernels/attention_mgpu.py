@@ -36,10 +36,12 @@ barrier. One program per SM, so each KV tile in shared memory serves 128 rows. `
 puts 9 tokens of a 7-head group (21 of a 3-head group) in a tile's 64 rows instead of 8 (16)
 with the group padded to a power of two: fewer tiles for the same rows. ``fold_in_smem`` keeps
 the split fold's fp32 accumulator in shared memory between folds instead of 64 registers a
-thread: no launch spills then, but none ran faster for it (session 41, H100). In interpret mode all
-give the default launch's bits (tests), and on the H200 every one gave the bits of the launch
-measured since session 24 (2026-12-05, RESULTS.md); the engine's default since then is
-heaviest first with dense rows (``attention_triton.MGPU_PREFILL_LAUNCH``).
+thread: no launch spills then (session 41, H100); it made the pair launch 2.6% faster at D 128
+(session 42). In interpret mode all give the default launch's bits (tests), and on the H200
+every one gave the bits of the launch measured since session 24 (2026-12-05, RESULTS.md; the
+fold launches on an H100, session 42). The engine's launch (``attention_triton.
+MGPU_PREFILL_LAUNCH``) is, since session 42, the pair: two consumers, heaviest first, one
+drain, dense rows, the fold in SMEM.
 
 Status: runs in Mosaic GPU interpret mode on CPU (the tests: accuracy, NaN-filled stale cache,
 padding, a token's bits alone / in chunks / among other sequences, ``overlap`` and stages as
@@ -116,13 +118,23 @@ def _layout_refusal(block_size: int, group: int) -> str | None:
     return None
 
 
-def can_run(dtype, head_dim: int, spec: AttentionSpec, *, block_size: int, group: int) -> bool:
-    """Whether this kernel runs the call here: ``supported``, a page size and query group it
-    lays out, pages that fit its shared memory, and a Hopper GPU (wgmma) as the default device."""
+def can_run(dtype, head_dim: int, spec: AttentionSpec, *, block_size: int, group: int, launch=()) -> bool:
+    """Whether this kernel runs the call here under ``launch`` (``tiles_mgpu``'s launch
+    arguments, e.g. ``attention_triton.MGPU_PREFILL_LAUNCH``): ``supported``, a page size and
+    query group it lays out, pages that fit that launch's shared memory, and a Hopper GPU
+    (wgmma) as the default device."""
     if supported(dtype, head_dim, spec) is not None or _layout_refusal(block_size, group) is not None:
         return False
+    launch = dict(launch)
     try:
-        _stages(kv_tile(block_size), head_dim, jnp.dtype(dtype).itemsize, 2)
+        _stages(
+            kv_tile(block_size),
+            head_dim,
+            jnp.dtype(dtype).itemsize,
+            2,
+            launch.get("consumers", 1),
+            launch.get("fold_in_smem", False),
+        )
     except ValueError:
         return False
     return getattr(jax.devices()[0], "compute_capability", None) == "9.0"

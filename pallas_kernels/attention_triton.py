@@ -67,7 +67,7 @@ PREFILL_KERNEL = "tiles_mgpu"
 # p @ ones and p @ v are waited for once, and the split fold's accumulator waits in SMEM (3
 # stages: what fits at D 128; ``stages`` is lowered to what fits elsewhere): on an H100, same
 # run, 0.91 / 0.92 / 1.00 / 0.94x the one-warpgroup launch's kernel time on 1 x 4096 (32/8,
-# 28/4), 8 x 1024 and 9/3 D 64; the engine's 8 x 4096-token prefill the same (161.1-161.7 ms a
+# 28/4), 8 x 1024 and 9/3 D 64; the engine's 8 x 4096-token prefill the same (161.1-162.0 ms a
 # step, alternated); every bit check of benchmarks/attention_mgpu.py launches PASSes and the
 # engine's four digests equal the H200 records (RESULTS.md, session 42). The A/B switch:
 # benchmarks/ab.py prefill-launch (heaviest-dense: the launch before).
@@ -493,13 +493,22 @@ def _tiles(
 
 def _prefill_kernel(qg, k_cache, spec: AttentionSpec) -> str:
     """The kernel "auto" runs for a prefill step on the GPU: PREFILL_KERNEL where it can run the
-    call (Mosaic GPU: a Hopper GPU, bf16 / f16, head_dim 64 / 128, no softcap, pages of at most
-    128 tokens), else the Triton ``tiles`` kernel - the same bits either way."""
+    call under ``MGPU_PREFILL_LAUNCH`` (Mosaic GPU: a Hopper GPU, bf16 / f16, head_dim 64 / 128,
+    no softcap, pages whose KV tiles fit that launch's shared memory: up to 64 tokens at D 128
+    with the pair launch's folds, 128 with one warpgroup), else the Triton ``tiles`` kernel - the
+    same bits either way."""
     if PREFILL_KERNEL != "tiles_mgpu":
         return "tiles"
     from pallas_kernels import attention_mgpu
 
-    ok = attention_mgpu.can_run(qg.dtype, qg.shape[-1], spec, block_size=k_cache.shape[1], group=qg.shape[2])
+    ok = attention_mgpu.can_run(
+        qg.dtype,
+        qg.shape[-1],
+        spec,
+        block_size=k_cache.shape[1],
+        group=qg.shape[2],
+        launch=MGPU_PREFILL_LAUNCH,
+    )
     return "tiles_mgpu" if ok else "tiles"
 
 

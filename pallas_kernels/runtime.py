@@ -117,13 +117,16 @@ TRITON_DIALECT_MODULE = "jaxlib.mlir.dialects.tt"
 
 
 def _name_the_triton_dialect_module() -> None:
+    import importlib.util
     import sys
 
     try:
         from jax._src.lib.triton import dialect
     except ImportError:  # (a jaxlib without Triton: nothing to lower, nothing to name)
         return
-    sys.modules.setdefault(TRITON_DIALECT_MODULE, dialect)
+    if TRITON_DIALECT_MODULE in sys.modules or importlib.util.find_spec(TRITON_DIALECT_MODULE):
+        return  # (a jaxlib that ships the module where MLIR looks: nothing to do)
+    sys.modules[TRITON_DIALECT_MODULE] = dialect
 
 
 _name_the_triton_dialect_module()

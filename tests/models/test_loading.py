@@ -127,6 +127,12 @@ def test_a_checkpoint_with_nan_or_overflowing_weights_is_refused_by_name(tmp_pat
         load_model(d)
     with pytest.raises(ValueError, match=r"\(2 such parameters in all\)"):
         load_model(d, dtype="float16")
+    # the orbax loader checks too (a model saved with a NaN in it)
+    model = load_hf(os.path.join(FIXTURES, "llama2"))
+    model.final_norm.set_value(model.final_norm[...].at[1].set(jnp.inf))
+    save_orbax(model, tmp_path / "ckpt")
+    with pytest.raises(ValueError, match=r"parameter 'final_norm' holds NaN or infinite values"):
+        load_orbax(tmp_path / "ckpt")
 
 
 def test_qwen2_bias_is_required(tmp_path):

@@ -4,13 +4,14 @@ Whether its bits equal the Triton kernel's is an H200 question (benchmarks/atten
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pallas_kernels import attention_triton
 from pallas_kernels.attention import attention
-from pallas_kernels.attention_math import AttentionSpec
+from pallas_kernels.attention_math import AttentionSpec, kv_tile
 from pallas_kernels.attention_mgpu import heaviest_first, segments, supported, tiles_mgpu
 from pallas_kernels.runtime import MOSAIC_GPU_CUSTOM_CALL, cuda_export
 from tests.conftest import bits
@@ -310,5 +311,42 @@ def test_auto_picks_the_mosaic_kernel_only_where_it_runs(monkeypatch):
     assert pick(q, jnp.zeros((2, 256, 8, 128), BF16), spec) == "tiles"  # pages too big for SMEM
     assert pick(q, jnp.zeros((8, 4, 8, 128), BF16), spec) == "tiles"  # 4-token pages
     assert pick(jnp.zeros((64, 1, 71, 128), BF16), jnp.zeros((8, 16, 1, 128), BF16), spec) == "tiles"
+    # 128-token pages at D 128: the committed pair launch's two folds leave no room for their
+    # KV tiles, so Triton's tiles run them (before the check asked the launch, "auto" raised);
+    # the one-warpgroup launch fits them (the control: the answer follows the launch)
+    pages128 = jnp.zeros((2, 128, 8, 128), BF16)
+    assert pick(q, pages128, spec) == "tiles"
+    can = lambda launch: attention_mgpu.can_run(BF16, 128, spec, block_size=128, group=4, launch=launch)  # noqa: E731
+    assert not can(attention_triton.MGPU_PREFILL_LAUNCH) and can(())
+    launch = dict(attention_triton.MGPU_PREFILL_LAUNCH)
+    for bs in (16, 32, 64, 128):  # can_run says yes exactly where the launch's ring fits
+        for d in (64, 128):
+            try:
+                attention_mgpu._stages(kv_tile(bs), d, 2, 2, launch["consumers"], launch["fold_in_smem"])
+                fits = True
+            except ValueError:
+                fits = False
+            sd = AttentionSpec.create(d)
+            assert attention_mgpu.can_run(BF16, d, sd, block_size=bs, group=4, launch=launch) == fits, (bs, d)
     Device.compute_capability = "8.0"
     assert pick(q, kc, spec) == "tiles"
+
+
+def test_the_engines_launch_does_not_fit_128_token_pages_at_head_dim_128():
+    """What ``can_run`` (and so "auto") must know: the committed pair launch with its two folds
+    in shared memory has no room for 128-key tiles at D 128 - lowering it raises (before
+    ``can_run`` asked the launch, "auto" picked it and raised)."""
+    from pallas_kernels import attention_triton
+
+    spec = AttentionSpec.create(128)
+    launch = dict(attention_triton.MGPU_PREFILL_LAUNCH)
+    s = jax.ShapeDtypeStruct
+    i32 = lambda *shape: s(shape, jnp.int32)  # noqa: E731
+    with pytest.raises(ValueError, match="more shared memory than an SM has"):
+        cuda_export(
+            lambda q, k, v, idx: tiles_mgpu(q, k, v, idx, spec=spec, **launch),
+            s((64, 2, 4, 128), BF16),
+            s((4, 128, 2, 128), BF16),
+            s((4, 128, 2, 128), BF16),
+            (i32(2, 2), i32(2), i32(64), i32(64)),
+        )
