@@ -26,6 +26,50 @@ import pytest  # noqa: E402
 # everything else runs on device 0 as before.
 jax.config.update("jax_num_cpu_devices", 8)
 
+
+def memory_mappings() -> int:
+    """How many memory mappings this process has (Linux; 0 where /proc is not there)."""
+    try:
+        with open(f"/proc/{os.getpid()}/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
+def _mapping_limit() -> int:
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 65530
+
+
+# Every CPU executable XLA loads takes ~3 memory mappings until it is freed, and a pytest worker
+# that runs half the suite keeps thousands in JAX's caches: a worker that reached the kernel's
+# limit (vm.max_map_count, 65,530 by default) failed to map the next one ("LLVM compilation
+# error: Cannot allocate memory") and died - in JAX's cache read or write, a segfault or an
+# abort (three CI runs, 2026-12-05). After a test file, a worker past a third of the limit
+# drops JAX's caches: what no test holds (shared engines keep their own programs) is freed.
+MAPPINGS_HIGH = _mapping_limit() // 3
+
+
+def release_unused_executables(high: int) -> bool:
+    """Drops JAX's caches (and collects) when this process has more than ``high`` mappings."""
+    if memory_mappings() <= high:
+        return False
+    import gc
+
+    jax.clear_caches()
+    gc.collect()
+    return True
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_unused_executables():
+    yield
+    release_unused_executables(MAPPINGS_HIGH)
+
+
 TOL = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 1e-2, jnp.dtype(jnp.float16): 1e-2}
 _SEED = [0]
 
