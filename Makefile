@@ -39,8 +39,8 @@ demo: $(STAMP)
 test: $(STAMP)
 	@# Two workers, one test file each at a time (files share compiled engines within a worker).
 	@# --capture=sys: Python output is captured per test, but what C++ writes to the process's
-	@# stderr is not, so the reason for an abort inside XLA reaches the log (two CI runs lost a
-	@# worker to an abort in JAX's cache write, `executable.serialize()`, with the message lost).
+	@# stderr is not, so the reason for a crash inside XLA reaches the log (it is how a worker's
+	@# "LLVM compilation error: Cannot allocate memory" - memory mappings used up - was found).
 	$(PY) -m pytest -q -n 2 --dist loadfile --capture=sys tests
 
 lint: $(STAMP)

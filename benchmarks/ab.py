@@ -47,8 +47,9 @@ import sys
 
 # switch -> {side: ((module under pallas_kernels, attribute, value), ...)}; module None: an
 # environment variable (read when the engine is made, which the helper processes inherit)
-# the pair launch at the 3 stages that fit with two folds in shared memory (D 128)
-_PAIR3 = {"stages": 3, "consumers": 2, "order": "heaviest", "one_drain": True, "packing": "dense"}
+# the pair launch at the 3 stages that fit with two folds in shared memory (D 128); also
+# benchmarks/attention_mgpu.py's launches
+PAIR3 = {"stages": 3, "consumers": 2, "order": "heaviest", "one_drain": True, "packing": "dense"}
 SWITCHES = {
     # 1 << 30: no weight has this many programs, so the wide-launch rule is off
     "decode-launch": {"old": (("matmul_triton", "DECODE_WIDE_PROGRAMS", 1 << 30),), "new": ()},
@@ -79,8 +80,8 @@ SWITCHES = {
                 "heaviest-dense-fold",
                 {"stages": 3, "consumers": 1, "order": "heaviest", "packing": "dense", "fold_in_smem": True},
             ),
-            ("pair-all-dense-fold", {**_PAIR3, "fold_in_smem": True}),
-            ("pair-all-dense-fold-q", {**_PAIR3, "fold_in_smem": True, "q_from_smem": True}),
+            ("pair-all-dense-fold", {**PAIR3, "fold_in_smem": True}),
+            ("pair-all-dense-fold-q", {**PAIR3, "fold_in_smem": True, "q_from_smem": True}),
         )
     },
     "decode-splits": {

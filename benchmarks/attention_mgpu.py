@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from benchmarks.ab import PAIR3 as _PAIR3  # the pair launch at the 3 stages that fit (D 128)
 from benchmarks.attention import FAILURES, PREFILL_CASES, Case, bits, check, kernel_us, prefill_case
 from pallas_kernels import attention_mgpu, attention_triton
 from pallas_kernels.attention import AttentionSpec
@@ -199,8 +200,6 @@ def _mgpu(c, zs, ps, variant, stages=3, overlap=False, launch=None, **kw):
 # p @ v (item 3), and combinations. Launch choices: each
 # must give the default launch's bits (``check_launches``) - interpret mode on CPU says so for
 # the walk, the H200 must say so for wgmma and the compiled barriers.
-# the pair launch at the stages that fit with two folds in SMEM (D 128)
-_PAIR3 = {"consumers": 2, "stages": 3, "order": "heaviest", "one_drain": True, "packing": "dense"}
 LAUNCHES = {
     "heaviest": {"order": "heaviest"},
     "one drain": {"one_drain": True},
