@@ -508,6 +508,26 @@ class LLM:
         timing; ``timeout``: seconds, then TimeoutError."""
         return self.engine.wait_for_upgrades(timeout)
 
+    def close(self) -> None:
+        """Frees the device memory this LLM's engine holds besides the model's weights - the
+        KV cache, staged inputs, compiled steps - now rather than when the LLM is collected, so
+        that another engine on the same model (``LLM(llm.model, ...)``) can size its KV pool
+        from the memory this one held. The LLM generates nothing afterwards (RuntimeError).
+        ``with LLM(...) as llm:`` closes it on leaving the block."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # leaving on an error: free what can be freed, never hide that error
+            self.close()
+        except RuntimeError:
+            pass
+
     def reset_prefix_cache(self) -> None:
         """Empties the prefix cache (vLLM's name): later prompts are computed from scratch.
         Outputs do not change (a cache hit gives the same bits); only timing does."""

@@ -94,6 +94,7 @@ class Engine:
         loaded draft for method "draft_model", ``draft_tokenizer`` its tokenizer if known (the
         vocabularies must be one: ``speculative.check_draft_vocabulary``)."""
         self.config = config
+        self.closed = False  # ``close``
         for m, what in ((model, "model"), (draft_model, "draft model")):
             if config.invariant and m is not None and m.config.head_dim not in HEAD_DIMS:
                 raise ValueError(
@@ -170,6 +171,7 @@ class Engine:
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> int:
         """Queues a request; returns the seed its samples use. ``prompt``: as ``validate`` takes
         it, or the ``ValidPrompt`` it returned (then ``params`` must be None or the same)."""
+        self._require_open("add_request")
         if not isinstance(request_id, str) or request_id in self._requests:
             raise ValueError(f"request_id must be a new str, got {request_id!r}")
         if isinstance(prompt, ValidPrompt):
@@ -263,6 +265,7 @@ class Engine:
         ``step_tokens``: see ``pending_buckets`` (a step that needs another bucket compiles it
         when it comes). Returns the seconds spent tracing and lowering (the rest compiles or
         loads)."""
+        self._require_open("warmup")
         pairs = self.pending_buckets(
             logprobs=logprobs, max_step_tokens=max_step_tokens, step_tokens=step_tokens
         )
@@ -354,8 +357,30 @@ class Engine:
         self._token = object()  # prompts checked against the whole pool are checked again
 
     def _require_idle(self, what: str) -> None:
+        self._require_open(what)
         if self.has_unfinished_requests():
             raise RuntimeError(f"{what} runs when no generation is in flight")
+
+    def _require_open(self, what: str) -> None:
+        if self.closed:
+            raise RuntimeError(
+                f"{what}: this engine was closed (close() freed its KV cache); build a new LLM or Engine"
+            )
+
+    def close(self) -> None:
+        """Frees the device memory the engine holds besides the model's weights - the KV cache
+        (the draft model's too), staged inputs, compiled steps - now, so that another engine
+        on the same model fits (only while idle; a second call does nothing). The engine
+        runs nothing afterwards: its methods that would raise RuntimeError saying so."""
+        if self.closed:
+            return
+        self._require_idle("close")
+        self.closed = True
+        runners = [self.runner]
+        if self.speculator is not None and self.speculator.draft is not None:
+            runners.append(self.speculator.draft)
+        for r in runners:
+            r.close()
 
     def abort(self, request_id: str) -> None:
         req = self._requests.get(request_id)

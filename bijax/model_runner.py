@@ -699,6 +699,28 @@ class ModelRunner:
         self._upgrades = [f for f in self._upgrades if not f.done()]
         return time.perf_counter() - t0
 
+    def close(self) -> None:
+        """Frees the device memory this runner holds besides the model's weights: waits for the
+        background compiles, then deletes the KV cache and the staged input buffers now (not
+        whenever the collector gets to them) and drops this runner's programs. The runner
+        runs nothing afterwards (``Engine.close``)."""
+        if self._upgrader is not None:
+            try:
+                self.wait_upgrades()
+            finally:
+                self._upgrader.shutdown(wait=True)
+                self._upgrader = None
+        buffers = jax.tree_util.tree_leaves(self.cache) + [
+            a for leaves in self._staging.values() for a in leaves
+        ]
+        for a in buffers:
+            if isinstance(a, jax.Array) and not a.is_deleted():
+                a.delete()
+        self.cache = None
+        self._staging.clear()
+        self._aot.clear()
+        self._copies.clear()
+
     def _bucket_ready(self, s: int, t: int, progress) -> None:
         self.compiled_buckets.add((s, t))
         if progress is not None:

@@ -171,6 +171,9 @@ def run(args: argparse.Namespace) -> int:
                 acceptance_rate=accepted / drafted if drafted else 0.0,
                 accepted_per_verify_step=accepted / steps if steps else 0.0,
             )
+        # its KV pool freed before the next engine sizes its own from the memory left (the
+        # model's weights stay: both engines run them)
+        llm.close()
         del llm
     ratio = rows[0]["seconds"] / rows[1]["seconds"]
     floors = _floors(inv)

@@ -108,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
         info(f"model {args.model} loaded in {time.perf_counter() - t0:.1f}s; running the digest suite")
         return _check_digest(args, llm, record)
     info(f"model {args.model} loaded in {time.perf_counter() - t0:.1f}s; running the invariance suite")
+    llm.close()  # the suite builds its own engines: this one's KV pool is freed for them
     report = run_check(
         llm.model,
         llm.tokenizer,

@@ -330,9 +330,22 @@ BENCH = ["bench", "--model", "tiny", "--dtype", "float32", "--num-prompts", "3",
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
-def test_bench_reports_both_paths_and_compiles_nothing_in_timed_runs(capsys, prefix_caching):
+def test_bench_reports_both_paths_and_compiles_nothing_in_timed_runs(capsys, monkeypatch, prefix_caching):
+    from bijax.cli import bench
+
+    made = []
+
+    def make_llm(args, **kw):  # the XLA engine is built once the invariant one freed its KV pool
+        if kw.get("model") is not None:
+            assert kw["model"].engine.closed and kw["model"].engine.runner.cache is None
+        made.append(bench_make(args, **kw))
+        return made[-1]
+
+    bench_make = bench.make_llm
+    monkeypatch.setattr(bench, "make_llm", make_llm)
     argv = BENCH + ([] if prefix_caching else ["--no-prefix-caching"])
     assert cli.main(argv) == 0
+    assert len(made) == 2 and all(m.engine.closed for m in made)
     r = json.loads(capsys.readouterr().out)
     assert [x["path"] for x in r["rows"]] == ["invariant", "XLA (--no-invariant)"]
     assert all(x["seconds"] > 0 and x["output_tok_per_s"] > 0 for x in r["rows"])
@@ -340,6 +353,34 @@ def test_bench_reports_both_paths_and_compiles_nothing_in_timed_runs(capsys, pre
     assert r["invariant_over_xla_time"] == pytest.approx(r["rows"][0]["seconds"] / r["rows"][1]["seconds"])
     assert r["weight_bytes"] > 0 and r["flop_per_token"] > 0
     assert all(x["warmup_runs"] == 1 for x in r["rows"])  # (the CPU's default: no tiered programs)
+
+
+def test_close_frees_the_kv_cache_and_keeps_the_weights():
+    """``LLM.close`` deletes the KV cache now; the closed LLM refuses work with a clear error,
+    and a new LLM on the same model gives the same bits (the weights were not touched)."""
+    sp = SP(temperature=0.8, seed=3, max_tokens=4)
+    with small_llm() as llm:
+        a = llm.generate([[5, 6, 7, 8]], sp, use_tqdm=False)[0]
+        cache = jax.tree_util.tree_leaves(llm.engine.runner.cache)
+        assert cache and not any(x.is_deleted() for x in cache)  # (control: live before close)
+    assert all(x.is_deleted() for x in cache) and llm.engine.closed
+    for call in (
+        lambda: llm.generate([[5, 6, 7, 8]], sp, use_tqdm=False),
+        lambda: llm.score([[5, 6, 7, 8]], [2]),
+        lambda: llm.warmup(progress=False),
+    ):
+        with pytest.raises(RuntimeError, match="this engine was closed"):
+            call()
+    llm.close()  # a second close does nothing
+    again = bijax.LLM(
+        llm.model, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32, num_kv_blocks=20
+    )
+    b = again.generate([[5, 6, 7, 8]], sp, use_tqdm=False)[0]
+    assert a.token_ids == b.token_ids and np.array_equal(bits(a.logprobs), bits(b.logprobs))
+    with pytest.raises(RuntimeError, match="no generation is in flight"):  # close waits for idle
+        again.engine.add_request("r", [5, 6, 7], sp)
+        again.close()
+    assert not again.engine.closed
 
 
 def test_bench_with_speculation_compiles_every_bucket_before_timing(capsys):
