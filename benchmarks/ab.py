@@ -82,6 +82,7 @@ SWITCHES = {
             ),
             ("pair-all-dense-fold", {**PAIR3, "fold_in_smem": True}),
             ("pair-all-dense-fold-q", {**PAIR3, "fold_in_smem": True, "q_from_smem": True}),
+            ("pair-all-dense-fold-persistent", {**PAIR3, "fold_in_smem": True, "persistent": True}),
         )
     },
     "decode-splits": {

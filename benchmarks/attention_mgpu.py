@@ -248,6 +248,13 @@ LAUNCHES = {
         "fold_in_smem": True,
         "q_from_smem": True,
     },
+    # session 43: persistent programs (one an SM, each running its list of (tile pair, KV head)
+    # items through one ring: the next item's first loads overlap the last one's end)
+    "pair, 3 stages, heaviest, one drain, dense rows, fold in SMEM, persistent": {
+        **_PAIR3,
+        "fold_in_smem": True,
+        "persistent": True,
+    },
 }
 DEFAULT_VARIANT = ("into", "two")
 # Measurement probes: timed next to the launches, never bit-checked (they give other bits).

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -27,8 +28,8 @@ def _py(script, *args):
 
 
 def _with(env: str, script, *args):
-    """``_py`` under the environment settings ``env`` ("NAME=value NAME=value")."""
-    return ["env", *env.split(), *_py(script, *args)]
+    """``_py`` under the environment settings ``env`` ("NAME=value NAME='a value'", shell-quoted)."""
+    return ["env", *shlex.split(env), *_py(script, *args)]
 
 
 def _startup(rows: str):
@@ -37,6 +38,8 @@ def _startup(rows: str):
 
 
 _FOLD = "BIJAX_MGPU_LAUNCHES=fold|stages=2"  # attention_mgpu.py's launches with the fold in SMEM
+# the engine's launch and its persistent form (session 43)
+_PERSIST = "'BIJAX_MGPU_LAUNCHES==pair, 3 stages, heaviest, one drain, dense rows, fold in SMEM|persistent'"
 _PREFILL_CASES = ("--cases", "prefill,prefill64", "--paths", "invariant")
 _CHECK_LIMITS = ("--max-num-seqs", "2", "--max-num-batched-tokens", "32", "--requests", "4", "--max-tokens", "6",
                  "--max-model-len", "512")  # fmt: skip
@@ -75,6 +78,12 @@ _AB = {
         ("launch-heaviest-dense-fold", "prefill-launch", "heaviest-dense-fold", _PREFILL),
         ("launch-pair-all-dense-fold", "prefill-launch", "pair-all-dense-fold", _PREFILL),
         ("launch-pair-all-dense-fold-q", "prefill-launch", "pair-all-dense-fold-q", _PREFILL),
+        (
+            "launch-pair-all-dense-fold-persistent",
+            "prefill-launch",
+            "pair-all-dense-fold-persistent",
+            _PREFILL,
+        ),
         # a 3-head query group (SmolLM2's shape): where packing="dense" changes the tiles
         ("launch-one-smollm2", "prefill-launch", "one", _PREFILL_SMOLLM2),
         ("launch-dense-smollm2", "prefill-launch", "dense", _PREFILL_SMOLLM2),
@@ -146,6 +155,7 @@ STEPS = {
             "heaviest-dense-fold",
             "pair-all-dense-fold",
             "pair-all-dense-fold-q",
+            "pair-all-dense-fold-persistent",
         )
     },
     "mgpu-bits": (_py("attention_mgpu.py", "--child", "bits"), 270, "Mosaic attention == Triton bits"),
@@ -173,6 +183,16 @@ STEPS = {
         _with(_FOLD, "attention_mgpu.py", "--child", "launch-timing"),
         260,
         "the split fold's accumulator in SMEM vs the default launch vs Triton vs cuDNN kernel time",
+    ),
+    "mgpu-persist-launches": (
+        _with(_PERSIST, "attention_mgpu.py", "--child", "launches"),
+        200,
+        "the engine's prefill launch and its persistent form == the default launch's bits",
+    ),
+    "mgpu-persist-timing": (
+        _with(_PERSIST, "attention_mgpu.py", "--child", "launch-timing"),
+        200,
+        "the engine's prefill launch vs its persistent form vs Triton vs cuDNN kernel time",
     ),
     "mgpu-fold-ptxas": (
         _with(_FOLD, "attention_mgpu.py", "--child", "ptxas"),

@@ -84,6 +84,7 @@ from pallas_kernels.attention_math import (
     softmax_step,
     split_used,
 )
+from pallas_kernels.checks import is_int
 
 ROWS = 64  # rows of a program: one warpgroup's wgmma M
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -263,10 +264,13 @@ def _kernel(
     segs_ref, nseg_ref, order_ref, rpos_ref, rseq_ref, bt_ref, q_ref, k_ref, v_ref, ones_ref, o_ref,
     *, spec: AttentionSpec, block_size: int, max_blocks: int, stages: int, max_segs: int, pv: str,
     a_in_smem: bool, overlap: bool, rounding: str, consumers: int, one_drain: bool, q_from_smem: bool,
-    fold_in_smem: bool,
+    fold_in_smem: bool, work: tuple[int, int, int] | None,
 ):  # fmt: skip
-    i = lax.axis_index("tile") if order_ref is None else order_ref[lax.axis_index("tile")]
-    h = lax.axis_index("head")
+    if work is None:  # a program per (tile, head)
+        i = lax.axis_index("tile") if order_ref is None else order_ref[lax.axis_index("tile")]
+        h = lax.axis_index("head")
+    else:  # persistent: each program runs a list of (tile, head) work items (``body_specialized``)
+        i = h = None
     d = q_ref.shape[-1]
     tile = kv_tile(block_size)
     pages = tile // block_size
@@ -291,9 +295,10 @@ def _kernel(
     def mul_add(a, b, c):
         return a * b + c if fused_mul_add is None else fused_mul_add(a, b, c)
 
-    def issue(walk, cur, c, k_smem, v_smem, k_bar, v_bar, ready=None):
-        """TMA the KV tile at ``cur`` into slot c % stages (one copy per page); ``ready()``, if
-        given, runs between the block-table reads and the copies (the wait for a free slot)."""
+    def issue(walk, cur, c, k_smem, v_smem, k_bar, v_bar, ready=None, h=h):
+        """TMA the KV tile at ``cur`` of KV head ``h`` into slot c % stages (one copy per page);
+        ``ready()``, if given, runs between the block-table reads and the copies (the wait for
+        a free slot)."""
         seg, split, t = cur
         seq, _, _, _ = walk.segment(seg)
         tile_start = split * spec.split_size + t * tile
@@ -328,8 +333,11 @@ def _kernel(
         tile_done,
         zero_v_sync,
         fold_smem,
+        c0=0,
     ):
-        """The walk's compute side for one warpgroup's 64 rows: the folded output [ROWS, D].
+        """The walk's compute side for one warpgroup's 64 rows: (the folded output [ROWS, D],
+        the tile count after its walk). Its first tile is the ring's tile ``c0`` (slot c0 %
+        stages: a persistent program's walks go through one ring, one after another).
         ``prefetch(pf, c)`` (the single-warpgroup kernel's own loads; ``pf`` its cursor, () if
         none) runs at the start of tile c; ``tile_done(slot)`` once tile c's wgmmas are done
         with its slot; ``zero_v_sync(zero)`` runs the zeroing of a slot's unseen V rows.
@@ -528,8 +536,9 @@ def _kernel(
             def first_scores(acc_ref):
                 @pl.when(nseg > 0)
                 def _():
-                    plgpu.barrier_wait(k_bar.at[0])
-                    plgpu.wgmma(acc_ref, q, k_smem.at[0].transpose((1, 0)))
+                    slot0 = lax.rem(jnp.int32(c0), stages)
+                    plgpu.barrier_wait(k_bar.at[slot0])
+                    plgpu.wgmma(acc_ref, q, k_smem.at[slot0].transpose((1, 0)))
 
                 return acc_ref[...]
 
@@ -542,11 +551,11 @@ def _kernel(
         else:
             fold_smem[...] = facc
             fold = (fm, fl, started)
-        fold = lax.fori_loop(0, nseg, one_segment, (fold, pf, jnp.int32(0), s0))[0]
+        fold, _, c, _ = lax.fori_loop(0, nseg, one_segment, (fold, pf, jnp.int32(c0), s0))
         if fold_smem is not None:
             fm, fl, started = fold
             fold = (fm, fl, plgpu.load(fold_smem, layout=wgmma_layout), started)
-        return fold_finish(fold).astype(dtype)
+        return fold_finish(fold).astype(dtype), c
 
     def q_operand(q_smem, q_copy):
         """q into registers (wgmma's A operand), or into ``q_copy`` in interpret mode."""
@@ -581,7 +590,7 @@ def _kernel(
         pf = walk.begin()
         for c in range(stages - 1):
             pf = prefetch(pf, jnp.int32(c))
-        out = consume(
+        out, _ = consume(
             walk, q, rpos, rseq, k_smem, v_smem, ones_smem, k_bar, v_bar, a_smem,
             prefetch, pf, lambda slot: None, lambda zero: zero(), fold_smem,
         )  # fmt: skip
@@ -593,54 +602,81 @@ def _kernel(
 
     def body_specialized(
         k_smem, v_smem, ones_smem, qo_smem, rows_smem, segs_smem, a_smem, fold_smem,
-        k_bar, v_bar, setup_bar, q_bar, consumed_bar, zero_bar,
+        k_bar, v_bar, ones_bar, setup_bar, segs_free, q_bar, consumed_bar, zero_bar,
     ):  # fmt: skip
         """``consumers`` warpgroups compute (one 64-row tile each: tiles ``consumers * i + wg``)
         on the walk of their tiles' union; one more loads the KV tiles (FlashAttention-3's
-        warp specialization). A slot is refilled once every consumer has finished with it."""
+        warp specialization). A slot is refilled once every consumer has finished with it.
+
+        Persistent (``work`` = (items, programs, KV heads)): program p runs the work items p,
+        p + programs, ... (item w: KV head w % heads of the (ordered) tile pair w // heads)
+        one after another through one slot ring whose tile count goes on, so the producer
+        loads an item's first KV tiles while the consumers finish the item before it. The
+        items' segments alternate between two buffers; ``segs_free[b]``: both consumers are
+        done walking buffer b's last item."""
         wg = lax.axis_index("wg")
-        nseg = nseg_ref[i]
-        walk = _Walk(segs_smem, nseg, spec, tile, max_segs)
+        nbuf = segs_smem.shape[0]
+
+        def items(run, c):
+            """``run(k, i, h, b, c) -> c`` for each of this program's items k (b: its segments'
+            buffer; c: the ring's tile count)."""
+            if work is None:
+                return run(0, i, h, 0, c)
+            total, programs, heads = work
+            pid = lax.axis_index("tile")
+
+            def one(k, c):
+                w = pid + k * programs
+                pair, hk = w // heads, lax.rem(w, heads)
+                ik = pair if order_ref is None else order_ref[pair]
+                return run(k, ik, hk, lax.rem(k, nbuf), c)
+
+            return lax.fori_loop(0, num_items(), one, c)
+
+        def num_items():
+            total, programs, _ = work
+            return (total - lax.axis_index("tile") + programs - 1) // programs
 
         @pl.when(wg == consumers)
         def _producer():
             plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
-            plgpu.copy_gmem_to_smem(ones_ref, ones_smem, setup_bar)
-            plgpu.copy_gmem_to_smem(segs_ref.at[i], segs_smem, setup_bar)
-            plgpu.barrier_wait(setup_bar)
+            plgpu.copy_gmem_to_smem(ones_ref, ones_smem, ones_bar)
 
-            def load(x):
-                cur, c = x
-                slot = lax.rem(c, stages)
-                nxt = walk.advance(cur)  # the walk and the block-table reads before the wait
+            def run(k, ik, hk, b, c):
+                if work is not None:  # both consumers are done walking this buffer's last item
+                    pl.when(k >= nbuf)(lambda: plgpu.barrier_wait(segs_free.at[b]))
+                plgpu.copy_gmem_to_smem(segs_ref.at[ik], segs_smem.at[b], setup_bar.at[b])
+                plgpu.barrier_wait(setup_bar.at[b])
+                walk = _Walk(segs_smem.at[b], nseg_ref[ik], spec, tile, max_segs)
 
-                def ready():
-                    pl.when(c >= stages)(lambda: plgpu.barrier_wait(consumed_bar.at[slot]))
+                def load(x):
+                    cur, c = x
+                    slot = lax.rem(c, stages)
+                    nxt = walk.advance(cur)  # the walk and the block-table reads before the wait
 
-                issue(walk, cur, c, k_smem, v_smem, k_bar, v_bar, ready)
-                return nxt, c + 1
+                    def ready():
+                        pl.when(c >= stages)(lambda: plgpu.barrier_wait(consumed_bar.at[slot]))
 
-            _, n = lax.while_loop(lambda x: x[0][0] < nseg, load, (walk.begin(), jnp.int32(0)))
+                    issue(walk, cur, c, k_smem, v_smem, k_bar, v_bar, ready, h=hk)
+                    return nxt, c + 1
+
+                return lax.while_loop(lambda x: x[0][0] < walk.nseg, load, (walk.begin(), c))[1]
+
+            n = items(run, jnp.int32(0))
             for j in range(stages):  # wait out the last tiles: every completed phase is seen
                 c = n - stages + j
                 pl.when(c >= 0)(lambda c=c: plgpu.barrier_wait(consumed_bar.at[lax.rem(c, stages)]))
+            if work is not None:  # and the last items' segment buffers
+                for j in range(nbuf):
+                    k = num_items() - nbuf + j
+                    pl.when(k >= 0)(lambda k=k: plgpu.barrier_wait(segs_free.at[lax.rem(k, nbuf)]))
 
         @pl.when(wg < consumers)
         def _consumer():
             plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
-            row_tile = consumers * i + wg
             q_smem = qo_smem.at[wg]
-            plgpu.copy_gmem_to_smem(q_ref.at[row_tile, h], q_smem, q_bar.at[wg])
-            plgpu.copy_gmem_to_smem(rpos_ref.at[row_tile], rows_smem.at[wg, 0], q_bar.at[wg])
-            plgpu.copy_gmem_to_smem(rseq_ref.at[row_tile], rows_smem.at[wg, 1], q_bar.at[wg])
-            plgpu.barrier_wait(q_bar.at[wg])
             scratch = None if a_smem is None else (a_smem[0].at[wg], a_smem[1].at[wg])
-            # q as wgmma's A operand: from its SMEM buffer (``q_from_smem``: 32 registers a
-            # thread fewer) or loaded into registers
-            q = q_smem if q_from_smem else q_operand(q_smem, None if scratch is None else scratch[0])
-            rpos = plgpu.load(rows_smem.at[wg, 0], layout=row_layout)
-            rseq = plgpu.load(rows_smem.at[wg, 1], layout=row_layout)
-            plgpu.barrier_wait(setup_bar)  # the walk (segments) and the ones matrix
+            plgpu.barrier_wait(ones_bar)
 
             def zero_v_sync(zero):
                 """Consumer 0 zeroes the slot's unseen V rows; no consumer's p @ v reads the
@@ -649,14 +685,33 @@ def _kernel(
                 plgpu.barrier_arrive(zero_bar)
                 plgpu.barrier_wait(zero_bar)
 
-            out = consume(
-                walk, q, rpos, rseq, k_smem, v_smem, ones_smem, k_bar, v_bar, scratch,
-                lambda pf, c: pf, (), lambda slot: plgpu.barrier_arrive(consumed_bar.at[slot]), zero_v_sync,
-                None if fold_smem is None else fold_smem.at[wg],
-            )  # fmt: skip
-            q_smem[...] = out  # every wgmma reading q is done (each result was waited for)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_smem, o_ref.at[row_tile, h])
+            def run(k, ik, hk, b, c):
+                row_tile = consumers * ik + wg
+                plgpu.copy_gmem_to_smem(q_ref.at[row_tile, hk], q_smem, q_bar.at[wg])
+                plgpu.copy_gmem_to_smem(rpos_ref.at[row_tile], rows_smem.at[wg, 0], q_bar.at[wg])
+                plgpu.copy_gmem_to_smem(rseq_ref.at[row_tile], rows_smem.at[wg, 1], q_bar.at[wg])
+                plgpu.barrier_wait(q_bar.at[wg])
+                # q as wgmma's A operand: from its SMEM buffer (``q_from_smem``: 32 registers a
+                # thread fewer) or loaded into registers
+                q = q_smem if q_from_smem else q_operand(q_smem, None if scratch is None else scratch[0])
+                rpos = plgpu.load(rows_smem.at[wg, 0], layout=row_layout)
+                rseq = plgpu.load(rows_smem.at[wg, 1], layout=row_layout)
+                plgpu.barrier_wait(setup_bar.at[b])  # the walk (segments)
+                walk = _Walk(segs_smem.at[b], nseg_ref[ik], spec, tile, max_segs)
+                out, c = consume(
+                    walk, q, rpos, rseq, k_smem, v_smem, ones_smem, k_bar, v_bar, scratch,
+                    lambda pf, c: pf, (), lambda slot: plgpu.barrier_arrive(consumed_bar.at[slot]),
+                    zero_v_sync, None if fold_smem is None else fold_smem.at[wg], c,
+                )  # fmt: skip
+                if work is not None:  # done with this buffer's segments
+                    plgpu.barrier_arrive(segs_free.at[b])
+                q_smem[...] = out  # every wgmma reading q is done (each result was waited for)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(q_smem, o_ref.at[row_tile, hk])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # q_smem is free again
+                return c
+
+            items(run, jnp.int32(0))
             plgpu.wait_smem_to_gmem(0)
 
     def a_operands(*lead):
@@ -690,12 +745,14 @@ def _kernel(
         plgpu.SMEM((tile, _SUM_N), dtype, transforms=sum_transforms),
         plgpu.SMEM((consumers, ROWS, d), dtype, transforms=transforms),
         plgpu.SMEM((consumers, 2, ROWS), jnp.int32),
-        plgpu.SMEM((4, max_segs), jnp.int32),
+        plgpu.SMEM((1 if work is None else 2, 4, max_segs), jnp.int32),
         a_operands(consumers),
         plgpu.SMEM((consumers, ROWS, d), jnp.float32) if fold_in_smem else None,
         plgpu.Barrier(num_arrivals=pages, num_barriers=stages),
         plgpu.Barrier(num_arrivals=pages, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=2),
+        plgpu.Barrier(num_arrivals=1),  # the ones matrix
+        plgpu.Barrier(num_arrivals=1, num_barriers=1 if work is None else 2),  # segments
+        plgpu.Barrier(num_arrivals=consumers, num_barriers=1 if work is None else 2),  # segs_free
         plgpu.Barrier(num_arrivals=3, num_barriers=consumers),
         plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),
         plgpu.Barrier(num_arrivals=consumers),
@@ -736,6 +793,7 @@ def tiles_mgpu(
     q_from_smem: bool = False,
     packing: str = "pow2",
     fold_in_smem: bool = False,
+    persistent: int | bool = False,
     approx_math: bool = False,
     interpret=None,
 ):
@@ -758,6 +816,10 @@ def tiles_mgpu(
     (once a split: 512 keys by default) instead of holding 64 registers a thread through every
     tile; its 32 KB a warpgroup (D 128) come out of the ring: at D 128 one warpgroup fits 2
     stages, not 3, and a pair 3, not 4 (``stages`` is lowered to what fits, as always).
+    ``persistent`` (with ``consumers=2``): that many programs (True: one per SM of the default
+    device), each running (tile pair, KV head) work items - in ``order`` - one after another
+    through one ring of KV slots: the next item's first KV loads overlap the last item's end,
+    and a program starts once, not once an item.
 
     ``approx_math`` is a measurement probe, not a launch choice: Mosaic GPU's approximate math
     (``exp`` as ``ex2.approx`` of ``x * log2(e)``), which gives other bits than the Triton
@@ -784,6 +846,13 @@ def tiles_mgpu(
         )
     if order not in ORDERS:
         raise ValueError(f"attention (Mosaic GPU tiles): order must be one of {ORDERS}, got {order!r}")
+    if persistent is not False and (
+        consumers == 1 or not (persistent is True or is_int(persistent) and persistent > 0)
+    ):
+        raise ValueError(
+            "attention (Mosaic GPU tiles): persistent takes True or a positive number of programs, "
+            f"with consumers=2; got persistent={persistent!r}, consumers={consumers}"
+        )
     if q_from_smem and consumers == 1:
         raise ValueError(
             "attention (Mosaic GPU tiles): q_from_smem needs consumers=2 (one warpgroup's q shares a KV slot)"
@@ -824,6 +893,13 @@ def tiles_mgpu(
         kwargs["compiler_params"] = plgpu.CompilerParams(approx_math=True)
     if consumers > 1:
         kwargs.update(num_threads=consumers + 1, thread_name="wg")
+    work = None
+    grid, grid_names = (programs, hkv), ("tile", "head")
+    if persistent is not False:
+        total = programs * hkv
+        count = _sm_count() if persistent is True else int(persistent)
+        work = (total, min(count, total), hkv)
+        grid, grid_names = (work[1],), ("tile",)
     kernel = functools.partial(
         _kernel,
         spec=spec,
@@ -839,6 +915,7 @@ def tiles_mgpu(
         one_drain=bool(one_drain),
         q_from_smem=bool(q_from_smem),
         fold_in_smem=bool(fold_in_smem),
+        work=work,
     )
     args = [segs, nseg, program_order, rpos, rseq, block_tables, q]
     if program_order is None:  # the program index is the tile's
@@ -847,12 +924,18 @@ def tiles_mgpu(
     out = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((programs * consumers, hkv, ROWS, d), qg.dtype),
-        grid=(programs, hkv),
-        grid_names=("tile", "head"),
+        grid=grid,
+        grid_names=grid_names,
         kernel_name="bijax_attention_tiles_mgpu",
         **kwargs,
     )(*args, k_cache.reshape(rows_view), v_cache.reshape(rows_view), ones)
     return unpack(out if programs * consumers == nt else out[:nt])
+
+
+def _sm_count() -> int:
+    """Streaming multiprocessors of the default device (132 on an H100 SXM / H200; the same
+    where the device does not say, e.g. lowering for CUDA on a CPU host)."""
+    return int(getattr(jax.devices()[0], "core_count", 0) or 132)
 
 
 def _without_order(kernel, segs_ref, nseg_ref, *refs):

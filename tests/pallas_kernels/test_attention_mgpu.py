@@ -95,6 +95,7 @@ def test_segments_are_each_tiles_sequences_ascending():
         ("into", "two", True, {"consumers": 2, "stages": 4, "q_from_smem": True}),
         ("into", "two", False, {"fold_in_smem": True, "order": "heaviest", "packing": "dense"}),
         ("into", "two", False, dict(attention_triton.MGPU_PREFILL_LAUNCH)),  # the engine's
+        ("into", "two", False, {**dict(attention_triton.MGPU_PREFILL_LAUNCH), "persistent": 5}),
     ],
 )
 def test_cuda_lowering_is_one_mosaic_gpu_kernel(pv, rounding, overlap, launch):
@@ -148,6 +149,11 @@ def test_unsupported_calls_are_refused_by_name():
         tiles_mgpu(q, kc, kc, idx, spec=spec, consumers=3)
     with pytest.raises(ValueError, match="order must be one of"):
         tiles_mgpu(q, kc, kc, idx, spec=spec, order="random")
+    for bad in (0, 2.0, "yes"):
+        with pytest.raises(ValueError, match="persistent takes True or a positive number"):
+            tiles_mgpu(q, kc, kc, idx, spec=spec, consumers=2, persistent=bad)
+    with pytest.raises(ValueError, match="with consumers=2"):
+        tiles_mgpu(q, kc, kc, idx, spec=spec, persistent=True)
     with pytest.raises(ValueError, match="q_from_smem needs consumers=2"):
         tiles_mgpu(q, kc, kc, idx, spec=spec, q_from_smem=True)
     big = jnp.ones((2, 256, 1, 128), BF16)
@@ -201,6 +207,10 @@ def test_launch_choices_keep_the_bits():
         {"consumers": 2, "stages": 4, "overlap": True, "order": "heaviest", "one_drain": True},
         {"fold_in_smem": True},
         {"consumers": 2, "q_from_smem": True, "fold_in_smem": True, "order": "heaviest"},
+        # persistent programs: one runs every work item (its ring and segment buffers wrap
+        # around), three take turns
+        {"consumers": 2, "persistent": 1},
+        {"consumers": 2, "persistent": 3, "order": "heaviest", "fold_in_smem": True, "one_drain": True},
     ]
     for launch in launches:
         np.testing.assert_array_equal(run(**launch), base, err_msg=str(launch))
