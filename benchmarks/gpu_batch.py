@@ -139,7 +139,7 @@ STEPS = {
     **{
         f"digests-{side}": (
             _py("gpu_digests.py", "--prefill-launch", side),
-            240,
+            300,
             f"engine bits vs the records with the Mosaic prefill launch '{side}' (ab.py prefill-launch)",
         )
         for side in (

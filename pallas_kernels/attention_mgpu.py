@@ -41,7 +41,8 @@ thread: no launch spills then (session 41, H100); it made the pair launch 2.6% f
 every one gave the bits of the launch measured since session 24 (2026-12-05, RESULTS.md; the
 fold launches on an H100, session 42). The engine's launch (``attention_triton.
 MGPU_PREFILL_LAUNCH``) is, since session 42, the pair: two consumers, heaviest first, one
-drain, dense rows, the fold in SMEM.
+drain, dense rows, the fold in SMEM; since session 43 with persistent programs (``persistent``:
+one an SM, each running its (tile pair, KV head) items through one ring).
 
 Status: runs in Mosaic GPU interpret mode on CPU (the tests: accuracy, NaN-filled stale cache,
 padding, a token's bits alone / in chunks / among other sequences, ``overlap`` and stages as
@@ -608,9 +609,9 @@ def _kernel(
         on the walk of their tiles' union; one more loads the KV tiles (FlashAttention-3's
         warp specialization). A slot is refilled once every consumer has finished with it.
 
-        Persistent (``work`` = (items, programs, KV heads)): program p runs the work items p,
-        p + programs, ... (item w: KV head w % heads of the (ordered) tile pair w // heads)
-        one after another through one slot ring whose tile count goes on, so the producer
+        Persistent (``work`` = (items, programs, KV heads)): program p runs one work item a
+        round, p in even rounds and programs - 1 - p in odd ones (item w: KV head w % heads
+        of the (ordered) tile pair w // heads), one after another through one slot ring whose tile count goes on, so the producer
         loads an item's first KV tiles while the consumers finish the item before it. The
         items' segments alternate between two buffers; ``segs_free[b]``: both consumers are
         done walking buffer b's last item."""
@@ -626,7 +627,9 @@ def _kernel(
             pid = lax.axis_index("tile")
 
             def one(k, c):
-                w = pid + k * programs
+                # round k's items in snake order (round k + 1 runs back): with the items
+                # heaviest first, no program takes the heaviest item of every round
+                w = k * programs + jnp.where(lax.rem(k, 2) == 0, pid, programs - 1 - pid)
                 pair, hk = w // heads, lax.rem(w, heads)
                 ik = pair if order_ref is None else order_ref[pair]
                 return run(k, ik, hk, lax.rem(k, nbuf), c)
@@ -634,8 +637,12 @@ def _kernel(
             return lax.fori_loop(0, num_items(), one, c)
 
         def num_items():
+            """Full rounds, plus one if the last (part) round's snake reaches this program."""
             total, programs, _ = work
-            return (total - lax.axis_index("tile") + programs - 1) // programs
+            pid = lax.axis_index("tile")
+            full, rest = total // programs, total % programs
+            in_last = jnp.where(full % 2 == 0, pid < rest, pid >= programs - rest)
+            return full + in_last.astype(jnp.int32)
 
         @pl.when(wg == consumers)
         def _producer():

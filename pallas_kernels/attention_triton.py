@@ -69,8 +69,12 @@ PREFILL_KERNEL = "tiles_mgpu"
 # run, 0.91 / 0.92 / 1.00 / 0.94x the one-warpgroup launch's kernel time on 1 x 4096 (32/8,
 # 28/4), 8 x 1024 and 9/3 D 64; the engine's 8 x 4096-token prefill the same (161.1-162.0 ms a
 # step, alternated); every bit check of benchmarks/attention_mgpu.py launches PASSes and the
-# engine's four digests equal the H200 records (RESULTS.md, session 42). The A/B switch:
-# benchmarks/ab.py prefill-launch (heaviest-dense: the launch before).
+# engine's four digests equal the H200 records (RESULTS.md, session 42). Since session 43 the
+# programs are persistent (one an SM, each running its (tile pair, KV head) items in snake
+# order through one KV ring): on an H100, same run, 0.976 / 0.982 / 0.953 / 0.963x the session-42
+# launch's kernel time on the same four cases; every bit check PASSes and the engine's four
+# digests equal the H200 records (RESULTS.md, session 43). The A/B switch: benchmarks/ab.py
+# prefill-launch (pair-all-dense-fold: the launch before).
 MGPU_PREFILL_LAUNCH = (
     ("stages", 3),
     ("consumers", 2),
@@ -78,6 +82,7 @@ MGPU_PREFILL_LAUNCH = (
     ("one_drain", True),
     ("packing", "dense"),
     ("fold_in_smem", True),
+    ("persistent", True),
 )
 # The decode kernel stores, and its combine folds, only the splits a token uses (same bits:
 # the others leave the fold unchanged). False: every split of the grid, as before 2026-12-02
