@@ -86,6 +86,7 @@ from pallas_kernels.attention_math import (
     split_used,
 )
 from pallas_kernels.checks import is_int
+from pallas_kernels.plan import H200_SMS
 
 ROWS = 64  # rows of a program: one warpgroup's wgmma M
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -823,8 +824,9 @@ def tiles_mgpu(
     (once a split: 512 keys by default) instead of holding 64 registers a thread through every
     tile; its 32 KB a warpgroup (D 128) come out of the ring: at D 128 one warpgroup fits 2
     stages, not 3, and a pair 3, not 4 (``stages`` is lowered to what fits, as always).
-    ``persistent`` (with ``consumers=2``): that many programs (True: one per SM of the default
-    device), each running (tile pair, KV head) work items - in ``order`` - one after another
+    ``persistent`` (with ``consumers=2``): that many programs (True: one per SM of an H100 /
+    H200, 132 - a constant, as the matmul's, so that a program's text never depends on the
+    process that lowers it), each running (tile pair, KV head) work items - in ``order`` - one after another
     through one ring of KV slots: the next item's first KV loads overlap the last item's end,
     and a program starts once, not once an item.
 
@@ -904,7 +906,7 @@ def tiles_mgpu(
     grid, grid_names = (programs, hkv), ("tile", "head")
     if persistent is not False:
         total = programs * hkv
-        count = _sm_count() if persistent is True else int(persistent)
+        count = H200_SMS if persistent is True else int(persistent)
         work = (total, min(count, total), hkv)
         grid, grid_names = (work[1],), ("tile",)
     kernel = functools.partial(
@@ -937,12 +939,6 @@ def tiles_mgpu(
         **kwargs,
     )(*args, k_cache.reshape(rows_view), v_cache.reshape(rows_view), ones)
     return unpack(out if programs * consumers == nt else out[:nt])
-
-
-def _sm_count() -> int:
-    """Streaming multiprocessors of the default device (132 on an H100 SXM / H200; the same
-    where the device does not say, e.g. lowering for CUDA on a CPU host)."""
-    return int(getattr(jax.devices()[0], "core_count", 0) or 132)
 
 
 def _without_order(kernel, segs_ref, nseg_ref, *refs):
