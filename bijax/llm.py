@@ -510,7 +510,8 @@ class LLM:
 
     def close(self) -> None:
         """Frees the device memory this LLM's engine holds besides the model's weights - the
-        KV cache, staged inputs, compiled steps - now rather than when the LLM is collected, so
+        KV cache, staged inputs, its references to compiled steps - now rather than when the
+        LLM is collected, so
         that another engine on the same model (``LLM(llm.model, ...)``) can size its KV pool
         from the memory this one held. The LLM generates nothing afterwards (RuntimeError).
         ``with LLM(...) as llm:`` closes it on leaving the block."""
@@ -525,7 +526,7 @@ class LLM:
             return
         try:  # leaving on an error: free what can be freed, never hide that error
             self.close()
-        except RuntimeError:
+        except Exception:  # noqa: BLE001 - (e.g. still busy: the error in flight says more)
             pass
 
     def reset_prefix_cache(self) -> None:
@@ -542,6 +543,8 @@ class LLM:
         are used as they are (not copied; under tensor parallelism they are moved onto the mesh
         unless already laid out that way; numpy arrays are copied), so a train step that donates them must be followed
         by another ``update_weights`` before the next ``generate``."""
+        if self.engine.closed:  # before the model (which other engines may share) is touched
+            raise RuntimeError("update_weights: this LLM was closed (close() freed its KV cache)")
         if self.engine.has_unfinished_requests():
             raise RuntimeError("update_weights runs when no generation is in flight")
         if isinstance(weights, Llama):

@@ -369,18 +369,19 @@ class Engine:
 
     def close(self) -> None:
         """Frees the device memory the engine holds besides the model's weights - the KV cache
-        (the draft model's too), staged inputs, compiled steps - now, so that another engine
+        (the draft model's too), staged inputs, its references to compiled steps - now, so that
+        another engine
         on the same model fits (only while idle; a second call does nothing). The engine
         runs nothing afterwards: its methods that would raise RuntimeError saying so."""
         if self.closed:
             return
         self._require_idle("close")
         self.closed = True
-        runners = [self.runner]
-        if self.speculator is not None and self.speculator.draft is not None:
-            runners.append(self.speculator.draft)
-        for r in runners:
-            r.close()
+        try:
+            self.runner.close()
+        finally:  # (each runner frees its buffers whatever the other's close did)
+            if self.speculator is not None and self.speculator.draft is not None:
+                self.speculator.draft.close()
 
     def abort(self, request_id: str) -> None:
         req = self._requests.get(request_id)

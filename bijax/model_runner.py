@@ -700,26 +700,26 @@ class ModelRunner:
         return time.perf_counter() - t0
 
     def close(self) -> None:
-        """Frees the device memory this runner holds besides the model's weights: waits for the
-        background compiles, then deletes the KV cache and the staged input buffers now (not
-        whenever the collector gets to them) and drops this runner's programs. The runner
-        runs nothing afterwards (``Engine.close``)."""
-        if self._upgrader is not None:
-            try:
-                self.wait_upgrades()
-            finally:
-                self._upgrader.shutdown(wait=True)
-                self._upgrader = None
-        buffers = jax.tree_util.tree_leaves(self.cache) + [
-            a for leaves in self._staging.values() for a in leaves
-        ]
-        for a in buffers:
-            if isinstance(a, jax.Array) and not a.is_deleted():
-                a.delete()
-        self.cache = None
-        self._staging.clear()
-        self._aot.clear()
-        self._copies.clear()
+        """Frees the device memory this runner holds besides the model's weights: drops the
+        background compiles not started (waits for the one running: a compile cannot be
+        stopped; a failed one has warned already), then deletes the KV cache and the staged
+        input buffers now (not whenever the collector gets to them) and drops this runner's
+        references to its programs. The runner runs nothing afterwards (``Engine.close``)."""
+        try:
+            if self._upgrader is not None:
+                self._upgrader.shutdown(wait=True, cancel_futures=True)
+        finally:
+            buffers = jax.tree_util.tree_leaves(self.cache) + [
+                a for leaves in self._staging.values() for a in leaves
+            ]
+            for a in buffers:
+                if isinstance(a, jax.Array) and not a.is_deleted():
+                    a.delete()
+            self.cache = None
+            self._upgrader = None
+            for kept in (self._staging, self._aot, self._copies, self._upgrading, self._kept_chain):
+                kept.clear()
+            self._upgrades = []
 
     def _bucket_ready(self, s: int, t: int, progress) -> None:
         self.compiled_buckets.add((s, t))

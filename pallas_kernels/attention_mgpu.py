@@ -382,7 +382,8 @@ def _kernel(
 
             def scope(next_ref):
                 # Only the wait is conditional: a wgmma under a branch may be serialized by
-                # ptxas. After the last tile it reads a slot no copy is writing; unused.
+                # ptxas. After the last tile it reads a slot that holds no tile of this walk (a
+                # persistent program's producer may be filling it for the next item); unused.
                 pl.when(has_next)(lambda: plgpu.barrier_wait(k_bar.at[nslot]))
                 plgpu.wgmma(next_ref, q, k_smem.at[nslot].transpose((1, 0)))
 
@@ -684,7 +685,6 @@ def _kernel(
             plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
             q_smem = qo_smem.at[wg]
             scratch = None if a_smem is None else (a_smem[0].at[wg], a_smem[1].at[wg])
-            plgpu.barrier_wait(ones_bar)
 
             def zero_v_sync(zero):
                 """Consumer 0 zeroes the slot's unseen V rows; no consumer's p @ v reads the
@@ -705,6 +705,10 @@ def _kernel(
                 rpos = plgpu.load(rows_smem.at[wg, 0], layout=row_layout)
                 rseq = plgpu.load(rows_smem.at[wg, 1], layout=row_layout)
                 plgpu.barrier_wait(setup_bar.at[b])  # the walk (segments)
+                if work is None:  # and, before the first item, the ones matrix (after q's loads)
+                    plgpu.barrier_wait(ones_bar)
+                else:
+                    pl.when(k == 0)(lambda: plgpu.barrier_wait(ones_bar))
                 walk = _Walk(segs_smem.at[b], nseg_ref[ik], spec, tile, max_segs)
                 out, c = consume(
                     walk, q, rpos, rseq, k_smem, v_smem, ones_smem, k_bar, v_bar, scratch,

@@ -5,6 +5,7 @@ Engine flags match `tests.bijax.test_engine._llm` so the compiled steps are shar
 
 from __future__ import annotations
 
+import concurrent.futures
 import io
 import json
 import os
@@ -14,6 +15,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 import bijax
 from bijax import SamplingParams as SP
@@ -371,6 +373,12 @@ def test_close_frees_the_kv_cache_and_keeps_the_weights():
     ):
         with pytest.raises(RuntimeError, match="this engine was closed"):
             call()
+    before = jax.tree_util.tree_leaves(nnx.state(llm.model, nnx.Param))
+    changed = jax.tree_util.tree_map(lambda x: x + 1, nnx.to_pure_dict(nnx.state(llm.model, nnx.Param)))
+    with pytest.raises(RuntimeError, match="this LLM was closed"):  # refused before the model changes
+        llm.update_weights(changed)
+    after = jax.tree_util.tree_leaves(nnx.state(llm.model, nnx.Param))
+    assert all(np.array_equal(bits(a), bits(b)) for a, b in zip(before, after, strict=True))
     llm.close()  # a second close does nothing
     again = bijax.LLM(
         llm.model, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32, num_kv_blocks=20
@@ -381,6 +389,14 @@ def test_close_frees_the_kv_cache_and_keeps_the_weights():
         again.engine.add_request("r", [5, 6, 7], sp)
         again.close()
     assert not again.engine.closed
+    # a background compile that failed (it warned then) does not keep close from freeing
+    again.engine.release(["r"])
+    runner = again.engine.runner
+    runner._upgrader = concurrent.futures.ThreadPoolExecutor(1)
+    runner._upgrades = [runner._upgrader.submit(lambda: 1 / 0)]
+    cache = jax.tree_util.tree_leaves(runner.cache)
+    again.close()
+    assert again.engine.closed and all(x.is_deleted() for x in cache) and again.engine.pending_upgrades() == 0
 
 
 def test_bench_with_speculation_compiles_every_bucket_before_timing(capsys):
