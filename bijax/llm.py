@@ -48,8 +48,11 @@ def _kv_blocks(
         budget = int(limit * utilization) - in_use
         if budget < 2 * per_block:
             raise ValueError(
-                f"gpu_memory_utilization={utilization} leaves no room for the KV cache "
-                f"({in_use / 2**30:.1f} GiB in use of {limit / 2**30:.1f})"
+                f"gpu_memory_utilization={utilization} leaves no room for the KV cache: "
+                f"{in_use / 2**30:.1f} GiB are in use of the {limit / 2**30:.1f} GiB this process may "
+                "allocate on the device (XLA_CLIENT_MEM_FRACTION of it, default 0.75). Free what "
+                "holds it (another engine: LLM.close()), raise gpu_memory_utilization or that "
+                "fraction, or pass num_kv_blocks"
             )
     blocks = int(max(2, min(want, budget // per_block)))
     if dev.platform != "cpu" and jax.process_count() > 1:  # (what each process has in use may differ)
