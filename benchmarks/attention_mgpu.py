@@ -255,6 +255,13 @@ LAUNCHES = {
         "fold_in_smem": True,
         "persistent": True,
     },
+    # ... with the next item's q loaded as soon as a walk ends, the output stored from registers
+    "pair, 3 stages, heaviest, one drain, dense rows, fold in SMEM, persistent, early q": {
+        **_PAIR3,
+        "fold_in_smem": True,
+        "persistent": True,
+        "early_q": True,
+    },
 }
 DEFAULT_VARIANT = ("into", "two")
 # Measurement probes: timed next to the launches, never bit-checked (they give other bits).

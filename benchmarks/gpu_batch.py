@@ -38,7 +38,7 @@ def _startup(rows: str):
 
 
 _FOLD = "BIJAX_MGPU_LAUNCHES=fold|stages=2"  # attention_mgpu.py's launches with the fold in SMEM
-# the engine's launch and its persistent form (session 43)
+# the session-42 launch, its persistent form (the engine's since session 43) and early q
 _PERSIST = "'BIJAX_MGPU_LAUNCHES==pair, 3 stages, heaviest, one drain, dense rows, fold in SMEM|persistent'"
 _PREFILL_CASES = ("--cases", "prefill,prefill64", "--paths", "invariant")
 _CHECK_LIMITS = ("--max-num-seqs", "2", "--max-num-batched-tokens", "32", "--requests", "4", "--max-tokens", "6",
@@ -82,6 +82,12 @@ _AB = {
             "launch-pair-all-dense-fold-persistent",
             "prefill-launch",
             "pair-all-dense-fold-persistent",
+            _PREFILL,
+        ),
+        (
+            "launch-pair-all-dense-fold-persistent-early-q",
+            "prefill-launch",
+            "pair-all-dense-fold-persistent-early-q",
             _PREFILL,
         ),
         # a 3-head query group (SmolLM2's shape): where packing="dense" changes the tiles
@@ -156,6 +162,7 @@ STEPS = {
             "pair-all-dense-fold",
             "pair-all-dense-fold-q",
             "pair-all-dense-fold-persistent",
+            "pair-all-dense-fold-persistent-early-q",
         )
     },
     "mgpu-bits": (_py("attention_mgpu.py", "--child", "bits"), 270, "Mosaic attention == Triton bits"),
@@ -187,12 +194,12 @@ STEPS = {
     "mgpu-persist-launches": (
         _with(_PERSIST, "attention_mgpu.py", "--child", "launches"),
         200,
-        "the engine's prefill launch and its persistent form == the default launch's bits",
+        "the session-42 prefill launch, its persistent form (the engine's) and early q == the default launch's bits",
     ),
     "mgpu-persist-timing": (
         _with(_PERSIST, "attention_mgpu.py", "--child", "launch-timing"),
         200,
-        "the engine's prefill launch vs its persistent form vs Triton vs cuDNN kernel time",
+        "the session-42 prefill launch vs its persistent form (the engine's) and early q vs Triton vs cuDNN",
     ),
     "mgpu-fold-ptxas": (
         _with(_FOLD, "attention_mgpu.py", "--child", "ptxas"),

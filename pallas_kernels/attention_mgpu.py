@@ -266,7 +266,7 @@ def _kernel(
     segs_ref, nseg_ref, order_ref, rpos_ref, rseq_ref, bt_ref, q_ref, k_ref, v_ref, ones_ref, o_ref,
     *, spec: AttentionSpec, block_size: int, max_blocks: int, stages: int, max_segs: int, pv: str,
     a_in_smem: bool, overlap: bool, rounding: str, consumers: int, one_drain: bool, q_from_smem: bool,
-    fold_in_smem: bool, work: tuple[int, int, int] | None,
+    fold_in_smem: bool, work: tuple[int, int, int] | None, early_q: bool,
 ):  # fmt: skip
     if work is None:  # a program per (tile, head)
         i = lax.axis_index("tile") if order_ref is None else order_ref[lax.axis_index("tile")]
@@ -336,10 +336,13 @@ def _kernel(
         zero_v_sync,
         fold_smem,
         c0=0,
+        after_walk=None,
     ):
         """The walk's compute side for one warpgroup's 64 rows: (the folded output [ROWS, D],
         the tile count after its walk). Its first tile is the ring's tile ``c0`` (slot c0 %
-        stages: a persistent program's walks go through one ring, one after another).
+        stages: a persistent program's walks go through one ring, one after another);
+        ``after_walk()``, if given, runs once the walk's last wgmma is done, before the fold's
+        accumulator is read back and normalized.
         ``prefetch(pf, c)`` (the single-warpgroup kernel's own loads; ``pf`` its cursor, () if
         none) runs at the start of tile c; ``tile_done(slot)`` once tile c's wgmmas are done
         with its slot; ``zero_v_sync(zero)`` runs the zeroing of a slot's unseen V rows.
@@ -555,6 +558,8 @@ def _kernel(
             fold_smem[...] = facc
             fold = (fm, fl, started)
         fold, _, c, _ = lax.fori_loop(0, nseg, one_segment, (fold, pf, jnp.int32(c0), s0))
+        if after_walk is not None:
+            after_walk()
         if fold_smem is not None:
             fm, fl, started = fold
             fold = (fm, fl, plgpu.load(fold_smem, layout=wgmma_layout), started)
@@ -625,18 +630,22 @@ def _kernel(
             buffer; c: the ring's tile count)."""
             if work is None:
                 return run(0, i, h, 0, c)
-            total, programs, heads = work
-            pid = lax.axis_index("tile")
 
             def one(k, c):
-                # round k's items in snake order (round k + 1 runs back): with the items
-                # heaviest first, no program takes the heaviest item of every round
-                w = k * programs + jnp.where(lax.rem(k, 2) == 0, pid, programs - 1 - pid)
-                pair, hk = w // heads, lax.rem(w, heads)
-                ik = pair if order_ref is None else order_ref[pair]
+                ik, hk = item_of(k)
                 return run(k, ik, hk, lax.rem(k, nbuf), c)
 
             return lax.fori_loop(0, num_items(), one, c)
+
+        def item_of(k):
+            """(tile pair, KV head) of this program's item k: round k's items in snake order
+            (round k + 1 runs back), so that with the items heaviest first no program takes
+            the heaviest item of every round."""
+            _, programs, heads = work
+            pid = lax.axis_index("tile")
+            w = k * programs + jnp.where(lax.rem(k, 2) == 0, pid, programs - 1 - pid)
+            pair, hk = w // heads, lax.rem(w, heads)
+            return (pair if order_ref is None else order_ref[pair]), hk
 
         def num_items():
             """Full rounds, plus one if the last (part) round's snake reaches this program."""
@@ -693,11 +702,28 @@ def _kernel(
                 plgpu.barrier_arrive(zero_bar)
                 plgpu.barrier_wait(zero_bar)
 
-            def run(k, ik, hk, b, c):
+            def load_q(ik, hk):
+                """TMA item (ik, hk)'s q and row positions / sequences into this warpgroup's
+                buffers (``q_bar``)."""
                 row_tile = consumers * ik + wg
                 plgpu.copy_gmem_to_smem(q_ref.at[row_tile, hk], q_smem, q_bar.at[wg])
                 plgpu.copy_gmem_to_smem(rpos_ref.at[row_tile], rows_smem.at[wg, 0], q_bar.at[wg])
                 plgpu.copy_gmem_to_smem(rseq_ref.at[row_tile], rows_smem.at[wg, 1], q_bar.at[wg])
+
+            def after_walk(k, b):
+                """The walk is over: its segments' buffer is free, and with ``early_q`` the next
+                item's q loads while this one's output is normalized and stored."""
+                if work is None:
+                    return
+                plgpu.barrier_arrive(segs_free.at[b])
+                if early_q:  # (the reads of q and the rows into registers were long ago)
+                    plgpu.commit_smem()
+                    pl.when(k + 1 < num_items())(lambda: load_q(*item_of(k + 1)))
+
+            def run(k, ik, hk, b, c):
+                row_tile = consumers * ik + wg
+                if not early_q:  # (else the item before loaded it, or the loop's start)
+                    load_q(ik, hk)
                 plgpu.barrier_wait(q_bar.at[wg])
                 # q as wgmma's A operand: from its SMEM buffer (``q_from_smem``: 32 registers a
                 # thread fewer) or loaded into registers
@@ -714,15 +740,19 @@ def _kernel(
                     walk, q, rpos, rseq, k_smem, v_smem, ones_smem, k_bar, v_bar, scratch,
                     lambda pf, c: pf, (), lambda slot: plgpu.barrier_arrive(consumed_bar.at[slot]),
                     zero_v_sync, None if fold_smem is None else fold_smem.at[wg], c,
+                    functools.partial(after_walk, k, b),
                 )  # fmt: skip
-                if work is not None:  # done with this buffer's segments
-                    plgpu.barrier_arrive(segs_free.at[b])
+                if early_q:  # q_smem holds the next item's q: the output goes from registers
+                    o_ref.at[row_tile, hk][...] = out
+                    return c
                 q_smem[...] = out  # every wgmma reading q is done (each result was waited for)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(q_smem, o_ref.at[row_tile, hk])
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # q_smem is free again
                 return c
 
+            if early_q:
+                pl.when(num_items() > 0)(lambda: load_q(*item_of(0)))
             items(run, jnp.int32(0))
             plgpu.wait_smem_to_gmem(0)
 
@@ -806,6 +836,7 @@ def tiles_mgpu(
     packing: str = "pow2",
     fold_in_smem: bool = False,
     persistent: int | bool = False,
+    early_q: bool = False,
     approx_math: bool = False,
     interpret=None,
 ):
@@ -832,7 +863,9 @@ def tiles_mgpu(
     H200, 132 - a constant, as the matmul's, so that a program's text never depends on the
     process that lowers it), each running (tile pair, KV head) work items - in ``order`` - one after another
     through one ring of KV slots: the next item's first KV loads overlap the last item's end,
-    and a program starts once, not once an item.
+    and a program starts once, not once an item. ``early_q`` (with ``persistent``): a
+    consumer loads its next item's q as soon as its walk is over and stores its output from
+    registers, not through q's buffer (which then is not free until the store is done).
 
     ``approx_math`` is a measurement probe, not a launch choice: Mosaic GPU's approximate math
     (``exp`` as ``ex2.approx`` of ``x * log2(e)``), which gives other bits than the Triton
@@ -866,6 +899,8 @@ def tiles_mgpu(
             "attention (Mosaic GPU tiles): persistent takes True or a positive number of programs, "
             f"with consumers=2; got persistent={persistent!r}, consumers={consumers}"
         )
+    if early_q and persistent is False:
+        raise ValueError("attention (Mosaic GPU tiles): early_q needs persistent programs")
     if q_from_smem and consumers == 1:
         raise ValueError(
             "attention (Mosaic GPU tiles): q_from_smem needs consumers=2 (one warpgroup's q shares a KV slot)"
@@ -929,6 +964,7 @@ def tiles_mgpu(
         q_from_smem=bool(q_from_smem),
         fold_in_smem=bool(fold_in_smem),
         work=work,
+        early_q=bool(early_q),
     )
     args = [segs, nseg, program_order, rpos, rseq, block_tables, q]
     if program_order is None:  # the program index is the tile's
