@@ -266,13 +266,20 @@ LAUNCHES = {
 DEFAULT_VARIANT = ("into", "two")
 # Measurement probes: timed next to the launches, never bit-checked (they give other bits).
 # approx exp: Mosaic GPU's ex2.approx for exp - how much of the time the exact exp costs (the
-# exp that the Triton kernels' bits on the H200 are made of).
+# exp that the Triton kernels' bits on the H200 are made of). unmasked: every KV tile on the
+# full tiles' path (no key mask, no V zeroing) - what the causal diagonal's masked tiles cost.
 PROBES = {
     "probe: heaviest, dense rows, approx exp": {"order": "heaviest", "packing": "dense", "approx_math": True},
     "probe: pair, 3 stages, heaviest, one drain, dense rows, fold in SMEM, approx exp": {
         **_PAIR3,
         "fold_in_smem": True,
         "approx_math": True,
+    },
+    "probe: pair, 3 stages, heaviest, one drain, dense rows, fold in SMEM, persistent, unmasked": {
+        **_PAIR3,
+        "fold_in_smem": True,
+        "persistent": True,
+        "probe_unmasked": True,
     },
 }
 

@@ -266,7 +266,7 @@ def _kernel(
     segs_ref, nseg_ref, order_ref, rpos_ref, rseq_ref, bt_ref, q_ref, k_ref, v_ref, ones_ref, o_ref,
     *, spec: AttentionSpec, block_size: int, max_blocks: int, stages: int, max_segs: int, pv: str,
     a_in_smem: bool, overlap: bool, rounding: str, consumers: int, one_drain: bool, q_from_smem: bool,
-    fold_in_smem: bool, work: tuple[int, int, int] | None, early_q: bool,
+    fold_in_smem: bool, work: tuple[int, int, int] | None, early_q: bool, probe_unmasked: bool,
 ):  # fmt: skip
     if work is None:  # a program per (tile, head)
         i = lax.axis_index("tile") if order_ref is None else order_ref[lax.axis_index("tile")]
@@ -528,9 +528,10 @@ def _kernel(
 
                 a, b = full_tiles(start, first, num_tiles, lo, hi, tile, spec.window)
                 x = (empty_state(), pf, c, s)
-                x = lax.fori_loop(first, a, functools.partial(tile_step, True), x)
+                masked = not probe_unmasked  # (the probe: every tile as a full one, wrong values)
+                x = lax.fori_loop(first, a, functools.partial(tile_step, masked), x)
                 x = lax.fori_loop(a, b, functools.partial(tile_step, False), x)
-                x = lax.fori_loop(b, num_tiles, functools.partial(tile_step, True), x)
+                x = lax.fori_loop(b, num_tiles, functools.partial(tile_step, masked), x)
                 fold = fold_split(fold, x[0], split_used(split, rpos, spec) & mine)
                 return fold, *x[1:]
 
@@ -838,6 +839,7 @@ def tiles_mgpu(
     persistent: int | bool = False,
     early_q: bool = False,
     approx_math: bool = False,
+    probe_unmasked: bool = False,
     interpret=None,
 ):
     """q [T, Hkv, G, D] -> normalised output [T, Hkv, G, D], the ``tiles`` walk on Mosaic GPU.
@@ -869,8 +871,10 @@ def tiles_mgpu(
 
     ``approx_math`` is a measurement probe, not a launch choice: Mosaic GPU's approximate math
     (``exp`` as ``ex2.approx`` of ``x * log2(e)``), which gives other bits than the Triton
-    kernels' ``exp`` - it says how much of the kernel's time the exact ``exp`` costs. Nothing in
-    the engine passes it."""
+    kernels' ``exp`` - it says how much of the kernel's time the exact ``exp`` costs.
+    ``probe_unmasked``, another: every KV tile takes the full tiles' path (no key mask built,
+    no V rows zeroed: wrong values) - what the masked tiles on the causal diagonal cost. Nothing
+    in the engine passes either."""
     why = supported(qg.dtype, qg.shape[-1], spec)
     if why is not None:
         raise ValueError(f"attention (Mosaic GPU tiles): unsupported {why}")
@@ -965,6 +969,7 @@ def tiles_mgpu(
         fold_in_smem=bool(fold_in_smem),
         work=work,
         early_q=bool(early_q),
+        probe_unmasked=bool(probe_unmasked),
     )
     args = [segs, nseg, program_order, rpos, rseq, block_tables, q]
     if program_order is None:  # the program index is the tile's

@@ -222,6 +222,8 @@ def test_launch_choices_keep_the_bits():
         np.testing.assert_array_equal(run(**launch), base, err_msg=str(launch))
     control = run(spec=AttentionSpec.create(64, sliding_window=90, split_size=128), consumers=2)
     assert not np.array_equal(control, base), "split size changed nothing: the check cannot fail"
+    # the timing probe that skips the masked tiles' work does change values (it is no launch)
+    assert not np.array_equal(run(probe_unmasked=True), base)
 
 
 @pytest.mark.parametrize("hq,launch", [(6, {}), (14, {"consumers": 2, "order": "heaviest"})])
