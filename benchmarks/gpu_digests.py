@@ -108,6 +108,7 @@ def main():
         print(
             f"{model} {dtype}: {record['digest']} run-to-run {run_to_run}, {status} ({secs:.0f}s)", flush=True
         )
+        llm.close()
         del llm, first, again
     print("\n| model | dtype | digest | run to run | vs record | s |\n|---|---|---|---|---|---|")
     for r in rows:

@@ -131,8 +131,9 @@ def main() -> int:
         rows.append(
             f"| {label}: prompt {len(prompt)} + {a.new} | first token {ttft:.2f} s | decode {decode_ms:.2f} ms/token | |"
         )
+        eng.close()  # (each engine holds its KV pool: one at a time)
         del outs, eng
-    del llm  # (each engine holds its KV pool: one at a time below)
+    del llm
 
     # 3. bits at the long context: another chunk size, and among other requests
     ref = res[True][0] if True in res else None

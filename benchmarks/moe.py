@@ -315,6 +315,7 @@ def decode_throughput(name: str, seqs_list, prompt_len: int, new: int, max_len: 
                     f"prefill-only {wall[1]:.2f}s, decode {decode:.0f} tok/s ({1e3 * n / decode:.1f} ms/step)",
                     flush=True,
                 )
+            llm.close()
             del llm
         except Exception as err:  # noqa: BLE001 - report and go on to the table
             print(

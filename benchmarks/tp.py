@@ -121,6 +121,7 @@ def main():
         tok_s = args.requests * args.max_tokens / (t2 - t1)
         print(f"| {path} | {tp} | {ks} | {digest} | {same} | {t1 - t0:.1f} | {tok_s:.0f} |", flush=True)
         rows.append((run, tok_s))
+        llm.close()  # its KV pool now, before the next run sizes its own
         del llm, outs
         gc.collect()
     base = dict(rows)
