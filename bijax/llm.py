@@ -50,7 +50,7 @@ def _kv_blocks(
             raise ValueError(
                 f"gpu_memory_utilization={utilization} leaves no room for the KV cache: "
                 f"{in_use / 2**30:.1f} GiB are in use of the {limit / 2**30:.1f} GiB this process may "
-                "allocate on the device (XLA_CLIENT_MEM_FRACTION of it, default 0.75). Free what "
+                "allocate on the device (XLA_PYTHON_CLIENT_MEM_FRACTION of it, default 0.75). Free what "
                 "holds it (another engine: LLM.close()), raise gpu_memory_utilization or that "
                 "fraction, or pass num_kv_blocks"
             )
