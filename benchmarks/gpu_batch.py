@@ -134,6 +134,25 @@ _AB.update(
         for side in sides
     }
 )
+
+
+def _launch_steps(name: str, env: str, limits: tuple[int, int], what: str) -> dict:
+    """``mgpu-<name>-launches`` (bits against the default launch) and ``mgpu-<name>-timing``
+    (kernel time next to the default launch, Triton and cuDNN) for the launches ``env`` selects."""
+    return {
+        f"mgpu-{name}-launches": (
+            _with(env, "attention_mgpu.py", "--child", "launches"),
+            limits[0],
+            f"{what} == the default launch's bits",
+        ),
+        f"mgpu-{name}-timing": (
+            _with(env, "attention_mgpu.py", "--child", "launch-timing"),
+            limits[1],
+            f"{what} vs the default launch vs Triton vs cuDNN kernel time",
+        ),
+    }
+
+
 # name -> (command, time limit s, what it is for)
 STEPS = {
     "digests": (_py("gpu_digests.py"), 300, "engine bits vs the records (4 configs; ~210 s on an H100)"),
@@ -181,25 +200,14 @@ STEPS = {
         280,
         "Mosaic attention launches vs default launch vs Triton vs cuDNN kernel time",
     ),
-    "mgpu-fold-launches": (
-        _with(_FOLD, "attention_mgpu.py", "--child", "launches"),
-        240,
-        "the split fold's accumulator in SMEM (and the 2-stage control) == the default launch's bits",
+    **_launch_steps(
+        "fold", _FOLD, (240, 260), "the split fold's accumulator in SMEM (and the 2-stage control)"
     ),
-    "mgpu-fold-timing": (
-        _with(_FOLD, "attention_mgpu.py", "--child", "launch-timing"),
-        260,
-        "the split fold's accumulator in SMEM vs the default launch vs Triton vs cuDNN kernel time",
-    ),
-    "mgpu-persist-launches": (
-        _with(_PERSIST, "attention_mgpu.py", "--child", "launches"),
-        200,
-        "the session-42 prefill launch, its persistent form (the engine's) and early q == the default launch's bits",
-    ),
-    "mgpu-persist-timing": (
-        _with(_PERSIST, "attention_mgpu.py", "--child", "launch-timing"),
-        200,
-        "the session-42 prefill launch vs its persistent form (the engine's) and early q vs Triton vs cuDNN",
+    **_launch_steps(
+        "persist",
+        _PERSIST,
+        (200, 200),
+        "the session-42 prefill launch, its persistent form (the engine's) and early q",
     ),
     "mgpu-fold-ptxas": (
         _with(_FOLD, "attention_mgpu.py", "--child", "ptxas"),
