@@ -514,10 +514,9 @@ class LLM:
     def close(self) -> None:
         """Frees the device memory this LLM's engine holds besides the model's weights - the
         KV cache, staged inputs, its references to compiled steps - now rather than when the
-        LLM is collected, so
-        that another engine on the same model (``LLM(llm.model, ...)``) can size its KV pool
-        from the memory this one held. The LLM generates nothing afterwards (RuntimeError).
-        ``with LLM(...) as llm:`` closes it on leaving the block."""
+        LLM is collected, so that another engine on the same model (``LLM(llm.model, ...)``)
+        can size its KV pool from the memory this one held. The LLM generates nothing
+        afterwards (RuntimeError). ``with LLM(...) as llm:`` closes it on leaving the block."""
         self.engine.close()
 
     def __enter__(self) -> LLM:

@@ -370,9 +370,8 @@ class Engine:
     def close(self) -> None:
         """Frees the device memory the engine holds besides the model's weights - the KV cache
         (the draft model's too), staged inputs, its references to compiled steps - now, so that
-        another engine
-        on the same model fits (only while idle; a second call does nothing). The engine
-        runs nothing afterwards: its methods that would raise RuntimeError saying so."""
+        another engine on the same model fits (only while idle; a second call does nothing).
+        The engine runs nothing afterwards: the methods that would raise RuntimeError saying so."""
         if self.closed:
             return
         self._require_idle("close")
