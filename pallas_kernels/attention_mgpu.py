@@ -619,12 +619,20 @@ def _kernel(
 
         Persistent (``work`` = (items, programs, KV heads)): program p runs one work item a
         round, p in even rounds and programs - 1 - p in odd ones (item w: KV head w % heads
-        of the (ordered) tile pair w // heads), one after another through one slot ring whose tile count goes on, so the producer
-        loads an item's first KV tiles while the consumers finish the item before it. The
-        items' segments alternate between two buffers; ``segs_free[b]``: both consumers are
-        done walking buffer b's last item."""
+        of the (ordered) tile pair w // heads), one after another through one slot ring whose
+        tile count goes on, so the producer loads an item's first KV tiles while the
+        consumers finish the item before it. The items' segments alternate between two
+        buffers; ``segs_free[b]``: both consumers are done walking buffer b's last item."""
         wg = lax.axis_index("wg")
         nbuf = segs_smem.shape[0]
+        if work is not None:
+            total, programs, heads = work
+            pid = lax.axis_index("tile")
+            # this program's items: full rounds, plus one if the last (part) round's snake
+            # reaches it
+            full, rest = total // programs, total % programs
+            in_last = jnp.where(full % 2 == 0, pid < rest, pid >= programs - rest)
+            count = full + in_last.astype(jnp.int32)
 
         def items(run, c):
             """``run(k, i, h, b, c) -> c`` for each of this program's items k (b: its segments'
@@ -636,25 +644,15 @@ def _kernel(
                 ik, hk = item_of(k)
                 return run(k, ik, hk, lax.rem(k, nbuf), c)
 
-            return lax.fori_loop(0, num_items(), one, c)
+            return lax.fori_loop(0, count, one, c)
 
         def item_of(k):
             """(tile pair, KV head) of this program's item k: round k's items in snake order
             (round k + 1 runs back), so that with the items heaviest first no program takes
             the heaviest item of every round."""
-            _, programs, heads = work
-            pid = lax.axis_index("tile")
             w = k * programs + jnp.where(lax.rem(k, 2) == 0, pid, programs - 1 - pid)
             pair, hk = w // heads, lax.rem(w, heads)
             return (pair if order_ref is None else order_ref[pair]), hk
-
-        def num_items():
-            """Full rounds, plus one if the last (part) round's snake reaches this program."""
-            total, programs, _ = work
-            pid = lax.axis_index("tile")
-            full, rest = total // programs, total % programs
-            in_last = jnp.where(full % 2 == 0, pid < rest, pid >= programs - rest)
-            return full + in_last.astype(jnp.int32)
 
         @pl.when(wg == consumers)
         def _producer():
@@ -687,7 +685,7 @@ def _kernel(
                 pl.when(c >= 0)(lambda c=c: plgpu.barrier_wait(consumed_bar.at[lax.rem(c, stages)]))
             if work is not None:  # and the last items' segment buffers
                 for j in range(nbuf):
-                    k = num_items() - nbuf + j
+                    k = count - nbuf + j
                     pl.when(k >= 0)(lambda k=k: plgpu.barrier_wait(segs_free.at[lax.rem(k, nbuf)]))
 
         @pl.when(wg < consumers)
@@ -719,7 +717,7 @@ def _kernel(
                 plgpu.barrier_arrive(segs_free.at[b])
                 if early_q:  # (the reads of q and the rows into registers were long ago)
                     plgpu.commit_smem()
-                    pl.when(k + 1 < num_items())(lambda: load_q(*item_of(k + 1)))
+                    pl.when(k + 1 < count)(lambda: load_q(*item_of(k + 1)))
 
             def run(k, ik, hk, b, c):
                 row_tile = consumers * ik + wg
@@ -753,7 +751,7 @@ def _kernel(
                 return c
 
             if early_q:
-                pl.when(num_items() > 0)(lambda: load_q(*item_of(0)))
+                pl.when(count > 0)(lambda: load_q(*item_of(0)))
             items(run, jnp.int32(0))
             plgpu.wait_smem_to_gmem(0)
 
@@ -863,9 +861,9 @@ def tiles_mgpu(
     stages, not 3, and a pair 3, not 4 (``stages`` is lowered to what fits, as always).
     ``persistent`` (with ``consumers=2``): that many programs (True: one per SM of an H100 /
     H200, 132 - a constant, as the matmul's, so that a program's text never depends on the
-    process that lowers it), each running (tile pair, KV head) work items - in ``order`` - one after another
-    through one ring of KV slots: the next item's first KV loads overlap the last item's end,
-    and a program starts once, not once an item. ``early_q`` (with ``persistent``): a
+    process that lowers it), each running (tile pair, KV head) work items - in ``order`` -
+    one after another through one ring of KV slots: the next item's first KV loads overlap
+    the last item's end, and a program starts once, not once an item. ``early_q`` (with ``persistent``): a
     consumer loads its next item's q as soon as its walk is over and stores its output from
     registers, not through q's buffer (which then is not free until the store is done).
 
