@@ -19,9 +19,10 @@ import time
 
 import numpy as np
 
-from bijax.config import EngineConfig, check_positive_int
+from bijax.config import EngineConfig
 from bijax.llm_engine import Engine
 from bijax.sampling_params import SamplingParams
+from pallas_kernels.checks import check_positive_int
 
 # (temperature, top_p, top_k, min_p) cycled over the requests: greedy and seeded sampling
 # with each filter.
@@ -333,7 +334,7 @@ def run_check(
     """
     if not isinstance(num_requests, int) or num_requests < 2:
         raise ValueError(f"num_requests must be an int >= 2, got {num_requests!r}")
-    check_positive_int("max_tokens", max_tokens)
+    check_positive_int("max_tokens", max_tokens, numpy=False)
     t0 = time.perf_counter()
     mcfg = model.config
     max_model_len = min(mcfg.max_position_embeddings, 1024) if max_model_len is None else max_model_len

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels.checks import check_positive_int as _check_positive_int
+from pallas_kernels.checks import check_positive_int
 
 
 def _pow2_upto(lo: int, hi: int) -> tuple[int, ...]:
@@ -14,11 +14,6 @@ def _pow2_upto(lo: int, hi: int) -> tuple[int, ...]:
         b *= 2
     out.append(hi)
     return tuple(sorted(set(out)))
-
-
-def check_positive_int(name: str, value) -> None:
-    """The engine limits' rule (``EngineConfig``, ``LLM``'s arguments): an int >= 1."""
-    _check_positive_int(name, value, numpy=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +47,7 @@ class EngineConfig:
             "num_kv_blocks",
             "tensor_parallel_size",
         ):
-            check_positive_int(f, getattr(self, f))
+            check_positive_int(f, getattr(self, f), numpy=False)
         if self.block_size & (self.block_size - 1) or self.block_size > 64:
             raise ValueError(f"block_size must be a power of two <= 64, got {self.block_size}")
         if self.max_num_batched_tokens < self.max_num_seqs:

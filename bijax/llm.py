@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bijax.config import EngineConfig, check_positive_int
+from bijax.config import EngineConfig
 from bijax.llm_engine import Engine
 from bijax.outputs import RequestOutput
 from bijax.sampling_params import MAX_SEED, SamplingParams
@@ -24,6 +24,7 @@ from models.llama import Llama, param_state
 from models.loading import DEFAULT_MODEL, embedded_model_path, is_embedded, is_preset, load_model
 from models.sharding import check_tensor_parallel
 from models.tokenizer import load_tokenizer
+from pallas_kernels.checks import check_positive_int
 
 _CPU_KV_BYTES = 1 << 30  # the KV pool on CPU when num_kv_blocks is not given
 
@@ -125,7 +126,7 @@ def _check_arguments(*, dtype, gpu_memory_utilization, seed, flags: dict, **coun
     max_model_len and num_kv_blocks: sized by the engine), ``flags`` bools."""
     for name, v in counts.items():
         if v is not None or name not in ("max_model_len", "num_kv_blocks"):
-            check_positive_int(name, v)
+            check_positive_int(name, v, numpy=False)
     for name, v in flags.items():
         if not isinstance(v, bool):
             raise TypeError(f"{name} must be a bool, got {v!r}")

@@ -24,9 +24,9 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from bijax.config import check_positive_int
 from bijax.model_runner import Chunk, ModelRunner
 from models.llama import Llama
+from pallas_kernels.checks import check_positive_int
 
 METHODS = ("ngram", "draft_model")
 # The longest n-gram prompt lookup may match: its index keeps every n-gram from
@@ -89,7 +89,7 @@ class SpeculativeConfig:
         if "num_speculative_tokens" not in spec:
             raise ValueError("speculative_config needs 'num_speculative_tokens'")
         for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
-            check_positive_int(f"speculative_config[{key!r}]", spec.get(key, 1))
+            check_positive_int(f"speculative_config[{key!r}]", spec.get(key, 1), numpy=False)
         adaptive = spec.get("adaptive", True)
         if not isinstance(adaptive, bool):
             raise ValueError(f"speculative_config['adaptive'] must be true or false, got {adaptive!r}")

@@ -72,8 +72,9 @@ PREFILL_KERNEL = "tiles_mgpu"
 # engine's four digests equal the H200 records (RESULTS.md, session 42). Since session 43 the
 # programs are persistent (one an SM, each running its (tile pair, KV head) items in snake
 # order through one KV ring): on an H100, same run, 0.976 / 0.982 / 0.953 / 0.963x the session-42
-# launch's kernel time on the same four cases; every bit check PASSes and the engine's four
-# digests equal the H200 records (RESULTS.md, session 43). The A/B switch: benchmarks/ab.py
+# launch's kernel time on the same four cases; the ten bit checks PASS (run with round-robin
+# items: snake order changes only which program runs an item) and the engine's four digests,
+# with snake order, equal the H200 records (RESULTS.md, session 43). The A/B switch: benchmarks/ab.py
 # prefill-launch (pair-all-dense-fold: the launch before).
 MGPU_PREFILL_LAUNCH = (
     ("stages", 3),
