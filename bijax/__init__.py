@@ -8,7 +8,10 @@ __version__ = "0.1.0"
 
 # Bumped whenever a change alters output bits (kernels, reduction plans, sampling).
 # 5: GPU attention folds its splits in Triton (tiles and tokens kernels); CPU bits as in 4.
-NUMERICS_VERSION = 5
+# 6: attention's exponentials as 2**(x log2 e): on the GPU one ex2.approx.ftz instruction in
+#    every kernel instead of libdevice's exact expf (GPU bits changed); CPU bits as in 5 (XLA
+#    compiles jnp.exp2(x * log2 e) to the same exp(x)).
+NUMERICS_VERSION = 6
 
 from pallas_kernels.runtime import request_xla_flag  # noqa: E402
 

@@ -1,5 +1,5 @@
 """What the attention paths share: the static settings, and every formula a token's bits
-depend on outside the dots (logit scaling, the key mask, the split fold).
+depend on outside the dots (logit scaling, the exponential, the key mask, the split fold).
 
 The GPU kernel (``attention_triton``), the CPU formulation (``attention_cpu``) and the entry
 points (``attention``) all take these from here, so the paths cannot drift apart.
@@ -19,6 +19,18 @@ from pallas_kernels.checks import check_positive_int
 SPLIT_SIZE = 512
 HEAD_DIMS = (64, 128)
 MIN_KV_TILE = 64
+LOG2E = 1.4426950408889634
+# Every exponential of the online softmax and the fold is 2**(x * log2 e) (``exp``; since
+# NUMERICS_VERSION 6): on the GPU 2**y is the one instruction EX2_PTX in every kernel (the
+# Triton kernels' inline assembly, the Mosaic GPU kernel's inline PTX); on the CPU (and in the
+# kernels' interpret mode) ``jnp.exp2``. (Before: the exact ``exp`` - libdevice's ``__nv_expf``,
+# ~7 instructions an element on the GPU; the prefill kernel spent 8-15% longer with it,
+# RESULTS.md session 42.) ``.ftz``: results below 2**-126 are 0, in every kernel alike;
+# ex2(0) is exactly 1 and ex2(-inf) exactly 0 (the PTX ISA's special values), which
+# ``kv_tile_step`` relies on. The factor log2 e is applied to x = s - m, not folded into the
+# logit scale: a scale that is not a power of two made XLA's CPU code (the kernels'
+# interpret mode) give a row other bits in a masked tile than in a full one.
+EX2_PTX = "ex2.approx.ftz.f32"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +90,12 @@ def scores(s, spec: AttentionSpec):
     if spec.softcap is not None:
         s = spec.softcap * jnp.tanh(s / spec.softcap)
     return s
+
+
+def exp(x, exp2=jnp.exp2):
+    """e**x as ``exp2(x * log2 e)``: the one exponential of the online softmax and the fold
+    (``exp2`` is 2**x: ``EX2_PTX`` in a GPU kernel, ``jnp.exp2`` on the CPU)."""
+    return exp2(x * LOG2E)
 
 
 def key_mask(j, pos, ctx, window: int | None):
@@ -146,6 +164,7 @@ def softmax_step(
     update=None,
     mul_add=None,
     sum_and_update=None,
+    exp2=jnp.exp2,
 ):
     """The online-softmax step over one KV tile, from the raw q.k dots ``s`` [R, N]: the one
     definition of a tile's arithmetic outside the dots (``kv_tile_step`` is it with ``jnp.dot``;
@@ -157,15 +176,16 @@ def softmax_step(
     (default: as written, the compiler may fuse it; Mosaic GPU can pass an explicit fused
     multiply-add). ``sum_and_update(acc, alpha, p)`` -> (``p @ ones``, the new acc): both dots
     at once (the Mosaic GPU kernel's one wait for both wgmmas), the same values as ``row_sum``
-    then ``update``. The default path emits the operations in the order the Triton kernels
-    always have (their lowered IR is unchanged by this function's hooks).
+    then ``update``. ``exp2``: 2**x (``exp``'s). The default path emits the operations in the
+    order the Triton kernels always have (their lowered IR is unchanged by this function's
+    hooks).
     """
     m, l, acc = state
     s = jnp.where(ok, scores(s, spec), -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    alpha = jnp.exp(m - m_safe)
-    p = jnp.where(ok, jnp.exp(s - expand(m_safe, s)), 0.0).astype(p_dtype)
+    alpha = exp(m - m_safe, exp2)
+    p = jnp.where(ok, exp(s - expand(m_safe, s), exp2), 0.0).astype(p_dtype)
     if sum_and_update is not None:
         sums, acc = sum_and_update(acc, alpha, p)
         total = jnp.max(sums, axis=1)
@@ -179,7 +199,7 @@ def softmax_step(
     return m_new, l, acc * expand(alpha, acc) + numerator
 
 
-def kv_tile_step(state, q, k, v, ok, spec: AttentionSpec):
+def kv_tile_step(state, q, k, v, ok, spec: AttentionSpec, exp2=jnp.exp2):
     """One online-softmax step of query rows q [R, D] over a KV tile k, v [N, D]: the GPU
     kernels' inner loop (both call exactly this).
 
@@ -190,8 +210,8 @@ def kv_tile_step(state, q, k, v, ok, spec: AttentionSpec):
     sum of p over 16-row and 64-row tiles differed in ~2% of tokens). So the probabilities'
     row sum is ``p @ 1`` (the same bf16 p the numerator ``p @ v`` uses) - ``max`` over a row
     is exact in any order. A tile a row sees nothing of leaves its state unchanged bit for bit:
-    its p are exactly 0 and its rescale factor is exp(0) = 1 exactly (probed on the H200), so
-    a row's bits do not depend on the other rows it shares a program with.
+    its p are exactly 0 and its rescale factor is 2**(0 * log2 e) = 1 exactly (probed on the
+    GPU), so a row's bits do not depend on the other rows it shares a program with.
     ``v`` must already be zero at keys no row sees (stale cache rows cannot leak NaN).
 
     A tile whose keys all rows see (``full_tiles``) passes ``ok`` as a per-tile scalar broadcast
@@ -212,10 +232,11 @@ def kv_tile_step(state, q, k, v, ok, spec: AttentionSpec):
         p_dtype=v.dtype,
         row_sum=lambda p: dot(p, jnp.ones((p.shape[1], 16), v.dtype)),
         pv=lambda p: dot(p, v),
+        exp2=exp2,
     )
 
 
-def fold_step(carry, state, use, mul_add=None, mul=None):
+def fold_step(carry, state, use, mul_add=None, mul=None, exp2=jnp.exp2):
     """The left fold of split states, one split: ``carry`` = (m, l, acc, started) with m, l,
     started [...] and acc [..., D]; ``state`` = the split's (m, l, acc); ``use`` [...] bool:
     whether each row uses this split. A row's first used split starts its fold as it is; a
@@ -224,7 +245,7 @@ def fold_step(carry, state, use, mul_add=None, mul=None):
 
     Hooks (the Mosaic GPU kernel's roundings): the merge ``x * a + y * b`` is computed as
     ``mul_add(x, a, mul(y, b))`` when ``mul_add`` is given (``mul`` defaults to ``*``); without
-    ``mul_add`` it is written as is and ``mul`` must be None.
+    ``mul_add`` it is written as is and ``mul`` must be None. ``exp2``: as ``softmax_step``'s.
     """
     if mul_add is None and mul is not None:
         raise ValueError("fold_step: mul is used only with mul_add")
@@ -232,7 +253,7 @@ def fold_step(carry, state, use, mul_add=None, mul=None):
     sm, sl, sacc = state
     mx = jnp.maximum(fm, sm)
     mx_safe = jnp.where(mx == -jnp.inf, 0.0, mx)
-    a, b = jnp.exp(fm - mx_safe), jnp.exp(sm - mx_safe)
+    a, b = exp(fm - mx_safe, exp2), exp(sm - mx_safe, exp2)
     # (the conditional expressions keep the default path's operations in their old order)
     sm = jnp.where(started, mx, sm)
     mul = (lambda x, y: x * y) if mul is None else mul  # noqa: E731 - hook: the Mosaic kernel's mul.rn

@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -75,6 +76,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.attention_math import (
+    EX2_PTX,
     AttentionSpec,
     fold_finish,
     fold_step,
@@ -196,6 +198,13 @@ def _mul_rn_add(a, b, c):
     return _mul_rn(a, b) + c
 
 
+def _ex2(x):
+    """2**x by ``attention_math.EX2_PTX`` (inline PTX: the Triton kernels' instruction)."""
+    from jax.experimental.mosaic.gpu import fragmented_array
+
+    return _inline_pointwise(fragmented_array.FragmentedArray._lift_fast_instr(EX2_PTX), x)
+
+
 def _fma(a, b, c):
     """``a * b + c`` with one rounding (``fma.rn.f32``), on fp32 arrays in the kernel's layouts."""
     from jax._src.lib.mlir.dialects import math as mlir_math
@@ -267,6 +276,7 @@ def _kernel(
     *, spec: AttentionSpec, block_size: int, max_blocks: int, stages: int, max_segs: int, pv: str,
     a_in_smem: bool, overlap: bool, rounding: str, consumers: int, one_drain: bool, q_from_smem: bool,
     fold_in_smem: bool, work: tuple[int, int, int] | None, early_q: bool, probe_unmasked: bool,
+    inline_ex2: bool, probe_exact_exp: bool,
 ):  # fmt: skip
     if work is None:  # a program per (tile, head)
         i = lax.axis_index("tile") if order_ref is None else order_ref[lax.axis_index("tile")]
@@ -293,6 +303,9 @@ def _kernel(
 
     fused_mul_add = {"compiler": None, "fma": _fma, "two": _mul_rn_add}[rounding]  # None: a * b + c
     fold_mul = _mul_rn if rounding == "two" else None  # the fold's a * b + c * d: both products rounded
+    exp2 = _ex2 if inline_ex2 else jnp.exp2  # (the interpreter runs no PTX)
+    if probe_exact_exp:
+        exp2 = lambda x: jnp.exp(x * math.log(2.0))  # noqa: E731 - timing only, other bits
 
     def mul_add(a, b, c):
         return a * b + c if fused_mul_add is None else fused_mul_add(a, b, c)
@@ -354,10 +367,12 @@ def _kernel(
             """``fold_step`` with the fold's accumulator in registers or in ``fold_smem`` (each
             thread reads back the elements it wrote: no barrier)."""
             if fold_smem is None:
-                return fold_step(fold, state, use, fused_mul_add, fold_mul)
+                return fold_step(fold, state, use, fused_mul_add, fold_mul, exp2)
             fm, fl, started = fold
             facc = plgpu.load(fold_smem, layout=wgmma_layout)
-            fm, fl, facc, started = fold_step((fm, fl, facc, started), state, use, fused_mul_add, fold_mul)
+            fm, fl, facc, started = fold_step(
+                (fm, fl, facc, started), state, use, fused_mul_add, fold_mul, exp2
+            )
             fold_smem[...] = facc
             return fm, fl, started
 
@@ -470,6 +485,7 @@ def _kernel(
                 row_sum=row_sum,
                 mul_add=fused_mul_add,
                 sum_and_update=sum_and_update if one_drain else None,
+                exp2=exp2,
             )
 
         def empty_state():
@@ -836,7 +852,7 @@ def tiles_mgpu(
     fold_in_smem: bool = False,
     persistent: int | bool = False,
     early_q: bool = False,
-    approx_math: bool = False,
+    probe_exact_exp: bool = False,
     probe_unmasked: bool = False,
     interpret=None,
 ):
@@ -867,12 +883,12 @@ def tiles_mgpu(
     consumer loads its next item's q as soon as its walk is over and stores its output from
     registers, not through q's buffer (which then is not free until the store is done).
 
-    ``approx_math`` is a measurement probe, not a launch choice: Mosaic GPU's approximate math
-    (``exp`` as ``ex2.approx`` of ``x * log2(e)``), which gives other bits than the Triton
-    kernels' ``exp`` - it says how much of the kernel's time the exact ``exp`` costs.
-    ``probe_unmasked``, another: every KV tile takes the full tiles' path (no key mask built,
-    no V rows zeroed: wrong values) - what the masked tiles on the causal diagonal cost. Nothing
-    in the engine passes either."""
+    ``probe_exact_exp`` is a measurement probe, not a launch choice: 2**y as the exact ``exp`` of
+    y * ln 2 (libdevice's ``expf``, the exponential of NUMERICS_VERSION 5, with two multiplies
+    more), other bits - about what the one-instruction ``EX2_PTX`` saved. ``probe_unmasked``,
+    another: every KV tile takes the full tiles' path (no key mask built, no V rows zeroed:
+    wrong values) - what the masked tiles on the causal diagonal cost. Nothing in the engine
+    passes either."""
     why = supported(qg.dtype, qg.shape[-1], spec)
     if why is not None:
         raise ValueError(f"attention (Mosaic GPU tiles): unsupported {why}")
@@ -939,8 +955,6 @@ def tiles_mgpu(
     rows_view = (num_blocks * block_size, hkv, d)
     stages = _stages(tile, d, qg.dtype.itemsize, stages, consumers, bool(fold_in_smem))
     kwargs = {} if interpret is None else {"interpret": interpret}
-    if approx_math:
-        kwargs["compiler_params"] = plgpu.CompilerParams(approx_math=True)
     if consumers > 1:
         kwargs.update(num_threads=consumers + 1, thread_name="wg")
     work = None
@@ -968,6 +982,8 @@ def tiles_mgpu(
         work=work,
         early_q=bool(early_q),
         probe_unmasked=bool(probe_unmasked),
+        inline_ex2=interpret is None,
+        probe_exact_exp=bool(probe_exact_exp),
     )
     args = [segs, nseg, program_order, rpos, rseq, block_tables, q]
     if program_order is None:  # the program index is the tile's

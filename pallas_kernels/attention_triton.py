@@ -34,6 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.attention_math import (
+    EX2_PTX,
     AttentionSpec,
     fold_finish,
     fold_step,
@@ -74,8 +75,10 @@ PREFILL_KERNEL = "tiles_mgpu"
 # order through one KV ring): on an H100, same run, 0.976 / 0.982 / 0.953 / 0.963x the session-42
 # launch's kernel time on the same four cases; the ten bit checks PASS (run with round-robin
 # items: snake order changes only which program runs an item) and the engine's four digests,
-# with snake order, equal the H200 records (RESULTS.md, session 43). The A/B switch: benchmarks/ab.py
-# prefill-launch (pair-all-dense-fold: the launch before).
+# with snake order, equal the H200 records (RESULTS.md, session 43). Session 44 ran it against
+# the session-42 launch again (another H100 host): 1.04 / 1.04 / 0.98 / 0.98x before the ex2
+# change, 0.99 / 0.99 / 0.96 / 1.02x after it - within a few percent either way. The A/B switch:
+# benchmarks/ab.py prefill-launch (pair-all-dense-fold: the launch before).
 MGPU_PREFILL_LAUNCH = (
     ("stages", 3),
     ("consumers", 2),
@@ -155,6 +158,25 @@ def decode_lanes(num_tokens: int, hkv: int, num_splits: int, programs: int | Non
     return max(1, min(num_splits, -(-programs // (num_tokens * hkv))))
 
 
+def _exp2(interpret: bool):
+    """The kernels' 2**x (``attention_math.EX2_PTX``): that instruction as inline assembly on the
+    GPU; ``jnp.exp2`` in interpret mode (the interpreter runs no PTX)."""
+    if interpret:
+        return jnp.exp2
+
+    def ex2(x):
+        [y] = pltriton.elementwise_inline_asm(
+            f"{EX2_PTX} $0, $1;",
+            args=[x],
+            constraints="=f,f",
+            pack=1,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)],
+        )
+        return y
+
+    return ex2
+
+
 def _empty_state(rows: int, d: int):
     return (
         jnp.full((rows,), -jnp.inf, jnp.float32),
@@ -203,14 +225,14 @@ def _cache_view(k_cache, v_cache, row_loads: bool):
 
 def _tokens_kernel(
     seq_ref, pos_ref, ctx_ref, bt_ref, q_ref, k_ref, v_ref, m_out, l_out, acc_out,
-    *, spec: AttentionSpec, block_size: int, max_blocks: int, bulk: bool, lanes: int | None = None,
+    *, spec: AttentionSpec, block_size: int, max_blocks: int, bulk: bool, exp2, lanes: int | None = None,
 ):  # fmt: skip
     """One (token, KV head, split): the fp32 softmax state of the split, for the group's rows.
     With ``lanes``: one (token, KV head, lane), each of its splits in turn (``DECODE_PROGRAMS``)."""
     t, split_or_lane = pl.program_id(0), pl.program_id(2)
     seq, pos = jnp.maximum(seq_ref[t], 0), pos_ref[t]
     ctx = ctx_ref[seq]
-    kw = dict(spec=spec, block_size=block_size, max_blocks=max_blocks, bulk=bulk)
+    kw = dict(spec=spec, block_size=block_size, max_blocks=max_blocks, bulk=bulk, exp2=exp2)
     if lanes is None:
         _one_split(
             split_or_lane, (), seq, pos, ctx, q_ref, None, bt_ref, k_ref, v_ref, m_out, l_out, acc_out, **kw
@@ -234,7 +256,7 @@ def _tokens_kernel(
 
 def _one_split(
     split, lead, seq, pos, ctx, q_ref, q, bt_ref, k_ref, v_ref, m_out, l_out, acc_out,
-    *, spec: AttentionSpec, block_size: int, max_blocks: int, bulk: bool,
+    *, spec: AttentionSpec, block_size: int, max_blocks: int, bulk: bool, exp2,
 ):  # fmt: skip
     """The state of one split of one (token, KV head), stored at ``m_out[*lead]`` etc. where the
     combine reads it; ``q`` the group's rows padded (None: read here from ``q_ref``)."""
@@ -259,11 +281,11 @@ def _one_split(
         k, v = load(i)
         ok = key_mask(start + i * tile + jnp.arange(tile), pos, ctx, spec.window)
         v = jnp.where(ok[:, None], v, 0.0)
-        return kv_tile_step(state, q, k, v, ok[None, :], spec)
+        return kv_tile_step(state, q, k, v, ok[None, :], spec, exp2)
 
     def unmasked(i, state):  # every key visible (full_tiles)
         k, v = load(i)
-        return kv_tile_step(state, q, k, v, _all_visible(start, i, tile, pos), spec)
+        return kv_tile_step(state, q, k, v, _all_visible(start, i, tile, pos), spec, exp2)
 
     if bulk:
         full = full_tiles(start, first, num_tiles, pos, pos, tile, spec.window)
@@ -285,7 +307,7 @@ def _one_split(
         store()
 
 
-def _combine_kernel(pos_ref, m_ref, l_ref, acc_ref, o_ref, *, spec: AttentionSpec):
+def _combine_kernel(pos_ref, m_ref, l_ref, acc_ref, o_ref, *, spec: AttentionSpec, exp2):
     """One (token, KV head): the left fold of its split states. It reads only the splits the
     token uses (``used_splits``; the others were not stored, and folding them would leave the
     state unchanged - ``fold_step`` with ``use`` False)."""
@@ -296,7 +318,7 @@ def _combine_kernel(pos_ref, m_ref, l_ref, acc_ref, o_ref, *, spec: AttentionSpe
     def body(s, carry):
         use = jnp.broadcast_to(split_used(s, pos, spec), (rows,))
         split = (_row_load(m_ref, rows, s), _row_load(l_ref, rows, s), _row_load(acc_ref, rows, s))
-        return fold_step(carry, split, use)
+        return fold_step(carry, split, use, exp2=exp2)
 
     init = _empty_state(rows, d) + (jnp.zeros((rows,), bool),)
     first, last = (0, splits) if not STORE_USED_SPLITS_ONLY else used_splits(pos, spec, splits)
@@ -345,6 +367,7 @@ def token_states(
             block_size=block_size,
             max_blocks=block_tables.shape[1],
             bulk=bulk,
+            exp2=_exp2(interpret),
             lanes=lanes if walk else None,
         ),
         grid=(t, hkv, lanes),
@@ -378,7 +401,7 @@ def combine(m, l, acc, token_pos, *, spec: AttentionSpec, interpret: bool, dtype
         (pl.squeezed, pl.squeezed) + shape, lambda i, h: (i, h) + (0,) * len(shape)
     )
     return pl.pallas_call(
-        functools.partial(_combine_kernel, spec=spec),
+        functools.partial(_combine_kernel, spec=spec, exp2=_exp2(interpret)),
         grid=(t, hkv),
         in_specs=[
             pl.BlockSpec(token_pos.shape, lambda i, h: (0,)),
@@ -399,7 +422,7 @@ def combine(m, l, acc, token_pos, *, spec: AttentionSpec, interpret: bool, dtype
 
 def _tiles_kernel(
     rseq_ref, rpos_ref, ctx_ref, bt_ref, q_ref, k_ref, v_ref, o_ref,
-    *, spec: AttentionSpec, block_size: int, max_blocks: int, bulk: bool,
+    *, spec: AttentionSpec, block_size: int, max_blocks: int, bulk: bool, exp2,
 ):  # fmt: skip
     """One (tile of rows, KV head): every split its rows use, folded in registers."""
     rows, d = q_ref.shape
@@ -447,11 +470,11 @@ def _tiles_kernel(
                 if window is not None:
                     seen &= j > lo - window
                 v = jnp.where(seen[:, None], v, 0.0)
-                return kv_tile_step(state, q, k, v, ok, spec)
+                return kv_tile_step(state, q, k, v, ok, spec, exp2)
 
             def unmasked(i, state):  # every key visible to every row of this sequence (full_tiles);
                 k, v = load(i)  # other rows' states of this pass are dropped by the fold (use)
-                return kv_tile_step(state, q, k, v, _all_visible(start, i, tile, lo), spec)
+                return kv_tile_step(state, q, k, v, _all_visible(start, i, tile, lo), spec, exp2)
 
             empty = _empty_state(rows, d)
             if bulk:
@@ -459,7 +482,7 @@ def _tiles_kernel(
                 state = walk_tiles(first, full, num_tiles, masked, unmasked, empty)
             else:
                 state = lax.fori_loop(first, num_tiles, masked, empty)
-            return fold_step(carry, state, split_used(split, rpos, spec) & mine)
+            return fold_step(carry, state, split_used(split, rpos, spec) & mine, exp2=exp2)
 
         carry = lax.fori_loop(first_split, hi // ss + 1, one_split, carry)
         return (remaining & ~mine, *carry)
@@ -484,7 +507,12 @@ def _tiles(
     block = pl.BlockSpec((pl.squeezed, pl.squeezed, rows, d), lambda i, h: (i, h, 0, 0))
     out = pl.pallas_call(
         functools.partial(
-            _tiles_kernel, spec=spec, block_size=block_size, max_blocks=block_tables.shape[1], bulk=bulk
+            _tiles_kernel,
+            spec=spec,
+            block_size=block_size,
+            max_blocks=block_tables.shape[1],
+            bulk=bulk,
+            exp2=_exp2(interpret),
         ),
         grid=(nt, hkv),
         in_specs=[per_tile, per_tile, whole(context_lens), whole(block_tables), block, cache, cache],

@@ -93,15 +93,15 @@ def test_launch_selection_by_part_or_whole_name(monkeypatch):
 
 def test_digests_without_a_record_for_this_device_name_the_records_they_equal(tmp_path):
     """gpu_digests on a device class with no record of its own says which other classes'
-    records its digest equals or differs from (how the H100 was seen to give the H200's bits);
+    records its digest equals or differs from (how the H100 was seen to give the H200's bits, session 42);
     a preset with no record anywhere gets nothing; the control: another digest differs."""
     import json
     import shutil
 
     from benchmarks import gpu_digests
 
-    src = os.path.join(gpu_digests.HERE, "nvidia-h200-llama3-8b-bfloat16.json")
-    shutil.copy(src, tmp_path / "nvidia-h200-llama3-8b-bfloat16.json")
+    src = os.path.join(gpu_digests.HERE, "nvidia-h100-80gb-hbm3-llama3-8b-bfloat16.json")
+    shutil.copy(src, tmp_path / "nvidia-h100-80gb-hbm3-llama3-8b-bfloat16.json")
     with open(src) as f:
         rec = json.load(f)
     got = rec["digest"]

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.attention import attention, attention_reference, write_kv
+from pallas_kernels.attention_math import EX2_PTX
 from pallas_kernels.runtime import TRITON_CUSTOM_CALL, cuda_export
 from tests.conftest import bits, rand
 
@@ -356,6 +357,8 @@ def test_cuda_lowering_has_the_kernel_and_cpu_does_not():
     )
     text = cuda_export(attention, *shapes)
     assert 'name = "bijax_attention"' in text
+    # the one exponential of every GPU kernel, as inline assembly (not libdevice's exact expf)
+    assert EX2_PTX in text and "__nv_expf" not in text
     cpu = jax.jit(attention).lower(*shapes).as_text()
     assert TRITON_CUSTOM_CALL not in cpu and "bijax_attention" not in cpu
 

@@ -11,7 +11,7 @@ import pytest
 
 from pallas_kernels import attention_triton
 from pallas_kernels.attention import attention
-from pallas_kernels.attention_math import AttentionSpec, kv_tile
+from pallas_kernels.attention_math import EX2_PTX, AttentionSpec, kv_tile
 from pallas_kernels.attention_mgpu import heaviest_first, segments, supported, tiles_mgpu
 from pallas_kernels.runtime import MOSAIC_GPU_CUSTOM_CALL, cuda_export
 from tests.conftest import bits
@@ -118,16 +118,16 @@ def test_cuda_lowering_is_one_mosaic_gpu_kernel(pv, rounding, overlap, launch):
     )
     assert MOSAIC_GPU_CUSTOM_CALL in text and "bijax_attention_tiles_mgpu" in text
     assert "xla.gpu.triton" not in text
-    # the exact exp (the Triton kernels' bits), not ex2.approx: that is only the timing probe's
-    assert "ex2.approx" not in text
-    if not launch:
+    # the one exponential of every GPU kernel (the Triton kernels' inline assembly): ex2.approx.ftz
+    assert EX2_PTX in text
+    if not launch:  # control: the timing probe's exact exp has no such instruction
         probe = cuda_export(
             lambda q, k, v, idx: tiles_mgpu(
-                q, k, v, idx, spec=spec, pv=pv, rounding=rounding, overlap=overlap, approx_math=True
+                q, k, v, idx, spec=spec, pv=pv, rounding=rounding, overlap=overlap, probe_exact_exp=True
             ),
             *args,
         )
-        assert "ex2.approx" in probe
+        assert MOSAIC_GPU_CUSTOM_CALL in probe and EX2_PTX not in probe
 
 
 def test_unsupported_calls_are_refused_by_name():
