@@ -3,8 +3,10 @@ batches and block placement, and kernel time (CUPTI) next to cuDNN in the same r
 
 Run on the H200 from the repo root:  PYTHONPATH=. python benchmarks/attention.py [--checks-only]
 Exit code 1 if any check failed. ``--checks-only``: the checks and the two decode cases' default
-launch, no other timing. ``--timing-only``: the timing tables and the layout checks, not the
-accuracy and invariance checks (for a call that has run them at the same commit). (The GPU kernels' CPU tests, in interpret mode, are in
+launch, no other timing. ``--checks-rest``: only the checks after the launch variants (window,
+softcap, moved KV, other head shapes, the control). ``--timing-only``: the timing tables and the
+layout checks, not the accuracy and invariance checks (for a call that has run them at the same
+commit). (The GPU kernels' CPU tests, in interpret mode, are in
 tests/pallas_kernels/test_attention.py.)
 """
 
@@ -177,6 +179,12 @@ def check_invariance(n, ctx):
             f"tokens kernel {w} warps {st} stages{'' if bulk else ' masked'} == default launch",
             np.array_equal(bits(got.reshape(want.shape[0], c.hq, c.d)), want),
         )
+    check_rest(c, zs, ps, last, batch[:2])
+
+
+def check_rest(c, zs, ps, last, decoded):
+    """The rest of ``check_invariance`` (``--checks-rest`` runs only it): window / softcap, KV in
+    other blocks (``decoded``: sequences 0 and 1 decoded at ``last``), other head shapes."""
     for kw in (
         {"sliding_window": 300},
         {"logit_softcap": 30.0},
@@ -196,10 +204,10 @@ def check_invariance(n, ctx):
     moved = btn.copy()
     moved[0], moved[1] = b1, b0
     out = bits(c.run([0, 1], [last, last], kc=kc2, vc=vc2, bt=jnp.asarray(moved)))
-    check("decode: KV in other physical blocks", np.array_equal(out, batch[:2]))
+    check("decode: KV in other physical blocks", np.array_equal(out, decoded))
     # other head shapes: 28 / 4 (group 7, padded to 8) and SmolLM2's 9 / 3 at D 64
     for hq, hkv, d in ((28, 4, 128), (9, 3, 64)):
-        o = Case(4, min(ctx, 1500), hq, hkv, d, seed=4)
+        o = Case(4, min(c.ctx, 1500), hq, hkv, d, seed=4)
         ps = np.arange(o.ctx - 300, o.ctx)
         zs = np.zeros(300, np.int32)
         a = bits(o.run(zs, ps, gpu_kernel="tokens"))
@@ -219,19 +227,25 @@ def negative_control(c, last):
 
 
 def probe_exp0():
-    """Whether exp(0) is exactly 1 inside a Pallas Triton kernel (the rescale of a row that a
-    KV tile leaves unchanged); kv_tile_step does not rely on it either way."""
+    """The kernels' exponential (``attention_math.EX2_PTX``, inline assembly) inside a Pallas
+    Triton kernel at its special values: 2**0 must be exactly 1 (the rescale of a row that a KV
+    tile leaves unchanged: ``kv_tile_step``) and 2**-inf exactly 0 (a masked key's p)."""
     from jax.experimental import pallas as pl
 
-    def kernel(x_ref, o_ref):
+    ex2 = attention_triton._exp2(False)
+
+    def kernel(x_ref, o_ref, z_ref):
         x = x_ref[...]
-        o_ref[...] = jnp.exp(x - x)
+        o_ref[...] = ex2(x - x)
+        z_ref[...] = ex2(jnp.full_like(x, -jnp.inf))
 
     x = jax.random.normal(jax.random.key(0), (1024,), jnp.float32) * 30
-    out = np.asarray(pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, jnp.float32))(x))
-    print(
-        f"INFO exp(x - x) in a Triton kernel: {(out != 1.0).sum()} of {out.size} values differ from 1.0"
-        f" (e.g. {out[out != 1.0][:3].tolist()})"
+    shape = jax.ShapeDtypeStruct(x.shape, jnp.float32)
+    one, zero = map(np.asarray, pl.pallas_call(kernel, out_shape=(shape, shape))(x))
+    check(
+        "ex2(x - x) == 1 and ex2(-inf) == 0 in a Triton kernel",
+        bool((one == 1.0).all() and (zero == 0.0).all()),
+        f"{(one != 1.0).sum()} of {one.size} values differ from 1.0, {(zero != 0.0).sum()} from 0.0",
     )
 
 
@@ -584,6 +598,12 @@ def main():
     if "--quick" in sys.argv:  # the layout checks and the launch-choice table only
         check_layouts()
         table(time_quick(prefill="--decode" not in sys.argv))
+        sys.exit(1 if FAILURES else 0)
+    if "--checks-rest" in sys.argv:  # (a device call's end: the checks after the launch variants)
+        c = Case(64, 4096, 32, 8, 128)
+        ps = np.arange(4096 - 700, 4096)
+        check_rest(c, np.zeros(700, np.int32), ps, 4095, bits(c.run([0, 1], [4095, 4095])))
+        print(f"\nchecks failed: {len(FAILURES)} {FAILURES}")
         sys.exit(1 if FAILURES else 0)
     if "--timing-only" not in sys.argv:
         probe_exp0()

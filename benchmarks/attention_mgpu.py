@@ -265,15 +265,15 @@ LAUNCHES = {
 }
 DEFAULT_VARIANT = ("into", "two")
 # Measurement probes: timed next to the launches, never bit-checked (they give other bits).
-# approx exp: Mosaic GPU's ex2.approx for exp - how much of the time the exact exp costs (the
-# exp that the Triton kernels' bits on the H200 are made of). unmasked: every KV tile on the
+# exact exp: 2**y as libdevice's exact exp of y * ln 2 (NUMERICS_VERSION 5's exponential, two
+# multiplies more) - about what the one-instruction ex2 (attention_math.EX2_PTX) saves. unmasked: every KV tile on the
 # full tiles' path (no key mask, no V zeroing) - what the causal diagonal's masked tiles cost.
 PROBES = {
-    "probe: heaviest, dense rows, approx exp": {"order": "heaviest", "packing": "dense", "approx_math": True},
-    "probe: pair, 3 stages, heaviest, one drain, dense rows, fold in SMEM, approx exp": {
+    "probe: pair, 3 stages, heaviest, one drain, dense rows, fold in SMEM, persistent, exact exp": {
         **_PAIR3,
         "fold_in_smem": True,
-        "approx_math": True,
+        "persistent": True,
+        "probe_exact_exp": True,
     },
     "probe: pair, 3 stages, heaviest, one drain, dense rows, fold in SMEM, persistent, unmasked": {
         **_PAIR3,

@@ -156,6 +156,11 @@ def _launch_steps(name: str, env: str, limits: tuple[int, int], what: str) -> di
 # name -> (command, time limit s, what it is for)
 STEPS = {
     "digests": (_py("gpu_digests.py"), 300, "engine bits vs the records (4 configs; ~210 s on an H100)"),
+    "digests-write": (
+        ["sh", "-c", f'{sys.executable} benchmarks/gpu_digests.py --write --dir "${{OUT:-.}}/digests"'],
+        300,
+        "the records written for this device class (after a NUMERICS_VERSION bump), into $OUT/digests",
+    ),
     "digests-mgpu": (
         _py("gpu_digests.py", "--prefill-kernel", "tiles_mgpu"),
         240,
@@ -220,6 +225,16 @@ STEPS = {
         "ptxas registers / spills / stack of the Mosaic attention launches (default, pair); SASS: where the spills sit",
     ),
     "attention": (_py("attention.py"), 400, "attention kernels: bits and time vs cuDNN"),
+    "attention-checks": (
+        _py("attention.py", "--checks-only"),
+        480,
+        "attention kernels: the exponential's special values, accuracy, invariance (bits); decode time",
+    ),
+    "attention-checks-rest": (
+        _py("attention.py", "--checks-rest"),
+        240,
+        "attention-checks' last part: window / softcap, KV in other blocks, 28/4 and 9/3 heads, control",
+    ),
     "attention-rows": (
         _py("attention.py", "--decode-rows"),
         200,
