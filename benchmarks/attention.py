@@ -3,8 +3,10 @@ batches and block placement, and kernel time (CUPTI) next to cuDNN in the same r
 
 Run on the H200 from the repo root:  PYTHONPATH=. python benchmarks/attention.py [--checks-only]
 Exit code 1 if any check failed. ``--checks-only``: the checks and the two decode cases' default
-launch, no other timing. ``--checks-rest``: only the checks after the launch variants (window,
-softcap, moved KV, other head shapes, the control). ``--timing-only``: the timing tables and the
+launch, no other timing (more than one device call's 600 s on an H100). ``--checks-first``:
+the checks up to the tokens kernel's launch variants, no timing; ``--checks-rest``: only the
+checks after them (window, softcap, moved KV, other head shapes, the control) - the two halves
+of ``--checks-only``'s checks, one device call each. ``--timing-only``: the timing tables and the
 layout checks, not the accuracy and invariance checks (for a call that has run them at the same
 commit). (The GPU kernels' CPU tests, in interpret mode, are in
 tests/pallas_kernels/test_attention.py.)
@@ -118,7 +120,7 @@ def check_accuracy():
             check(f"accuracy {kernel} {jnp.dtype(dtype).name} lens={lens}", err <= tol, f"{err:.2e}")
 
 
-def check_invariance(n, ctx):
+def check_invariance(n, ctx, rest=True):
     c = Case(n, ctx, 32, 8, 128)
     last = ctx - 1
     seq, pos = np.arange(n), np.full(n, last)
@@ -179,7 +181,8 @@ def check_invariance(n, ctx):
             f"tokens kernel {w} warps {st} stages{'' if bulk else ' masked'} == default launch",
             np.array_equal(bits(got.reshape(want.shape[0], c.hq, c.d)), want),
         )
-    check_rest(c, zs, ps, last, batch[:2])
+    if rest:
+        check_rest(c, zs, ps, last, batch[:2])
 
 
 def check_rest(c, zs, ps, last, decoded):
@@ -608,7 +611,10 @@ def main():
     if "--timing-only" not in sys.argv:
         probe_exp0()
         check_accuracy()
-        check_invariance(64, 4096)
+        check_invariance(64, 4096, rest="--checks-first" not in sys.argv)
+    if "--checks-first" in sys.argv:  # (``--checks-rest`` runs the rest, in another call)
+        print(f"\nchecks failed: {len(FAILURES)} {FAILURES}")
+        sys.exit(1 if FAILURES else 0)
     if "--checks-only" in sys.argv:  # and the decode cases' default launch
         for args in ((64, 4096, 32, 8, 128), (32, 3000, 28, 4, 128)):
             print(*time_decode(*args), sep="\n", flush=True)

@@ -157,9 +157,14 @@ def _launch_steps(name: str, env: str, limits: tuple[int, int], what: str) -> di
 STEPS = {
     "digests": (_py("gpu_digests.py"), 300, "engine bits vs the records (4 configs; ~210 s on an H100)"),
     "digests-write": (
-        ["sh", "-c", f'{sys.executable} benchmarks/gpu_digests.py --write --dir "${{OUT:-.}}/digests"'],
+        [
+            "sh",
+            "-c",
+            f'{shlex.quote(sys.executable)} benchmarks/gpu_digests.py --write --dir "${{OUT:-.}}/digests"',
+        ],
         300,
-        "the records written for this device class (after a NUMERICS_VERSION bump), into $OUT/digests",
+        "the records written for this device class (after a NUMERICS_VERSION bump), into $OUT/digests "
+        "(the environment's OUT, the device tool's folder)",
     ),
     "digests-mgpu": (
         _py("gpu_digests.py", "--prefill-kernel", "tiles_mgpu"),
@@ -226,14 +231,16 @@ STEPS = {
     ),
     "attention": (_py("attention.py"), 400, "attention kernels: bits and time vs cuDNN"),
     "attention-checks": (
-        _py("attention.py", "--checks-only"),
+        _py("attention.py", "--checks-first"),
         480,
-        "attention kernels: the exponential's special values, accuracy, invariance (bits); decode time",
+        "attention kernels' checks, first half: the exponential's special values, accuracy, invariance "
+        "across batches, slots, chunks and launches (bits); ~450 s next to digests-write on an H100",
     ),
     "attention-checks-rest": (
         _py("attention.py", "--checks-rest"),
         240,
-        "attention-checks' last part: window / softcap, KV in other blocks, 28/4 and 9/3 heads, control",
+        "attention kernels' checks, second half: window / softcap, KV in other blocks, 28/4 and 9/3 heads, "
+        "control (~150 s on an H100)",
     ),
     "attention-rows": (
         _py("attention.py", "--decode-rows"),

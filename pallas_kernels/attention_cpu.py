@@ -43,7 +43,7 @@ def split_states(q, k_cache, v_cache, index, *, spec: AttentionSpec):
         s = jnp.where(ok[:, None, None, :], scores(s, spec), -jnp.inf)
         m = jnp.max(s, axis=-1)
         m_safe = jnp.where(m == -jnp.inf, 0.0, m)
-        p = jnp.where(ok[:, None, None, :], exp(s - m_safe[..., None]), 0.0)
+        p = jnp.where(ok[:, None, None, :], exp(s - m_safe[..., None], jnp.exp2), 0.0)
         v = jnp.where(ok[:, :, None, None], v.astype(jnp.float32), 0.0)
         acc = jnp.einsum("thrk,tkhd->thrd", p, v, preferred_element_type=jnp.float32)
         return m, jnp.sum(p, axis=-1), acc

@@ -92,7 +92,7 @@ def scores(s, spec: AttentionSpec):
     return s
 
 
-def exp(x, exp2=jnp.exp2):
+def exp(x, exp2):
     """e**x as ``exp2(x * log2 e)``: the one exponential of the online softmax and the fold
     (``exp2`` is 2**x: ``EX2_PTX`` in a GPU kernel, ``jnp.exp2`` on the CPU)."""
     return exp2(x * LOG2E)
@@ -164,7 +164,7 @@ def softmax_step(
     update=None,
     mul_add=None,
     sum_and_update=None,
-    exp2=jnp.exp2,
+    exp2,
 ):
     """The online-softmax step over one KV tile, from the raw q.k dots ``s`` [R, N]: the one
     definition of a tile's arithmetic outside the dots (``kv_tile_step`` is it with ``jnp.dot``;
@@ -176,9 +176,9 @@ def softmax_step(
     (default: as written, the compiler may fuse it; Mosaic GPU can pass an explicit fused
     multiply-add). ``sum_and_update(acc, alpha, p)`` -> (``p @ ones``, the new acc): both dots
     at once (the Mosaic GPU kernel's one wait for both wgmmas), the same values as ``row_sum``
-    then ``update``. ``exp2``: 2**x (``exp``'s). The default path emits the operations in the
-    order the Triton kernels always have (their lowered IR is unchanged by this function's
-    hooks).
+    then ``update``. ``exp2``: 2**x (``exp``'s; required, so that no kernel can fall back to
+    another exponential). Without the Mosaic hooks the operations come in the order the Triton
+    kernels always had (their lowered IR changes with ``exp2`` alone).
     """
     m, l, acc = state
     s = jnp.where(ok, scores(s, spec), -jnp.inf)
@@ -199,7 +199,7 @@ def softmax_step(
     return m_new, l, acc * expand(alpha, acc) + numerator
 
 
-def kv_tile_step(state, q, k, v, ok, spec: AttentionSpec, exp2=jnp.exp2):
+def kv_tile_step(state, q, k, v, ok, spec: AttentionSpec, exp2):
     """One online-softmax step of query rows q [R, D] over a KV tile k, v [N, D]: the GPU
     kernels' inner loop (both call exactly this).
 
@@ -236,7 +236,7 @@ def kv_tile_step(state, q, k, v, ok, spec: AttentionSpec, exp2=jnp.exp2):
     )
 
 
-def fold_step(carry, state, use, mul_add=None, mul=None, exp2=jnp.exp2):
+def fold_step(carry, state, use, mul_add=None, mul=None, *, exp2):
     """The left fold of split states, one split: ``carry`` = (m, l, acc, started) with m, l,
     started [...] and acc [..., D]; ``state`` = the split's (m, l, acc); ``use`` [...] bool:
     whether each row uses this split. A row's first used split starts its fold as it is; a
@@ -287,7 +287,7 @@ def fold_splits(m, l, acc, pos, spec: AttentionSpec):
     carry = (m[:, :, 0], l[:, :, 0], acc[:, :, 0], jnp.zeros(shape, bool))
     for s in range(m.shape[2]):
         use = jnp.broadcast_to(split_used(s, pos, spec)[:, None, None], shape)
-        carry = fold_step(carry, (m[:, :, s], l[:, :, s], acc[:, :, s]), use)
+        carry = fold_step(carry, (m[:, :, s], l[:, :, s], acc[:, :, s]), use, exp2=jnp.exp2)
     return fold_finish(carry)
 
 

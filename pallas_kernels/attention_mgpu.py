@@ -367,11 +367,11 @@ def _kernel(
             """``fold_step`` with the fold's accumulator in registers or in ``fold_smem`` (each
             thread reads back the elements it wrote: no barrier)."""
             if fold_smem is None:
-                return fold_step(fold, state, use, fused_mul_add, fold_mul, exp2)
+                return fold_step(fold, state, use, fused_mul_add, fold_mul, exp2=exp2)
             fm, fl, started = fold
             facc = plgpu.load(fold_smem, layout=wgmma_layout)
             fm, fl, facc, started = fold_step(
-                (fm, fl, facc, started), state, use, fused_mul_add, fold_mul, exp2
+                (fm, fl, facc, started), state, use, fused_mul_add, fold_mul, exp2=exp2
             )
             fold_smem[...] = facc
             return fm, fl, started

@@ -118,8 +118,9 @@ def test_cuda_lowering_is_one_mosaic_gpu_kernel(pv, rounding, overlap, launch):
     )
     assert MOSAIC_GPU_CUSTOM_CALL in text and "bijax_attention_tiles_mgpu" in text
     assert "xla.gpu.triton" not in text
-    # the one exponential of every GPU kernel (the Triton kernels' inline assembly): ex2.approx.ftz
-    assert EX2_PTX in text
+    # the one exponential of every GPU kernel (the Triton kernels' inline assembly): ex2.approx.ftz,
+    # and no math-dialect exp / exp2 (what a missed exp2 hook would lower to)
+    assert EX2_PTX in text and "math.exp" not in text
     if not launch:  # control: the timing probe's exact exp has no such instruction
         probe = cuda_export(
             lambda q, k, v, idx: tiles_mgpu(
@@ -127,7 +128,7 @@ def test_cuda_lowering_is_one_mosaic_gpu_kernel(pv, rounding, overlap, launch):
             ),
             *args,
         )
-        assert MOSAIC_GPU_CUSTOM_CALL in probe and EX2_PTX not in probe
+        assert MOSAIC_GPU_CUSTOM_CALL in probe and EX2_PTX not in probe and "math.exp" in probe
 
 
 def test_unsupported_calls_are_refused_by_name():
