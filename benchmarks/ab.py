@@ -87,6 +87,10 @@ SWITCHES = {
                 "pair-all-dense-fold-persistent-early-q",
                 {**PAIR3, "fold_in_smem": True, "persistent": True, "early_q": True},
             ),
+            (
+                "pair-all-dense-fold-persistent-prefetch-q",
+                {**PAIR3, "fold_in_smem": True, "persistent": True, "prefetch_q": True},
+            ),
         )
     },
     "decode-splits": {

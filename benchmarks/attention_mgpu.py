@@ -264,6 +264,14 @@ LAUNCHES = {
         "persistent": True,
         "early_q": True,
     },
+    # session 44: the next item's q loaded at an item's start (in flight for the whole walk),
+    # the output staged in its own SMEM buffer and stored by TMA (2 stages at D 128: what fits)
+    "pair, 3 stages, heaviest, one drain, dense rows, fold in SMEM, persistent, prefetch q": {
+        **_PAIR3,
+        "fold_in_smem": True,
+        "persistent": True,
+        "prefetch_q": True,
+    },
 }
 DEFAULT_VARIANT = ("into", "two")
 # Measurement probes: timed next to the launches, never bit-checked (they give other bits).

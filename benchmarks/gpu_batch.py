@@ -38,8 +38,10 @@ def _startup(rows: str):
 
 
 _FOLD = "BIJAX_MGPU_LAUNCHES=fold|stages=2"  # attention_mgpu.py's launches with the fold in SMEM
-# the session-42 launch, its persistent form (the engine's since session 43) and early q
-_PERSIST = "'BIJAX_MGPU_LAUNCHES==pair, 3 stages, heaviest, one drain, dense rows, fold in SMEM|persistent'"
+# the session-42 launch, its persistent form (the engine's since session 43) and prefetch q (early
+# q: session 44, out; the probes answered too)
+_P42 = "pair, 3 stages, heaviest, one drain, dense rows, fold in SMEM"
+_PERSIST = f"'BIJAX_MGPU_LAUNCHES=={_P42}|={_P42}, persistent|={_P42}, persistent, prefetch q'"
 _PREFILL_CASES = ("--cases", "prefill,prefill64", "--paths", "invariant")
 _CHECK_LIMITS = ("--max-num-seqs", "2", "--max-num-batched-tokens", "32", "--requests", "4", "--max-tokens", "6",
                  "--max-model-len", "512")  # fmt: skip
@@ -88,6 +90,12 @@ _AB = {
             "launch-pair-all-dense-fold-persistent-early-q",
             "prefill-launch",
             "pair-all-dense-fold-persistent-early-q",
+            _PREFILL,
+        ),
+        (
+            "launch-pair-all-dense-fold-persistent-prefetch-q",
+            "prefill-launch",
+            "pair-all-dense-fold-persistent-prefetch-q",
             _PREFILL,
         ),
         # a 3-head query group (SmolLM2's shape): where packing="dense" changes the tiles
@@ -192,6 +200,7 @@ STEPS = {
             "pair-all-dense-fold-q",
             "pair-all-dense-fold-persistent",
             "pair-all-dense-fold-persistent-early-q",
+            "pair-all-dense-fold-persistent-prefetch-q",
         )
     },
     "mgpu-bits": (_py("attention_mgpu.py", "--child", "bits"), 270, "Mosaic attention == Triton bits"),
@@ -216,8 +225,8 @@ STEPS = {
     **_launch_steps(
         "persist",
         _PERSIST,
-        (200, 200),
-        "the session-42 prefill launch, its persistent form (the engine's) and early q",
+        (240, 200),
+        "the session-42 prefill launch, its persistent form (the engine's) and prefetch q",
     ),
     "mgpu-fold-ptxas": (
         _with(_FOLD, "attention_mgpu.py", "--child", "ptxas"),

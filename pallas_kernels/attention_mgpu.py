@@ -139,6 +139,7 @@ def can_run(dtype, head_dim: int, spec: AttentionSpec, *, block_size: int, group
             2,
             launch.get("consumers", 1),
             launch.get("fold_in_smem", False),
+            launch.get("prefetch_q", False),
         )
     except ValueError:
         return False
@@ -146,15 +147,24 @@ def can_run(dtype, head_dim: int, spec: AttentionSpec, *, block_size: int, group
 
 
 def _stages(
-    tile: int, d: int, itemsize: int, stages: int, consumers: int = 1, fold_in_smem: bool = False
+    tile: int,
+    d: int,
+    itemsize: int,
+    stages: int,
+    consumers: int = 1,
+    fold_in_smem: bool = False,
+    out_buffer: bool = False,
 ) -> int:
     """Ring slots: as asked, fewer where the program would not fit (two programs per SM with one
     warpgroup; one with warp specialization, which also holds each consumer's q), at least 2.
-    ``fold_in_smem``: each warpgroup also holds its split fold's fp32 accumulator."""
+    ``fold_in_smem``: each warpgroup also holds its split fold's fp32 accumulator;
+    ``out_buffer``: and its output's staging buffer (``prefetch_q``)."""
     per_stage = 2 * tile * d * itemsize
     fixed = tile * _SUM_N * itemsize + 4 * 1024  # ones; rows, segments, barriers
     if fold_in_smem:
         fixed += consumers * ROWS * d * 4
+    if out_buffer:
+        fixed += consumers * ROWS * d * itemsize
     budget = _SMEM_BYTES
     if consumers > 1:
         fixed += consumers * ROWS * d * itemsize
@@ -275,8 +285,8 @@ def _kernel(
     segs_ref, nseg_ref, order_ref, rpos_ref, rseq_ref, bt_ref, q_ref, k_ref, v_ref, ones_ref, o_ref,
     *, spec: AttentionSpec, block_size: int, max_blocks: int, stages: int, max_segs: int, pv: str,
     a_in_smem: bool, overlap: bool, rounding: str, consumers: int, one_drain: bool, q_from_smem: bool,
-    fold_in_smem: bool, work: tuple[int, int, int] | None, early_q: bool, probe_unmasked: bool,
-    inline_ex2: bool, probe_exact_exp: bool,
+    fold_in_smem: bool, work: tuple[int, int, int] | None, early_q: bool, prefetch_q: bool,
+    probe_unmasked: bool, inline_ex2: bool, probe_exact_exp: bool,
 ):  # fmt: skip
     if work is None:  # a program per (tile, head)
         i = lax.axis_index("tile") if order_ref is None else order_ref[lax.axis_index("tile")]
@@ -626,7 +636,7 @@ def _kernel(
         plgpu.wait_smem_to_gmem(0)
 
     def body_specialized(
-        k_smem, v_smem, ones_smem, qo_smem, rows_smem, segs_smem, a_smem, fold_smem,
+        k_smem, v_smem, ones_smem, qo_smem, rows_smem, segs_smem, a_smem, fold_smem, out_smem,
         k_bar, v_bar, ones_bar, setup_bar, segs_free, q_bar, consumed_bar, zero_bar,
     ):  # fmt: skip
         """``consumers`` warpgroups compute (one 64-row tile each: tiles ``consumers * i + wg``)
@@ -737,7 +747,7 @@ def _kernel(
 
             def run(k, ik, hk, b, c):
                 row_tile = consumers * ik + wg
-                if not early_q:  # (else the item before loaded it, or the loop's start)
+                if not (early_q or prefetch_q):  # (else the item before loaded it, or the loop's start)
                     load_q(ik, hk)
                 plgpu.barrier_wait(q_bar.at[wg])
                 # q as wgmma's A operand: from its SMEM buffer (``q_from_smem``: 32 registers a
@@ -745,6 +755,9 @@ def _kernel(
                 q = q_smem if q_from_smem else q_operand(q_smem, None if scratch is None else scratch[0])
                 rpos = plgpu.load(rows_smem.at[wg, 0], layout=row_layout)
                 rseq = plgpu.load(rows_smem.at[wg, 1], layout=row_layout)
+                if prefetch_q:  # q and the rows are in registers: the next item's load them now
+                    plgpu.commit_smem()  # (every thread's reads done: a warpgroup barrier)
+                    pl.when(k + 1 < count)(lambda: load_q(*item_of(k + 1)))
                 plgpu.barrier_wait(setup_bar.at[b])  # the walk (segments)
                 if work is None:  # and, before the first item, the ones matrix (after q's loads)
                     plgpu.barrier_wait(ones_bar)
@@ -760,13 +773,19 @@ def _kernel(
                 if early_q:  # q_smem holds the next item's q: the output goes from registers
                     o_ref.at[row_tile, hk][...] = out
                     return c
+                if prefetch_q:  # staged in its own buffer, stored while the next item starts
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # (the last store has read it)
+                    out_smem.at[wg][...] = out
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(out_smem.at[wg], o_ref.at[row_tile, hk])
+                    return c
                 q_smem[...] = out  # every wgmma reading q is done (each result was waited for)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(q_smem, o_ref.at[row_tile, hk])
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # q_smem is free again
                 return c
 
-            if early_q:
+            if early_q or prefetch_q:
                 pl.when(count > 0)(lambda: load_q(*item_of(0)))
             items(run, jnp.int32(0))
             plgpu.wait_smem_to_gmem(0)
@@ -805,6 +824,7 @@ def _kernel(
         plgpu.SMEM((1 if work is None else 2, 4, max_segs), jnp.int32),
         a_operands(consumers),
         plgpu.SMEM((consumers, ROWS, d), jnp.float32) if fold_in_smem else None,
+        plgpu.SMEM((consumers, ROWS, d), dtype, transforms=transforms) if prefetch_q else None,
         plgpu.Barrier(num_arrivals=pages, num_barriers=stages),
         plgpu.Barrier(num_arrivals=pages, num_barriers=stages),
         plgpu.Barrier(num_arrivals=1),  # the ones matrix
@@ -852,6 +872,7 @@ def tiles_mgpu(
     fold_in_smem: bool = False,
     persistent: int | bool = False,
     early_q: bool = False,
+    prefetch_q: bool = False,
     probe_exact_exp: bool = False,
     probe_unmasked: bool = False,
     interpret=None,
@@ -882,6 +903,12 @@ def tiles_mgpu(
     the last item's end, and a program starts once, not once an item. ``early_q`` (with ``persistent``): a
     consumer loads its next item's q as soon as its walk is over and stores its output from
     registers, not through q's buffer (which then is not free until the store is done).
+    ``prefetch_q`` (with ``persistent`` and ``fold_in_smem``): a consumer loads its next item's q
+    (and rows) as soon as this item's are in registers - the load is in flight for the whole
+    walk - and stages its output in a buffer of its own, stored by TMA while the next item
+    starts (16 KB a warpgroup at D 128, out of the ring: 2 stages there, not 3). (The fold's
+    SMEM could hold it once read back, as a ``RefUnion``; but one union spans both warpgroups'
+    buffers, and interpret mode's race detector cannot tell their halves apart.)
 
     ``probe_exact_exp`` is a measurement probe, not a launch choice: 2**y as the exact ``exp`` of
     y * ln 2 (libdevice's ``expf``, the exponential of NUMERICS_VERSION 5, with two multiplies
@@ -919,6 +946,11 @@ def tiles_mgpu(
         )
     if early_q and persistent is False:
         raise ValueError("attention (Mosaic GPU tiles): early_q needs persistent programs")
+    if prefetch_q and (persistent is False or not fold_in_smem or q_from_smem or early_q):
+        raise ValueError(
+            "attention (Mosaic GPU tiles): prefetch_q needs persistent programs and fold_in_smem, "
+            "and goes without q_from_smem and early_q"
+        )
     if q_from_smem and consumers == 1:
         raise ValueError(
             "attention (Mosaic GPU tiles): q_from_smem needs consumers=2 (one warpgroup's q shares a KV slot)"
@@ -953,7 +985,7 @@ def tiles_mgpu(
         program_order = heaviest_first(lo, hi, nseg, spec.window)
     ones = jnp.ones((tile, _SUM_N), qg.dtype)
     rows_view = (num_blocks * block_size, hkv, d)
-    stages = _stages(tile, d, qg.dtype.itemsize, stages, consumers, bool(fold_in_smem))
+    stages = _stages(tile, d, qg.dtype.itemsize, stages, consumers, bool(fold_in_smem), bool(prefetch_q))
     kwargs = {} if interpret is None else {"interpret": interpret}
     if consumers > 1:
         kwargs.update(num_threads=consumers + 1, thread_name="wg")
@@ -981,6 +1013,7 @@ def tiles_mgpu(
         fold_in_smem=bool(fold_in_smem),
         work=work,
         early_q=bool(early_q),
+        prefetch_q=bool(prefetch_q),
         probe_unmasked=bool(probe_unmasked),
         inline_ex2=interpret is None,
         probe_exact_exp=bool(probe_exact_exp),

@@ -97,6 +97,7 @@ def test_segments_are_each_tiles_sequences_ascending():
         ("into", "two", False, dict(attention_triton.MGPU_PREFILL_LAUNCH)),  # the engine's
         ("into", "two", False, {**dict(attention_triton.MGPU_PREFILL_LAUNCH), "persistent": 5}),
         ("into", "two", False, {**dict(attention_triton.MGPU_PREFILL_LAUNCH), "early_q": True}),
+        ("into", "two", False, {**dict(attention_triton.MGPU_PREFILL_LAUNCH), "prefetch_q": True}),
     ],
 )
 def test_cuda_lowering_is_one_mosaic_gpu_kernel(pv, rounding, overlap, launch):
@@ -158,6 +159,8 @@ def test_unsupported_calls_are_refused_by_name():
         tiles_mgpu(q, kc, kc, idx, spec=spec, persistent=True)
     with pytest.raises(ValueError, match="early_q needs persistent programs"):
         tiles_mgpu(q, kc, kc, idx, spec=spec, consumers=2, early_q=True)
+    with pytest.raises(ValueError, match="prefetch_q needs persistent programs and fold_in_smem"):
+        tiles_mgpu(q, kc, kc, idx, spec=spec, consumers=2, persistent=True, prefetch_q=True)
     with pytest.raises(ValueError, match="q_from_smem needs consumers=2"):
         tiles_mgpu(q, kc, kc, idx, spec=spec, q_from_smem=True)
     big = jnp.ones((2, 256, 1, 128), BF16)
@@ -218,6 +221,9 @@ def test_launch_choices_keep_the_bits():
         # ... loading an item's q while the last one is normalized, its output from registers
         {"consumers": 2, "persistent": 1, "early_q": True},
         {"consumers": 2, "persistent": 3, "q_from_smem": True, "fold_in_smem": True, "early_q": True},
+        # ... the next item's q loaded at an item's start, the output staged in the fold's SMEM
+        {"consumers": 2, "persistent": 1, "fold_in_smem": True, "prefetch_q": True},
+        {"consumers": 2, "persistent": 3, "order": "heaviest", "fold_in_smem": True, "prefetch_q": True},
     ]
     for launch in launches:
         np.testing.assert_array_equal(run(**launch), base, err_msg=str(launch))
