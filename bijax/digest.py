@@ -70,6 +70,12 @@ def run_suite(llm):
     vocab = llm.model.config.vocab_size
     if vocab < 500:
         raise ValueError(f"the digest suite uses token ids up to 499; this model's vocabulary has {vocab}")
+    need = max(len(p) + sp.max_tokens for p, sp in zip(prompts, params, strict=True))
+    if llm.config.max_model_len < need:  # (the suite's prompts are fixed: name the limit, not a prompt)
+        raise ValueError(
+            f"the digest suite needs max_model_len >= {need} (its longest prompt and tokens); this "
+            f"engine has {llm.config.max_model_len}"
+        )
     return llm.generate(prompts, params, use_tqdm=False)
 
 

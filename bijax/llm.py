@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
+import threading
 import warnings
+import weakref
 from collections.abc import Sequence as Seq
 
 import jax
@@ -27,6 +30,9 @@ from models.tokenizer import load_tokenizer
 from pallas_kernels.checks import check_positive_int
 
 _CPU_KV_BYTES = 1 << 30  # the KV pool on CPU when num_kv_blocks is not given
+# Every LLM made in this process (weakly): ``update_weights`` also moves the other open engines
+# that run the same model object (``LLM(llm.model, ...)``) onto its new weights.
+_LLMS: weakref.WeakSet = weakref.WeakSet()
 
 
 def _kv_blocks(
@@ -334,6 +340,8 @@ class LLM:
         )
         self.engine = Engine(self.model, self.tokenizer, self.config, spec, draft, draft_tokenizer)
         self._counter = 0
+        self._busy = threading.Lock()  # one generate / score / update_weights at a time
+        _LLMS.add(self)
         self.last_warmup: WarmupReport | None = None
         note = graph_update_note(jax.default_backend(), staged_inputs())
         if note is not None:
@@ -350,7 +358,39 @@ class LLM:
         """Generates for each prompt (a str, a list of token ids, or a list of those); returns
         one RequestOutput per prompt, in input order. A bad prompt or parameter raises before
         anything runs, naming it. ``on_output(i, out)``, if given, sees every RequestOutput of
-        prompt ``i`` as the steps produce them (partial ones too: streaming)."""
+        prompt ``i`` as the steps produce them (partial ones too: streaming). One call at a time
+        per LLM: a second one (another thread, or ``on_output`` calling back) raises
+        RuntimeError - use one LLM per thread."""
+        with self._exclusive("generate"):
+            return self._generate(prompts, sampling_params, use_tqdm=use_tqdm, on_output=on_output)
+
+    @contextlib.contextmanager
+    def _exclusive(self, what: str):
+        """Runs the body unless another generate / score / update_weights of this LLM is running
+        (a thread, or a callback of the running one): RuntimeError, nothing touched."""
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError(
+                f"{what}: this LLM is already running a generate, score or update_weights (from another "
+                "thread, or from inside an on_output callback); one LLM runs one call at a time - use one "
+                "LLM per thread"
+            )
+        try:
+            yield
+        finally:
+            self._busy.release()
+
+    def _generate(self, prompts, sampling_params, *, use_tqdm: bool, on_output) -> list[RequestOutput]:
+        if isinstance(prompts, np.ndarray):  # token ids: 1-D one prompt, 2-D one per row
+            if prompts.ndim not in (1, 2):
+                raise ValueError(
+                    f"a numpy prompt array must be 1-D or 2-D token ids, got shape {prompts.shape}"
+                )
+            prompts = prompts.tolist()
+        if not isinstance(prompts, (str, dict)) and not hasattr(prompts, "__iter__"):
+            raise TypeError(
+                "prompts must be a str, a list of int token ids, or a list of those (or chat dicts), "
+                f"got {type(prompts).__name__}"
+            )
         single = isinstance(prompts, (str, dict)) or (
             isinstance(prompts, Seq) and len(prompts) > 0 and isinstance(prompts[0], (int, np.integer))
         )
@@ -467,6 +507,8 @@ class LLM:
 
         from bijax import compile_cache
 
+        self.engine._require_open("warmup")  # (before a progress bar is drawn)
+
         pairs = self.engine.pending_buckets(
             logprobs=logprobs, max_step_tokens=max_step_tokens, step_tokens=step_tokens
         )
@@ -544,12 +586,24 @@ class LLM:
         naming the first mismatch). Nothing recompiles: the weights are an argument of the
         compiled steps. The engine keeps no reference to its old weights; the JAX arrays given
         are used as they are (not copied; under tensor parallelism they are moved onto the mesh
-        unless already laid out that way; numpy arrays are copied), so a train step that donates them must be followed
-        by another ``update_weights`` before the next ``generate``."""
+        unless already laid out that way; numpy arrays are copied), so a train step that donates
+        them must be followed by another ``update_weights`` before the next ``generate``. The
+        model object changes in place: every other open LLM on it (``LLM(llm.model, ...)``)
+        runs the new weights too - so each must be idle (RuntimeError before anything changes)."""
+        with self._exclusive("update_weights"):
+            self._update_weights(weights)
+
+    def _update_weights(self, weights) -> None:
         if self.engine.closed:  # before the model (which other engines may share) is touched
             raise RuntimeError("update_weights: this LLM was closed (close() freed its KV cache)")
-        if self.engine.has_unfinished_requests():
-            raise RuntimeError("update_weights runs when no generation is in flight")
+        # the other open LLMs on this model object follow it: all must be idle before it changes
+        sharing = [o for o in list(_LLMS) if o is not self and o.model is self.model and not o.engine.closed]
+        for llm in (self, *sharing):
+            if llm.engine.has_unfinished_requests() or (llm is not self and llm._busy.locked()):
+                raise RuntimeError(
+                    "update_weights runs when no generation is in flight"
+                    + ("" if llm is self else " (in any LLM on this model: another one is generating)")
+                )
         if isinstance(weights, Llama):
             weights = param_state(weights)
         if isinstance(weights, nnx.State):
@@ -592,8 +646,11 @@ class LLM:
         nnx.replace_by_pure_dict(current, {k: v for k, v in weights.items()})
         nnx.update(self.model, current)
         self.engine.set_weights(self.model)  # also empties the prefix cache (KV of the old weights)
+        for other in sharing:  # their model changed with this one's: their engines run it too
+            other.engine.set_weights(other.model)
 
     def score(self, token_ids, prompt_lens, temperature: float = 1.0) -> list[np.ndarray]:
         """float32 logprob of each token at index >= prompt_len given the tokens before it;
         bit-equal to ``generate``'s logprobs for the same tokens and temperature."""
-        return self.engine.score(token_ids, prompt_lens, temperature)
+        with self._exclusive("score"):
+            return self.engine.score(token_ids, prompt_lens, temperature)

@@ -124,6 +124,7 @@ class Engine:
         self._next_seq = 0
         self._arrivals = 0
         self._aborted: list[_Request] = []
+        self._kept: list[RequestOutput] = []  # other requests' outputs from ``release``'s steps
         self._partial = True  # step(partial=False): build only finished requests' outputs
         # Async scheduling: the step on the device while the host schedules and enqueues the
         # next (its sampled tokens feed the next step on the device; the host reads them after).
@@ -195,6 +196,9 @@ class Engine:
         return seed
 
     def has_unfinished_requests(self) -> bool:
+        return self._running() or bool(self._kept)
+
+    def _running(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._aborted) or bool(self._in_flight)
 
     def check_weights(self) -> None:
@@ -396,13 +400,19 @@ class Engine:
     def release(self, request_ids) -> None:
         """Aborts ``request_ids`` (those still here) and runs the steps that free them, so the
         engine is idle after a failure: what ``LLM.generate`` and the server's engine loop do
-        when a step, a callback or the device fails. A failing engine frees what it can."""
+        when a step, a callback or the device fails. Requests not named run to their end in
+        those steps; their final outputs are not lost - the next ``step()`` returns them (and
+        ``has_unfinished_requests()`` stays true until it has). A failing engine frees what it
+        can."""
+        released = set()
         for rid in request_ids:
             if rid in self._requests:
                 self.abort(rid)
+                released.add(rid)
         try:
-            while self.has_unfinished_requests():
-                self.step(partial=False)
+            while self._running():
+                kept = [o for o in self.step(partial=False) if o.request_id not in released]
+                self._kept += kept  # (step() handed back the earlier kept ones too)
         except Exception:  # the engine itself is failing: nothing more to free here
             pass
 
@@ -419,7 +429,8 @@ class Engine:
         snapshot of the others is built (a snapshot copies its prompt and outputs: per-step
         host work that grows with them, wasted where only the final outputs are wanted)."""
         self._partial = partial
-        outputs = [self._output(r) for r in self._aborted]
+        outputs, self._kept = self._kept, []  # (release's steps' outputs of other requests)
+        outputs += [self._output(r) for r in self._aborted]
         for r in self._aborted:
             self._requests.pop(r.request_id, None)
         self._aborted = []

@@ -88,9 +88,15 @@ class SamplingParams:
             bad("top_p", "must be in (0, 1]")
         if not 0 <= self.min_p <= 1:
             bad("min_p", "must be in [0, 1]")
+        for f in ("top_k", "n", "max_tokens", "seed", "logprobs"):  # numpy ints are ints here too
+            if isinstance(getattr(self, f), np.integer):
+                object.__setattr__(self, f, int(getattr(self, f)))
         for f in ("top_k", "n", "max_tokens"):
             if not _is_int(getattr(self, f)):
                 raise TypeError(f"SamplingParams.{f} must be an int, got {getattr(self, f)!r}")
+        for f in ("seed", "logprobs"):
+            if getattr(self, f) is not None and not _is_int(getattr(self, f)):
+                raise TypeError(f"SamplingParams.{f} must be None or an int, got {getattr(self, f)!r}")
         if self.top_k == 0 or self.top_k < -1 or self.top_k > MAX_TOP_K:
             bad("top_k", f"must be -1 (off) or in [1, {MAX_TOP_K}]")
         if not 1 <= self.n <= MAX_N:

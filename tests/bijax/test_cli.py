@@ -257,6 +257,10 @@ def test_check_record_and_against(tmp_path, capsys):
     record = json.loads(rec.read_text())
     ref = bijax.LLM("tiny", dtype="float32", max_model_len=128, max_num_seqs=2, max_num_batched_tokens=32)
     assert record["digest"] == digest.digest(digest.run_suite(ref))
+    short = bijax.LLM("tiny", dtype="float32", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32)
+    with pytest.raises(ValueError, match=r"the digest suite needs max_model_len >= 85 .* has 64"):
+        digest.run_suite(short)  # (the limit is named, not one of the suite's fixed prompts)
+    short.close()
     assert record["numerics_version"] == bijax.NUMERICS_VERSION and len(record["completions"]) == 5
     assert record["fingerprint"]["device_class"] == digest.device_class()
 

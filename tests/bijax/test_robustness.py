@@ -226,3 +226,61 @@ def test_a_request_larger_than_a_limited_pool_is_refused():
     with pytest.raises(ValueError, match="needs 4 KV blocks; the pool has 2"):
         eng.add_request("r", valid)
     assert not eng.has_unfinished_requests()
+
+
+def test_one_call_at_a_time_and_release_keeps_the_other_outputs():
+    """A second generate on one LLM - from inside an ``on_output`` callback, or another thread -
+    is refused at once with a clear RuntimeError, and the first call's outputs are intact.
+    ``Engine.release`` of one request keeps the final outputs of the others (the next step
+    returns them). A 1-D numpy array is one prompt of token ids; a non-iterable is named."""
+    import threading
+
+    llm = bijax.LLM("tiny", dtype=np.float32, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32,
+                    num_kv_blocks=20)  # fmt: skip
+    sp = SP(temperature=0.8, seed=3, max_tokens=4, ignore_eos=True)
+    solo = llm.generate([[5, 6, 7, 8]], sp, use_tqdm=False)[0]
+    errors = []
+
+    def reenter(i, out):
+        try:
+            llm.generate([[1, 2, 3]], sp, use_tqdm=False)
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    got = llm.generate([[5, 6, 7, 8]], sp, use_tqdm=False, on_output=reenter)[0]
+    assert errors and all("already running" in e for e in errors)
+    assert got.token_ids == solo.token_ids and np.array_equal(bits(got.logprobs), bits(solo.logprobs))
+    started, release = threading.Event(), threading.Event()
+
+    def slow(i, out):
+        started.set()
+        release.wait(30)
+
+    t = threading.Thread(target=lambda: llm.generate([[5, 6, 7, 8]], sp, use_tqdm=False, on_output=slow))
+    t.start()
+    assert started.wait(60)
+    with pytest.raises(RuntimeError, match="another thread"):
+        llm.generate([[1, 2, 3]], sp, use_tqdm=False)
+    with pytest.raises(RuntimeError, match="already running"):
+        llm.score([[5, 6, 7, 8]], [2])
+    release.set()
+    t.join(60)
+    # numpy prompts: 1-D is one prompt (== the list), and a bare int is named
+    (arr,) = llm.generate(np.array([5, 6, 7, 8]), sp, use_tqdm=False)
+    assert arr.token_ids == solo.token_ids
+    with pytest.raises(TypeError, match="prompts must be a str"):
+        llm.generate(5, sp, use_tqdm=False)
+    # release one request: the other's final output still comes out of the next step
+    e = llm.engine
+    e.add_request("keep", e.validate([5, 6, 7, 8], sp))
+    e.add_request("drop", e.validate([4, 5, 6], SP(max_tokens=20, ignore_eos=True)))
+    e.step()
+    e.release(["drop"])
+    assert e.has_unfinished_requests()  # (the kept output is still to be returned)
+    outs = []
+    while e.has_unfinished_requests():
+        outs += e.step()
+    keep = [o for o in outs if o.request_id == "keep" and o.finished]
+    assert len(keep) == 1 and keep[0].outputs[0].token_ids == solo.token_ids
+    assert not [o for o in outs if o.request_id == "drop"]
+    llm.close()

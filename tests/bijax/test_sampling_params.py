@@ -32,6 +32,8 @@ def test_defaults_and_normalisation():
         ({"n": 0}, ValueError, "n"),
         ({"seed": -1}, ValueError, "seed"),
         ({"seed": 2**32}, ValueError, "seed"),
+        ({"seed": 1.5}, TypeError, "SamplingParams.seed must be None or an int"),
+        ({"logprobs": "5"}, TypeError, "SamplingParams.logprobs"),
         ({"logprobs": 21}, ValueError, "logprobs"),
         ({"stop": [""]}, ValueError, "stop"),
         ({"stop_token_ids": [-3]}, ValueError, "stop_token_ids"),
@@ -64,3 +66,11 @@ def test_numpy_values_that_are_scalars_or_id_lists_are_taken():
     sp = SamplingParams(temperature=np.float32(0.5), stop_token_ids=np.array([5, 6]))
     assert sp.stop_token_ids == (5, 6) and all(type(i) is int for i in sp.stop_token_ids)
     assert SamplingParams(stop_token_ids=[np.int64(7)]).stop_token_ids == (7,)
+    # numpy integers are ints in every int field, stored as Python ints
+    sp = SamplingParams(
+        max_tokens=np.int64(4), top_k=np.int32(5), n=np.int64(2), seed=np.uint32(7), logprobs=np.int8(3)
+    )
+    assert (sp.max_tokens, sp.top_k, sp.n, sp.seed, sp.logprobs) == (4, 5, 2, 7, 3)
+    assert all(type(v) is int for v in (sp.max_tokens, sp.top_k, sp.n, sp.seed, sp.logprobs))
+    with pytest.raises(ValueError, match="seed"):  # (the range still holds)
+        SamplingParams(seed=np.int64(-1))

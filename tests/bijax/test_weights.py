@@ -72,6 +72,33 @@ def test_update_weights_changes_outputs_without_recompiling():
     assert num_compiled_steps() == compiles
 
 
+def test_update_weights_moves_every_open_llm_on_the_same_model():
+    """``LLM(llm.model)`` shares the model object, which update_weights changes in place: the
+    other LLM must run the new weights too (its generate and score equal a fresh LLM's on them,
+    and the trainer-side logprobs of its .model), not keep the old ones. A closed one is left
+    alone; a busy one makes update_weights refuse before anything changes."""
+    a = bijax.LLM(_fresh(), **ENGINE)
+    b = bijax.LLM(a.model, **ENGINE)
+    before = b.generate(PROMPTS, SAMPLING, use_tqdm=False)
+    trained = _train_step(_fresh())
+    expect = bijax.LLM(trained, **ENGINE).generate(PROMPTS, SAMPLING, use_tqdm=False)
+    a.update_weights(param_state(trained))
+    got = b.generate(PROMPTS, SAMPLING, use_tqdm=False)
+    assert _same(got, expect) and not _same(got, before)  # (control: the weights changed)
+    tokens, plen = [PROMPTS[1] + got[1].token_ids], len(PROMPTS[1])
+    trainer = np.asarray(bijax.logprobs(b.model, jnp.asarray(tokens, jnp.int32), temperature=0.8))[0]
+    (scored,) = b.score(tokens, [plen], temperature=0.8)
+    assert np.array_equal(bits(scored), bits(got[1].logprobs))
+    assert np.array_equal(bits(trainer[plen:]), bits(got[1].logprobs))
+    b.engine.add_request("busy", [5, 6, 7], SAMPLING)
+    with pytest.raises(RuntimeError, match="another one is generating"):
+        a.update_weights(param_state(_fresh()))
+    b.engine.release(["busy"])
+    b.close()
+    a.update_weights(param_state(_fresh()))  # (b is closed: not moved, no error)
+    assert _same(a.generate(PROMPTS, SAMPLING, use_tqdm=False), before)
+
+
 def test_update_weights_releases_the_old_buffers():
     llm = bijax.LLM(_fresh(), **ENGINE)
     old = weakref.ref(param_state(llm.model)["embed"][...])
