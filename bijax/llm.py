@@ -355,7 +355,8 @@ class LLM:
         use_tqdm: bool = True,
         on_output=None,
     ) -> list[RequestOutput]:
-        """Generates for each prompt (a str, a list of token ids, or a list of those); returns
+        """Generates for each prompt (a str, a list of token ids, a {"prompt_token_ids": [...]}
+        dict, or a list of those; a numpy array: 1-D one prompt, 2-D one per row); returns
         one RequestOutput per prompt, in input order. A bad prompt or parameter raises before
         anything runs, naming it. ``on_output(i, out)``, if given, sees every RequestOutput of
         prompt ``i`` as the steps produce them (partial ones too: streaming). One call at a time
@@ -388,7 +389,7 @@ class LLM:
             prompts = prompts.tolist()
         if not isinstance(prompts, (str, dict)) and not hasattr(prompts, "__iter__"):
             raise TypeError(
-                "prompts must be a str, a list of int token ids, or a list of those (or chat dicts), "
+                "prompts must be a str, a list of int token ids, a {'prompt_token_ids': [...]} dict, or a list of those, "
                 f"got {type(prompts).__name__}"
             )
         single = isinstance(prompts, (str, dict)) or (

@@ -63,6 +63,9 @@ def check_request(
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    bad = [t for t in params.stop_token_ids if t >= vocab_size]
+    if bad:  # (it could never be sampled: a typo, or another model's id)
+        raise ValueError(f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {vocab_size})")
     total = len(ids) + params.max_tokens
     if total > cfg.max_model_len:
         raise ValueError(

@@ -56,7 +56,7 @@ def check_temperature(value, name: str = "temperature", *, scalar: bool = False)
 class SamplingParams:
     """How to sample one request.
 
-    temperature: 0 = greedy; top_p in (0, 1] (1 = off); top_k = -1 (off) or >= 1; min_p in
+    temperature: 0 = greedy; top_p in (0, 1] (1 = off); top_k = -1 or 0 (off) or >= 1; min_p in
     [0, 1] (0 = off); seed: the request's random stream (None: drawn from the engine seed and
     reported in ``RequestOutput.seed``); n: samples per prompt; max_tokens >= 1; stop: strings
     that end the output (not included in the text); stop_token_ids; ignore_eos; logprobs: also
@@ -97,8 +97,10 @@ class SamplingParams:
         for f in ("seed", "logprobs"):
             if getattr(self, f) is not None and not _is_int(getattr(self, f)):
                 raise TypeError(f"SamplingParams.{f} must be None or an int, got {getattr(self, f)!r}")
-        if self.top_k == 0 or self.top_k < -1 or self.top_k > MAX_TOP_K:
-            bad("top_k", f"must be -1 (off) or in [1, {MAX_TOP_K}]")
+        if self.top_k == 0:  # vLLM's and the server's other "off" (SamplingParams reports -1)
+            object.__setattr__(self, "top_k", -1)
+        if self.top_k < -1 or self.top_k > MAX_TOP_K:
+            bad("top_k", f"must be -1 or 0 (off) or in [1, {MAX_TOP_K}]")
         if not 1 <= self.n <= MAX_N:
             bad("n", f"must be in [1, {MAX_N}]")
         if self.max_tokens < 1:

@@ -117,6 +117,8 @@ def run(args: argparse.Namespace) -> int:
     from bijax import SamplingParams
 
     rng = np.random.default_rng(args.model_seed)
+    # bad sampling values fail before the model loads (an 8B preset takes a while to build)
+    SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True)
     s, t = sizes(args, args.num_prompts)
     t0 = time.perf_counter()
     inv = make_llm(args, max_num_seqs=s, max_num_batched_tokens=t, invariant=True)

@@ -62,15 +62,16 @@ class Server:
         if self.tokenizer is None:
             raise ApiError(400, f"this model has no tokenizer: {what} needs one")
 
-    def validate(self, prompt, params, field: str):
+    def validate(self, prompt, params, field: str, index: int | None = None):
         """Engine.validate with its errors as ApiError (400) naming ``field`` (``stop`` for the
-        stop strings' own error)."""
+        stop strings' own error); ``index``: which of a list of prompts (said in the message)."""
         try:
             return self.loop.validate(prompt, params)
         except (ValueError, TypeError) as e:
             code = "context_length_exceeded" if "max_model_len" in str(e) or "KV blocks" in str(e) else None
             param = "stop" if str(e).startswith("stop strings") else field
-            raise ApiError(400, str(e), param=param, code=code) from None
+            where = "" if index is None or param != field else f"{field}[{index}]: "
+            raise ApiError(400, f"{where}{e}", param=param, code=code) from None
 
 
 def build_app(llm: LLM, *, served_model_names: list[str], api_key: str | None = None) -> FastAPI:
@@ -139,8 +140,12 @@ def build_app(llm: LLM, *, served_model_names: list[str], api_key: str | None = 
         if any(isinstance(p, str) for p in items):
             srv.need_tokenizer("a text prompt")
         # tokenized off the event loop: a huge prompt must not stall the other requests
+        many = len(items) > 1  # (a list of prompts: the error says which)
         valid = await asyncio.to_thread(
-            lambda: [srv.validate(p if isinstance(p, str) else list(p), params, "prompt") for p in items]
+            lambda: [
+                srv.validate(p if isinstance(p, str) else list(p), params, "prompt", i if many else None)
+                for i, p in enumerate(items)
+            ]
         )
         job = generation.Job(srv, request, f"cmpl-{uuid.uuid4().hex}", name, valid, chat=False)
         return await job.respond(req.stream, include_usage, req.return_token_ids)

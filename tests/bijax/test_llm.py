@@ -99,6 +99,7 @@ def test_step_without_partial_outputs_returns_finished_ones_only(llm):
     [
         ([], SP(), ValueError, "empty"),
         ([1, 2, 10**6], SP(), ValueError, "outside the vocabulary"),
+        ([1, 2], SP(stop_token_ids=[3, 10**12]), ValueError, r"stop_token_ids: 1000000000000 is outside"),
         ([1] * 250, SP(max_tokens=10), ValueError, "max_model_len"),
         ("text prompt", SP(), ValueError, "no tokenizer"),
         ([1.5, 2], SP(), TypeError, "token ids"),

@@ -367,6 +367,7 @@ def test_tokenize_and_detokenize(smol):
         ({"prompt": 5}, 400, "prompt", "token ids"),
         ({"prompt": [[1, 2], 3]}, 400, "prompt", "token ids"),
         ({"prompt": [70000]}, 400, "prompt", "vocabulary"),
+        ({"prompt": ["Hi", ""]}, 400, "prompt", "prompt[1]: prompt is empty"),  # which of them
         ({"prompt": "x", "frequency_penalty": 0.5}, 400, "frequency_penalty", "not supported"),
         ({"prompt": " x" * 300, "max_tokens": 4}, 400, "prompt", "max_model_len"),
         ({"prompt": "x", "max_tokens": 256}, 400, "prompt", "max_model_len"),
