@@ -84,10 +84,6 @@ SWITCHES = {
             ("pair-all-dense-fold-q", {**PAIR3, "fold_in_smem": True, "q_from_smem": True}),
             ("pair-all-dense-fold-persistent", {**PAIR3, "fold_in_smem": True, "persistent": True}),
             (
-                "pair-all-dense-fold-persistent-early-q",
-                {**PAIR3, "fold_in_smem": True, "persistent": True, "early_q": True},
-            ),
-            (
                 "pair-all-dense-fold-persistent-prefetch-q",
                 {**PAIR3, "fold_in_smem": True, "persistent": True, "prefetch_q": True},
             ),

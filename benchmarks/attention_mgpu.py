@@ -257,13 +257,6 @@ LAUNCHES = {
         "fold_in_smem": True,
         "persistent": True,
     },
-    # ... with the next item's q loaded as soon as a walk ends, the output stored from registers
-    "pair, 3 stages, heaviest, one drain, dense rows, fold in SMEM, persistent, early q": {
-        **_PAIR3,
-        "fold_in_smem": True,
-        "persistent": True,
-        "early_q": True,
-    },
     # session 44: the next item's q loaded at an item's start (in flight for the whole walk),
     # the output staged in its own SMEM buffer and stored by TMA (2 stages at D 128: what fits)
     "pair, 3 stages, heaviest, one drain, dense rows, fold in SMEM, persistent, prefetch q": {

@@ -87,12 +87,6 @@ _AB = {
             _PREFILL,
         ),
         (
-            "launch-pair-all-dense-fold-persistent-early-q",
-            "prefill-launch",
-            "pair-all-dense-fold-persistent-early-q",
-            _PREFILL,
-        ),
-        (
             "launch-pair-all-dense-fold-persistent-prefetch-q",
             "prefill-launch",
             "pair-all-dense-fold-persistent-prefetch-q",
@@ -199,7 +193,6 @@ STEPS = {
             "pair-all-dense-fold",
             "pair-all-dense-fold-q",
             "pair-all-dense-fold-persistent",
-            "pair-all-dense-fold-persistent-early-q",
             "pair-all-dense-fold-persistent-prefetch-q",
         )
     },

@@ -508,8 +508,6 @@ class LLM:
 
         from bijax import compile_cache
 
-        self.engine._require_open("warmup")  # (before a progress bar is drawn)
-
         pairs = self.engine.pending_buckets(
             logprobs=logprobs, max_step_tokens=max_step_tokens, step_tokens=step_tokens
         )

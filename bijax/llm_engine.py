@@ -232,7 +232,9 @@ class Engine:
         exist yet are compiled; with ``logprobs`` the top-logprobs variant too); with
         ``max_step_tokens``, only token buckets up to the one that holds that many tokens;
         with ``step_tokens`` (the token counts of the steps to expect, e.g. one prompt's
-        chunks and then decoding), only the token buckets of those steps."""
+        chunks and then decoding), only the token buckets of those steps. (A closed engine:
+        RuntimeError - ``warmup`` asks this first, before its progress bar.)"""
+        self._require_open("warmup")
         pairs = self.runner.bucket_pairs()
         buckets = self.config.token_buckets
         if max_step_tokens is not None and step_tokens is not None:

@@ -96,7 +96,6 @@ def test_segments_are_each_tiles_sequences_ascending():
         ("into", "two", False, {"fold_in_smem": True, "order": "heaviest", "packing": "dense"}),
         ("into", "two", False, dict(attention_triton.MGPU_PREFILL_LAUNCH)),  # the engine's
         ("into", "two", False, {**dict(attention_triton.MGPU_PREFILL_LAUNCH), "persistent": 5}),
-        ("into", "two", False, {**dict(attention_triton.MGPU_PREFILL_LAUNCH), "early_q": True}),
         ("into", "two", False, {**dict(attention_triton.MGPU_PREFILL_LAUNCH), "prefetch_q": True}),
     ],
 )
@@ -157,8 +156,6 @@ def test_unsupported_calls_are_refused_by_name():
             tiles_mgpu(q, kc, kc, idx, spec=spec, consumers=2, persistent=bad)
     with pytest.raises(ValueError, match="with consumers=2"):
         tiles_mgpu(q, kc, kc, idx, spec=spec, persistent=True)
-    with pytest.raises(ValueError, match="early_q needs persistent programs"):
-        tiles_mgpu(q, kc, kc, idx, spec=spec, consumers=2, early_q=True)
     with pytest.raises(ValueError, match="prefetch_q needs persistent programs and fold_in_smem"):
         tiles_mgpu(q, kc, kc, idx, spec=spec, consumers=2, persistent=True, prefetch_q=True)
     with pytest.raises(ValueError, match="q_from_smem needs consumers=2"):
@@ -218,9 +215,6 @@ def test_launch_choices_keep_the_bits():
         # around), three take turns
         {"consumers": 2, "persistent": 1},
         {"consumers": 2, "persistent": 3, "order": "heaviest", "fold_in_smem": True, "one_drain": True},
-        # ... loading an item's q while the last one is normalized, its output from registers
-        {"consumers": 2, "persistent": 1, "early_q": True},
-        {"consumers": 2, "persistent": 3, "q_from_smem": True, "fold_in_smem": True, "early_q": True},
         # ... the next item's q loaded at an item's start, the output staged in the fold's SMEM
         {"consumers": 2, "persistent": 1, "fold_in_smem": True, "prefetch_q": True},
         {"consumers": 2, "persistent": 3, "order": "heaviest", "fold_in_smem": True, "prefetch_q": True},
