@@ -1,7 +1,8 @@
 """GGUF checkpoints (llama.cpp's format) through the ``gguf`` package.
 
-Llama, Qwen2, Qwen3 and Qwen3-MoE metadata becomes a ``LlamaConfig``; tensors are dequantized (Q4_0, Q4_1,
-Q8_0, F16, BF16, F32) to the chosen dtype. GGUF stores a matrix as [out, in] rows like HF,
+Llama, Qwen2, Qwen3 and Qwen3-MoE metadata becomes a ``LlamaConfig``; tensors are dequantized
+(``SUPPORTED_QUANTS``: F32, F16, BF16, the legacy Q4_0 ... Q8_0, llama.cpp's K-quants Q2_K ...
+Q6_K and the i-quants, by the ``gguf`` package's own formulas) to the chosen dtype. GGUF stores a matrix as [out, in] rows like HF,
 and llama.cpp's converter permuted the rows of Q and K of Llama models for its interleaved
 RoPE; both are undone here (Qwen's NeoX RoPE needs no un-permuting). Unsupported quantizations or architectures raise ValueError naming them.
 """
@@ -20,8 +21,16 @@ from models.checkpoint import abstract_model, check_finite, check_tensor_names, 
 from models.configs import LlamaConfig
 from models.llama import Llama, weight_dtype
 
-SUPPORTED_QUANTS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
-BLOCK_QUANTS = ("Q8_0", "Q4_0", "Q4_1")
+# Every weight type the ``gguf`` package dequantizes (what llama.cpp's quantize writes for weights:
+# a Q4_K_M file mixes Q4_K and Q6_K, for instance). Q8_K is only llama.cpp's activation type.
+SUPPORTED_QUANTS = (
+    *("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"),
+    *("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"),
+    *("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS"),
+    *("TQ1_0", "TQ2_0"),
+)
+# Elements dequantized at a time (float32 scratch of ~64 MB, not a whole 128k-row embedding's).
+_DEQUANT_CHUNK = 1 << 24
 # GGUF architecture -> our model_type. llama.cpp permutes Q/K rows only for "llama" (its
 # interleaved RoPE); the Qwen families use NeoX RoPE, which pairs halves as HF does.
 SUPPORTED_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
@@ -276,6 +285,9 @@ def config_from_gguf(reader) -> LlamaConfig:
 
 
 def _dequantize(t: GGUFTensor) -> np.ndarray:
+    """float32 values of a tensor, by the ``gguf`` package's block formula for its type, over
+    chunks of whole rows (its ``dequantize`` walks rows in small groups: ~10x slower on a 135M
+    model; the whole tensor at once would take several float32 copies of it)."""
     import gguf
     from gguf import quants
 
@@ -284,14 +296,21 @@ def _dequantize(t: GGUFTensor) -> np.ndarray:
             f"tensor {t.name!r} uses quantization {t.kind}, which bijax does not support "
             f"(supported: {', '.join(SUPPORTED_QUANTS)})"
         )
-    qtype = gguf.GGMLQuantizationType[t.kind]
-    if t.kind in BLOCK_QUANTS:  # the library's own block formula, over the whole tensor at once
-        # (its ``dequantize`` walks rows in small groups: ~10x slower on a 135M model)
-        _, type_size = gguf.GGML_QUANT_SIZES[qtype]
-        out = getattr(quants, t.kind).dequantize_blocks(np.asarray(t.data).reshape(-1, type_size))
-    else:
-        out = quants.dequantize(t.data, qtype)
-    return np.asarray(out, np.float32).reshape(t.shape)
+    data = np.asarray(t.data)  # [rows, bytes of a row]
+    if t.kind == "F32":
+        return data.view("<f4").reshape(t.shape)
+    if t.kind == "F16":
+        return data.view("<f2").astype(np.float32).reshape(t.shape)
+    kind = getattr(quants, t.kind)
+    kind.init_grid()  # the i-quants' lookup grids (built once, by the package)
+    _, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[t.kind]]
+    row = t.shape[-1] if t.shape else 1
+    out = np.empty((data.shape[0], row), np.float32)
+    step = max(1, _DEQUANT_CHUNK // row)
+    for r in range(0, data.shape[0], step):
+        blocks = data[r : r + step].reshape(-1, type_size)
+        out[r : r + step] = kind.dequantize_blocks(blocks).reshape(-1, row)
+    return out.reshape(t.shape)
 
 
 def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:

@@ -6,6 +6,7 @@ transformers-made HF fixtures, laid out as llama.cpp's converter does (Q/K rows 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 
@@ -16,9 +17,10 @@ import numpy as np
 import pytest
 from gguf import quants
 
-from models.gguf import load_gguf, open_gguf
+from models.checkpoint import variable
+from models.gguf import SUPPORTED_QUANTS, gguf_names, load_gguf, open_gguf
 from models.llama import param_state
-from models.loading import load_hf, load_model
+from models.loading import load_hf, load_model, param_names
 from models.safetensors import SafetensorsFile
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
@@ -30,13 +32,39 @@ def _permute(w, heads):
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(path, name="llama2", qtype=Q.F32, arch="llama", drop=None, extra=None, meta=None):
-    """Writes the HF fixture ``name`` as a GGUF file with matrices stored as ``qtype`` (and
-    ``meta``'s keys, floats or strings, after the architecture's prefix)."""
-    d = os.path.join(FIXTURES, name)
-    cfg = load_hf(d).config
-    f = SafetensorsFile(os.path.join(d, "model.safetensors"))
-    hf = {n: np.array(f.get(n)) for n in f.names()}
+def _raw_blocks(t, qtype, rng):
+    """Random ``qtype`` blocks for a tensor of t's shape, for the types the ``gguf`` package only
+    dequantizes (its K- and i-quants have no quantizer). Bit 6 of every byte is cleared, so
+    every float16 field (the block scales) is finite and below 2 in magnitude."""
+    shape = gguf.quant_shape_to_byte_shape(t.shape, qtype)
+    return rng.integers(0, 256, shape, dtype=np.uint8) & np.uint8(0xBF)
+
+
+def _quantized(t, qtype, rng):
+    if qtype == Q.F16:
+        return t.astype(np.float16)
+    try:
+        return quants.quantize(t, qtype)
+    except NotImplementedError:
+        return _raw_blocks(t, qtype, rng)
+
+
+def write_gguf(
+    path, name="llama2", qtype=Q.F32, arch="llama", drop=None, extra=None, meta=None, weights=None
+):
+    """Writes the HF fixture ``name`` (or ``weights``: (config, HF tensors)) as a GGUF file with
+    matrices stored as ``qtype`` (or ``qtype(gguf name)``; F32 where a row is no whole number of
+    the type's blocks, as llama.cpp's quantize falls back) and ``meta``'s keys, floats or
+    strings, after the architecture's prefix. Returns the values each tensor stores."""
+    if weights is None:
+        d = os.path.join(FIXTURES, name)
+        cfg = load_hf(d).config
+        f = SafetensorsFile(os.path.join(d, "model.safetensors"))
+        hf = {n: np.array(f.get(n)) for n in f.names()}
+    else:
+        cfg, hf = weights
+        hf = dict(hf)
+    rng = np.random.default_rng(0)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_layers)
     w.add_context_length(cfg.max_position_embeddings)
@@ -95,10 +123,14 @@ def write_gguf(path, name="llama2", qtype=Q.F32, arch="llama", drop=None, extra=
             t = _permute(t, cfg.num_heads)
         elif gname.endswith("attn_k.weight"):
             t = _permute(t, cfg.num_kv_heads)
-        if t.ndim == 2 and qtype != Q.F32:
-            raw = quants.quantize(t, qtype) if qtype not in (Q.F16,) else t.astype(np.float16)
-            w.add_tensor(gname, raw, raw_dtype=qtype)
-            stored[gname] = quants.dequantize(raw, qtype).reshape(t.shape)
+        kind = qtype(gname) if callable(qtype) else qtype
+        if t.ndim == 2 and kind != Q.F32 and t.shape[-1] % gguf.GGML_QUANT_SIZES[kind][0] == 0:
+            raw = _quantized(t, kind, rng)
+            w.add_tensor(gname, raw, raw_dtype=kind)
+            try:
+                stored[gname] = quants.dequantize(raw, kind).reshape(t.shape)
+            except NotImplementedError:  # a type only the loader's refusal is tested with
+                stored[gname] = None
         else:
             w.add_tensor(gname, t)
             stored[gname] = t
@@ -178,9 +210,39 @@ def test_dtype_and_load_model_dispatch(tmp_path):
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(param_state(m)))
 
 
+def test_every_supported_quantization_loads_exactly(tmp_path):
+    """One file with every type of SUPPORTED_QUANTS on some matrix (K- and i-quants as random
+    blocks: the package has no quantizer for them), rows of 256 (the K-quants' block): each
+    parameter equals the package's dequantization of what the file stores, Q/K un-permuted and
+    transposed as every other GGUF tensor is."""
+    cfg = dataclasses.replace(
+        load_hf(os.path.join(FIXTURES, "llama2")).config, num_layers=3, hidden_size=256, intermediate_size=512
+    )
+    rng = np.random.default_rng(1)
+    hf = {
+        n: rng.standard_normal(shape).astype(np.float32) for n, (_, shape, _, _) in param_names(cfg).items()
+    }
+    kinds = [Q[k] for k in SUPPORTED_QUANTS if k != "F32"]
+    matrices = [g for g, (_, shape, _, _) in gguf_names(cfg).items() if len(shape) == 2]
+    assert len(matrices) >= len(kinds)
+    kind_of = dict(zip(matrices, kinds, strict=False))
+    stored = write_gguf(tmp_path / "m.gguf", qtype=lambda g: kind_of.get(g, Q.F32), weights=(cfg, hf))
+    assert {open_gguf(tmp_path / "m.gguf").tensors[g].kind for g in kind_of} == {k.name for k in kinds}
+    m = load_gguf(tmp_path / "m.gguf")
+    for g, (ours, _, transpose, heads) in gguf_names(m.config).items():
+        want = stored[g]
+        if heads:
+            want = want.reshape(heads, want.shape[0] // heads // 2, 2, -1).swapaxes(1, 2).reshape(want.shape)
+        want = want.T if transpose else want
+        got = np.asarray(variable(m, ours)[...])
+        assert (
+            got.view(np.uint32).tobytes() == np.ascontiguousarray(want, np.float32).view(np.uint32).tobytes()
+        ), g
+
+
 def test_unsupported_quantization_named(tmp_path):
-    write_gguf(tmp_path / "m.gguf", qtype=Q.Q5_0)
-    with pytest.raises(ValueError, match=r"Q5_0.*not support"):
+    write_gguf(tmp_path / "m.gguf", qtype=Q.Q8_1)  # llama.cpp's activation type: no weight format
+    with pytest.raises(ValueError, match=r"Q8_1.*not support"):
         load_gguf(tmp_path / "m.gguf")
 
 
