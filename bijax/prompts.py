@@ -47,6 +47,16 @@ def tokenize(tokenizer, prompt) -> tuple[str | None, list[int]]:
     return None, ids
 
 
+def check_fits(prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+    """Raises ValueError when a prompt of ``prompt_tokens`` plus ``max_tokens`` exceeds ``max_model_len``."""
+    total = prompt_tokens + max_tokens
+    if total > max_model_len:
+        raise ValueError(
+            f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
+            f"max_model_len ({max_model_len})"
+        )
+
+
 def check_request(
     ids: list[int],
     params: SamplingParams,
@@ -66,12 +76,8 @@ def check_request(
     bad = [t for t in params.stop_token_ids if t >= vocab_size]
     if bad:  # (it could never be sampled: a typo, or another model's id)
         raise ValueError(f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    check_fits(len(ids), params.max_tokens, cfg.max_model_len)
     total = len(ids) + params.max_tokens
-    if total > cfg.max_model_len:
-        raise ValueError(
-            f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
-            f"max_model_len ({cfg.max_model_len})"
-        )
     if -(-total // cfg.block_size) > pool - 1:
         raise ValueError(
             f"a request of {total} tokens needs {-(-total // cfg.block_size)} KV blocks; the pool has {pool - 1}"

@@ -115,10 +115,13 @@ def _floors(llm) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     from bijax import SamplingParams
+    from bijax.prompts import check_fits
 
     rng = np.random.default_rng(args.model_seed)
     # bad sampling values fail before the model loads (an 8B preset takes a while to build)
     SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True)
+    if args.max_model_len is not None:  # so do requests that cannot fit the limit given
+        check_fits(args.input_len, args.output_len, args.max_model_len)
     s, t = sizes(args, args.num_prompts)
     t0 = time.perf_counter()
     inv = make_llm(args, max_num_seqs=s, max_num_batched_tokens=t, invariant=True)

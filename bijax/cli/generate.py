@@ -34,11 +34,11 @@ def _prompts(args) -> list[str]:
             raise ValueError("give a prompt argument, or pipe the prompt on stdin")
         text = sys.stdin.read()
         if not text.strip():
-            raise ValueError("the prompt read from stdin is empty")
+            raise ValueError("the prompt read from stdin is empty (or only whitespace)")
         prompts = [text.rstrip("\n")]
     for i, p in enumerate(prompts):
         if not p.strip():
-            raise ValueError(f"prompt {i} is empty")
+            raise ValueError(f"prompt {i} is empty (or only whitespace)")
     return prompts
 
 

@@ -133,6 +133,13 @@ def test_bad_input_exits_2_with_a_message(argv, message, capsys):
     assert last.startswith("bijax: error:") and message in last and "Traceback" not in err
 
 
+def test_bench_refuses_work_longer_than_max_model_len_before_loading(capsys):
+    argv = ["bench", "--model", "tiny", "--input-len", "60", "--output-len", "20", "--max-model-len", "64"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "= 80 exceeds max_model_len (64)" in err and "loaded in" not in err
+
+
 def test_text_prompt_without_tokenizer_is_a_clear_error(capsys, tmp_path):
     # a preset is refused before its weights are built (llama3-8b's would take a while)
     assert cli.main(["generate", "hi", "--model", "tiny", "--no-warmup", "--max-model-len", "64"]) == 2
