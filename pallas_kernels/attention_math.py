@@ -84,9 +84,11 @@ def kv_tile(block_size: int) -> int:
     return max(MIN_KV_TILE, block_size)
 
 
-def scores(s, spec: AttentionSpec):
-    """Scaled (and soft-capped) logits from the raw q.k dots."""
-    s = s * spec.scale
+def scores(s, spec: AttentionSpec, scale_mul=None):
+    """Scaled (and soft-capped) logits from the raw q.k dots. ``scale_mul(s, scale)``: how the
+    scaling product is formed (default ``*``; the GPU kernels' interpret mode passes
+    ``rounded_product``)."""
+    s = s * spec.scale if scale_mul is None else scale_mul(s, spec.scale)
     if spec.softcap is not None:
         s = spec.softcap * jnp.tanh(s / spec.softcap)
     return s
@@ -96,6 +98,18 @@ def exp(x, exp2):
     """e**x as ``exp2(x * log2 e)``: the one exponential of the online softmax and the fold
     (``exp2`` is 2**x: ``EX2_PTX`` in a GPU kernel, ``jnp.exp2`` on the CPU)."""
     return exp2(x * LOG2E)
+
+
+def rounded_product(a, b):
+    """``a * b`` rounded to float32 on its own, kept apart from whatever adds it later: the GPU
+    kernels' logit scaling as their interpret mode runs it (``scale_mul``). XLA's CPU compiler
+    contracts a product and a later subtraction into one fused multiply-add when nothing stands
+    between them - and a select whose predicate is one scalar (a full tile's ``ok``) does not,
+    being hoisted out of the loop: the full tiles' ``s * scale - m`` became one FMA while a
+    masked tile's select kept two roundings, so at a scale that is not a power of two (head_dim
+    128) a row got other bits in a full tile than in a masked one. On the GPU both tiles round
+    twice (Mosaic GPU's ``mul.rn`` == Triton's bits, the H100 / H200 checks)."""
+    return lax.optimization_barrier(a * b)
 
 
 def key_mask(j, pos, ctx, window: int | None):
@@ -165,6 +179,7 @@ def softmax_step(
     mul_add=None,
     sum_and_update=None,
     exp2,
+    scale_mul=None,
 ):
     """The online-softmax step over one KV tile, from the raw q.k dots ``s`` [R, N]: the one
     definition of a tile's arithmetic outside the dots (``kv_tile_step`` is it with ``jnp.dot``;
@@ -177,11 +192,11 @@ def softmax_step(
     multiply-add). ``sum_and_update(acc, alpha, p)`` -> (``p @ ones``, the new acc): both dots
     at once (the Mosaic GPU kernel's one wait for both wgmmas), the same values as ``row_sum``
     then ``update``. ``exp2``: 2**x (``exp``'s; required, so that no kernel can fall back to
-    another exponential). Without the Mosaic hooks the operations come in the order the Triton
+    another exponential). ``scale_mul``: as ``scores``'. Without the Mosaic hooks the operations come in the order the Triton
     kernels always had (their lowered IR changes with ``exp2`` alone).
     """
     m, l, acc = state
-    s = jnp.where(ok, scores(s, spec), -jnp.inf)
+    s = jnp.where(ok, scores(s, spec, scale_mul), -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     alpha = exp(m - m_safe, exp2)
@@ -199,7 +214,7 @@ def softmax_step(
     return m_new, l, acc * expand(alpha, acc) + numerator
 
 
-def kv_tile_step(state, q, k, v, ok, spec: AttentionSpec, exp2):
+def kv_tile_step(state, q, k, v, ok, spec: AttentionSpec, exp2, scale_mul=None):
     """One online-softmax step of query rows q [R, D] over a KV tile k, v [N, D]: the GPU
     kernels' inner loop (both call exactly this).
 
@@ -233,6 +248,7 @@ def kv_tile_step(state, q, k, v, ok, spec: AttentionSpec, exp2):
         row_sum=lambda p: dot(p, jnp.ones((p.shape[1], 16), v.dtype)),
         pv=lambda p: dot(p, v),
         exp2=exp2,
+        scale_mul=scale_mul,
     )
 
 

@@ -42,6 +42,7 @@ from pallas_kernels.attention_math import (
     key_mask,
     kv_tile,
     kv_tile_step,
+    rounded_product,
     row_tiles,
     split_used,
     used_splits,
@@ -177,6 +178,13 @@ def _exp2(interpret: bool):
     return ex2
 
 
+def _scale_mul(interpret: bool):
+    """The logit scaling's product: ``*`` on the GPU (the lowered kernels are unchanged);
+    ``attention_math.rounded_product`` in interpret mode, so that XLA's CPU compiler rounds it
+    in every tile as the GPU does (it fused it into the full tiles' subtraction)."""
+    return rounded_product if interpret else None
+
+
 def _empty_state(rows: int, d: int):
     return (
         jnp.full((rows,), -jnp.inf, jnp.float32),
@@ -225,14 +233,17 @@ def _cache_view(k_cache, v_cache, row_loads: bool):
 
 def _tokens_kernel(
     seq_ref, pos_ref, ctx_ref, bt_ref, q_ref, k_ref, v_ref, m_out, l_out, acc_out,
-    *, spec: AttentionSpec, block_size: int, max_blocks: int, bulk: bool, exp2, lanes: int | None = None,
+    *, spec: AttentionSpec, block_size: int, max_blocks: int, bulk: bool, exp2, scale_mul,
+    lanes: int | None = None,
 ):  # fmt: skip
     """One (token, KV head, split): the fp32 softmax state of the split, for the group's rows.
     With ``lanes``: one (token, KV head, lane), each of its splits in turn (``DECODE_PROGRAMS``)."""
     t, split_or_lane = pl.program_id(0), pl.program_id(2)
     seq, pos = jnp.maximum(seq_ref[t], 0), pos_ref[t]
     ctx = ctx_ref[seq]
-    kw = dict(spec=spec, block_size=block_size, max_blocks=max_blocks, bulk=bulk, exp2=exp2)
+    kw = dict(
+        spec=spec, block_size=block_size, max_blocks=max_blocks, bulk=bulk, exp2=exp2, scale_mul=scale_mul
+    )
     if lanes is None:
         _one_split(
             split_or_lane, (), seq, pos, ctx, q_ref, None, bt_ref, k_ref, v_ref, m_out, l_out, acc_out, **kw
@@ -256,7 +267,7 @@ def _tokens_kernel(
 
 def _one_split(
     split, lead, seq, pos, ctx, q_ref, q, bt_ref, k_ref, v_ref, m_out, l_out, acc_out,
-    *, spec: AttentionSpec, block_size: int, max_blocks: int, bulk: bool, exp2,
+    *, spec: AttentionSpec, block_size: int, max_blocks: int, bulk: bool, exp2, scale_mul,
 ):  # fmt: skip
     """The state of one split of one (token, KV head), stored at ``m_out[*lead]`` etc. where the
     combine reads it; ``q`` the group's rows padded (None: read here from ``q_ref``)."""
@@ -281,11 +292,11 @@ def _one_split(
         k, v = load(i)
         ok = key_mask(start + i * tile + jnp.arange(tile), pos, ctx, spec.window)
         v = jnp.where(ok[:, None], v, 0.0)
-        return kv_tile_step(state, q, k, v, ok[None, :], spec, exp2)
+        return kv_tile_step(state, q, k, v, ok[None, :], spec, exp2, scale_mul)
 
     def unmasked(i, state):  # every key visible (full_tiles)
         k, v = load(i)
-        return kv_tile_step(state, q, k, v, _all_visible(start, i, tile, pos), spec, exp2)
+        return kv_tile_step(state, q, k, v, _all_visible(start, i, tile, pos), spec, exp2, scale_mul)
 
     if bulk:
         full = full_tiles(start, first, num_tiles, pos, pos, tile, spec.window)
@@ -368,6 +379,7 @@ def token_states(
             max_blocks=block_tables.shape[1],
             bulk=bulk,
             exp2=_exp2(interpret),
+            scale_mul=_scale_mul(interpret),
             lanes=lanes if walk else None,
         ),
         grid=(t, hkv, lanes),
@@ -422,7 +434,7 @@ def combine(m, l, acc, token_pos, *, spec: AttentionSpec, interpret: bool, dtype
 
 def _tiles_kernel(
     rseq_ref, rpos_ref, ctx_ref, bt_ref, q_ref, k_ref, v_ref, o_ref,
-    *, spec: AttentionSpec, block_size: int, max_blocks: int, bulk: bool, exp2,
+    *, spec: AttentionSpec, block_size: int, max_blocks: int, bulk: bool, exp2, scale_mul,
 ):  # fmt: skip
     """One (tile of rows, KV head): every split its rows use, folded in registers."""
     rows, d = q_ref.shape
@@ -470,11 +482,11 @@ def _tiles_kernel(
                 if window is not None:
                     seen &= j > lo - window
                 v = jnp.where(seen[:, None], v, 0.0)
-                return kv_tile_step(state, q, k, v, ok, spec, exp2)
+                return kv_tile_step(state, q, k, v, ok, spec, exp2, scale_mul)
 
             def unmasked(i, state):  # every key visible to every row of this sequence (full_tiles);
                 k, v = load(i)  # other rows' states of this pass are dropped by the fold (use)
-                return kv_tile_step(state, q, k, v, _all_visible(start, i, tile, lo), spec, exp2)
+                return kv_tile_step(state, q, k, v, _all_visible(start, i, tile, lo), spec, exp2, scale_mul)
 
             empty = _empty_state(rows, d)
             if bulk:
@@ -513,6 +525,7 @@ def _tiles(
             max_blocks=block_tables.shape[1],
             bulk=bulk,
             exp2=_exp2(interpret),
+            scale_mul=_scale_mul(interpret),
         ),
         grid=(nt, hkv),
         in_specs=[per_tile, per_tile, whole(context_lens), whole(block_tables), block, cache, cache],

@@ -157,11 +157,13 @@ def test_invariance_decode_vs_prefill_chunks_cpu(dtype):
             np.testing.assert_array_equal(got, decode, err_msg=f"p={p} chunk={chunk}")
 
 
-@pytest.mark.parametrize("gpu_kernel", ["tokens", "tiles"])
-def test_invariance_decode_vs_prefill_chunks_pallas_interpret(gpu_kernel):
+@pytest.mark.parametrize("gpu_kernel, d", [("tokens", 64), ("tiles", 64), ("tiles", 128)])
+def test_invariance_decode_vs_prefill_chunks_pallas_interpret(gpu_kernel, d):
     """Each GPU kernel in interpret mode: a token alone == inside chunks among other tokens
-    (for ``tiles``: at any row of a tile, with other sequences' rows in the same tile)."""
-    paged = Paged([150, 30], hq=4, hkv=2)
+    (for ``tiles``: at any row of a tile, with other sequences' rows in the same tile). At
+    head_dim 128 the logit scale is no power of two: a tile the token's chunk sees only in part
+    (masked) is a full tile for the token alone (``attention_math.rounded_product``)."""
+    paged = Paged([150, 30], hq=4, hkv=2, d=d)
     others = [(1, 29), (1, 3)]
     for p in (149, 70):
         decode = bits(
@@ -170,6 +172,38 @@ def test_invariance_decode_vs_prefill_chunks_pallas_interpret(gpu_kernel):
         for chunk in (1, 3, 17, 40):
             got = _chunked_rows(paged, 0, p, chunk, "triton", True, others, gpu_kernel)
             np.testing.assert_array_equal(got, decode, err_msg=f"p={p} chunk={chunk}")
+
+
+def test_interpret_mode_rounds_the_logit_scaling_in_full_and_masked_tiles_alike():
+    """Why the GPU kernels' interpret mode scales logits by ``rounded_product``: XLA's CPU code
+    fuses ``s * scale - m`` into one fused multiply-add in a full tile (its ``ok`` is one scalar,
+    hoisted out of the loop) but not in a masked tile. At head_dim 128 (a scale that is no power
+    of two) that gave a row other bits in a full tile than in a masked one that hides no key
+    (the control below); with ``rounded_product`` both round twice, as on the GPU."""
+    from pallas_kernels.attention_math import AttentionSpec, kv_tile_step, rounded_product
+
+    spec, rows, n, d = AttentionSpec.create(128), 16, 64, 128
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal(x), jnp.float32) for x in ((rows, d), (n, d), (n, d)))
+    state = (
+        jnp.full((rows,), 0.5, jnp.float32),
+        jnp.ones((rows,), jnp.float32),
+        jnp.zeros((rows, d), jnp.float32),
+    )
+
+    def tiles(scale_mul):  # (the operands are arguments: constants would be folded at compile time)
+        def step(ok, state, q, k, v):
+            return kv_tile_step(state, q, k, v, ok, spec, jnp.exp2, scale_mul)
+
+        masked = jax.jit(lambda lim, *a: step(jnp.arange(n)[None, :] <= lim[:, None], *a))
+        full = jax.jit(lambda flag, *a: step(jnp.broadcast_to(flag, (1, n)), *a))
+        args = (state, q, k, v)
+        return [bits(x) for x in masked(jnp.full((rows,), n), *args)], [bits(x) for x in full(True, *args)]
+
+    masked, full = tiles(rounded_product)
+    assert all(np.array_equal(a, b) for a, b in zip(masked, full, strict=True))
+    masked, full = tiles(None)  # control: the plain product, contracted in the full tile only
+    assert not all(np.array_equal(a, b) for a, b in zip(masked, full, strict=True))
 
 
 @pytest.mark.parametrize("backend,interpret,gpu_kernel", BACKENDS)
