@@ -271,6 +271,10 @@ DEFAULT_VARIANT = ("into", "two")
 # exact exp: 2**y as libdevice's exact exp of y * ln 2 (NUMERICS_VERSION 5's exponential, two
 # multiplies more) - about what the one-instruction ex2 (attention_math.EX2_PTX) saves. unmasked: every KV tile on the
 # full tiles' path (no key mask, no V zeroing) - what the causal diagonal's masked tiles cost.
+# base-2 logits: log2 e folded into the logit scale, each tile exponential ex2 of the difference
+# (one multiply an element less) - what that numerics change would save (session 45: the
+# interpret-mode discrepancy that stopped it in session 44 was XLA's CPU contraction, not the
+# kernel's: attention_math.rounded_product).
 PROBES = {
     "probe: pair, 3 stages, heaviest, one drain, dense rows, fold in SMEM, persistent, exact exp": {
         **_PAIR3,
@@ -283,6 +287,12 @@ PROBES = {
         "fold_in_smem": True,
         "persistent": True,
         "probe_unmasked": True,
+    },
+    "probe: pair, 3 stages, heaviest, one drain, dense rows, fold in SMEM, persistent, base-2 logits": {
+        **_PAIR3,
+        "fold_in_smem": True,
+        "persistent": True,
+        "probe_log2_scores": True,
     },
 }
 

@@ -31,7 +31,7 @@ import pallas_kernels as pk
 from bijax.sampler import tempered_logprobs
 from bijax.sampling_params import check_temperature
 from bijax.step_programs import baseline_jit
-from models.llama import Llama, check_packed, int_array_like_tokens
+from models.llama import Llama, check_packed, int_array_like_tokens, poison_bad_packing
 
 __all__ = ["logprobs"]
 
@@ -105,7 +105,9 @@ def logprobs(
       max_segments: static bound on the segment ids (sequences per row). Default: 1 without
         ``segment_ids``, else ``max(segment_ids) + 1`` when they are concrete; required when
         ``segment_ids`` is traced (under ``jax.jit``). It sets the size of the block tables
-        (B * max_segments * L int32), never the numerics.
+        (B * max_segments * L int32), never the numerics. Traced ``segment_ids`` that break
+        the rules above (an id >= max_segments, a segment in two runs, one longer than the
+        model's context) cannot raise: every logprob comes back NaN instead of a wrong one.
       invariant: True: the batch-invariant kernels (bits equal the engine's). False: plain
         XLA (dense masked attention, XLA dots and log_softmax) - the baseline and negative
         control; the same values up to float32 rounding.
@@ -150,6 +152,7 @@ def logprobs(
         temp,
         max_segments=max_segments,
         invariant=invariant,
+        traced_ids=seg_pos is None,  # (concrete ids were checked above, with an error)
     )
     return (out, mask) if return_mask else out
 
@@ -159,12 +162,14 @@ def logprobs(
 # step. Run op by op instead, XLA CPU rounds RoPE's ``x1 * cos - x2 * sin`` differently
 # (measured: eager and jitted RoPE differ in the last bit), and the bits would not match.
 # (the baseline's program compiles with step_programs.BASELINE_XLA_OPTIONS when called directly)
-@functools.partial(baseline_jit, static_argnums=(0,), static_argnames=("max_segments", "invariant"))
-def _logprobs(graphdef, state, tokens, segment_ids, temp, *, max_segments, invariant):
+@functools.partial(
+    baseline_jit, static_argnums=(0,), static_argnames=("max_segments", "invariant", "traced_ids")
+)
+def _logprobs(graphdef, state, tokens, segment_ids, temp, *, max_segments, invariant, traced_ids):
     m = nnx.merge(graphdef, state)
     c = m.config
     b, length = tokens.shape
-    logits = m.forward_packed(tokens, segment_ids, max_segments=max_segments, invariant=invariant)
+    logits = m._packed_logits(tokens, segment_ids, max_segments=max_segments, invariant=invariant)
     lp = tempered_logprobs(
         logits.reshape(b * length, c.vocab_size), jnp.repeat(temp, length), invariant=invariant
     )
@@ -175,4 +180,5 @@ def _logprobs(graphdef, state, tokens, segment_ids, temp, *, max_segments, invar
     valid = segment_ids >= 0
     prev_same = jnp.concatenate([jnp.zeros((b, 1), bool), segment_ids[:, 1:] == segment_ids[:, :-1]], axis=1)
     mask = valid & prev_same
-    return jnp.where(mask, shifted, jnp.float32(0)), mask
+    out = jnp.where(mask, shifted, jnp.float32(0))
+    return poison_bad_packing(out, segment_ids, max_segments, c) if traced_ids else out, mask

@@ -564,7 +564,9 @@ class Llama(nnx.Module):
         (anywhere in the row; its logits are meaningless). A token attends to the earlier
         tokens of its own segment only, at positions counted from the segment's first token.
         ``segment_ids`` None: one sequence a row. Inputs are checked by ``check_packed`` (the
-        values where they are concrete, as ``bijax.logprobs`` does).
+        values where they are concrete, as ``bijax.logprobs`` does); traced ``segment_ids``
+        that break those rules make every logit NaN (``poison_bad_packing``), never a silently
+        wrong one.
 
         With ``invariant=True`` every (row, segment) is one sequence of the paged attention
         kernel (``models.paged.PackedLayout``): each layer's K/V rows are placed in pages of 64
@@ -572,6 +574,12 @@ class Llama(nnx.Module):
         engine's for the same sequence (the kernel's bits are the same for any block size <= 64).
         ``invariant=False``: plain XLA, dense attention under a same-segment causal mask.
         """
+        logits = self._packed_logits(tokens, segment_ids, max_segments=max_segments, invariant=invariant)
+        return poison_bad_packing(logits, segment_ids, max_segments, self.config)
+
+    def _packed_logits(self, tokens, segment_ids, *, max_segments, invariant: bool) -> jax.Array:
+        """``forward_packed`` without ``poison_bad_packing`` (``bijax.logprobs`` applies it to
+        its own result, after the last arithmetic)."""
         c = self.config
         tokens, segment_ids, max_segments, _ = check_packed(tokens, segment_ids, max_segments, c)
         b, length = tokens.shape
@@ -712,6 +720,27 @@ def check_packed(tokens, segment_ids, max_segments, config: LlamaConfig):
                 f"{config.max_position_embeddings}"
             )
     return tokens, jnp.asarray(segment_ids, jnp.int32), max_segments, seg_pos
+
+
+def poison_bad_packing(out: jax.Array, segment_ids, max_segments, config: LlamaConfig) -> jax.Array:
+    """``out`` as it is, or all NaN where traced ``segment_ids`` break ``check_packed``'s value
+    rules (under ``jax.jit`` they cannot raise): an id outside [-1, max_segments), a segment in
+    more than one run of its row, a segment longer than the model's context. Such ids would
+    place tokens in other sequences' pages (other rows included), so the whole batch is
+    poisoned. Concrete ids were checked with an error already: ``out`` comes back untouched.
+    A select after the last arithmetic, so it changes no other bit."""
+    if segment_ids is None or pk.runtime.concrete(segment_ids) is not None:
+        return out
+    seg = jnp.asarray(segment_ids, jnp.int32)
+    b = seg.shape[0]
+    in_range = ((seg >= -1) & (seg < max_segments)).all()
+    one_hot = seg[:, :, None] == jnp.arange(max_segments, dtype=jnp.int32)  # [B, L, S]
+    counts = one_hot.sum(axis=1)  # tokens of each (row, segment)
+    starts = (seg >= 0) & jnp.concatenate([jnp.ones((b, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+    one_run = starts.sum(axis=1) == (counts > 0).sum(axis=1)  # runs == segments present, per row
+    fits = counts.max() <= config.max_position_embeddings
+    ok = in_range & one_run.all() & fits
+    return jnp.where(ok, out, jnp.float32(jnp.nan).astype(out.dtype))
 
 
 def check_tokens(tokens, config: LlamaConfig, *, ndim: int):

@@ -8,6 +8,7 @@ points (``attention``) all take these from here, so the paths cannot drift apart
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 
 import jax.numpy as jnp
@@ -180,6 +181,7 @@ def softmax_step(
     sum_and_update=None,
     exp2,
     scale_mul=None,
+    log2_scores=False,
 ):
     """The online-softmax step over one KV tile, from the raw q.k dots ``s`` [R, N]: the one
     definition of a tile's arithmetic outside the dots (``kv_tile_step`` is it with ``jnp.dot``;
@@ -192,15 +194,18 @@ def softmax_step(
     multiply-add). ``sum_and_update(acc, alpha, p)`` -> (``p @ ones``, the new acc): both dots
     at once (the Mosaic GPU kernel's one wait for both wgmmas), the same values as ``row_sum``
     then ``update``. ``exp2``: 2**x (``exp``'s; required, so that no kernel can fall back to
-    another exponential). ``scale_mul``: as ``scores``'. Without the Mosaic hooks the operations come in the order the Triton
+    another exponential). ``scale_mul``: as ``scores``'. ``log2_scores`` (a timing probe's, other
+    bits): the logits are already in base 2 (log2 e folded into the scale), so each exponential
+    is ``exp2`` of the difference, one multiply less. Without the Mosaic hooks the operations come in the order the Triton
     kernels always had (their lowered IR changes with ``exp2`` alone).
     """
     m, l, acc = state
     s = jnp.where(ok, scores(s, spec, scale_mul), -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    alpha = exp(m - m_safe, exp2)
-    p = jnp.where(ok, exp(s - expand(m_safe, s), exp2), 0.0).astype(p_dtype)
+    e = exp2 if log2_scores else functools.partial(exp, exp2=exp2)
+    alpha = e(m - m_safe)
+    p = jnp.where(ok, e(s - expand(m_safe, s)), 0.0).astype(p_dtype)
     if sum_and_update is not None:
         sums, acc = sum_and_update(acc, alpha, p)
         total = jnp.max(sums, axis=1)

@@ -77,6 +77,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.attention_math import (
     EX2_PTX,
+    LOG2E,
     AttentionSpec,
     fold_finish,
     fold_step,
@@ -286,7 +287,7 @@ def _kernel(
     *, spec: AttentionSpec, block_size: int, max_blocks: int, stages: int, max_segs: int, pv: str,
     a_in_smem: bool, overlap: bool, rounding: str, consumers: int, one_drain: bool, q_from_smem: bool,
     fold_in_smem: bool, work: tuple[int, int, int] | None, prefetch_q: bool,
-    probe_unmasked: bool, inline_ex2: bool, probe_exact_exp: bool,
+    probe_unmasked: bool, inline_ex2: bool, probe_exact_exp: bool, probe_log2_scores: bool,
 ):  # fmt: skip
     if work is None:  # a program per (tile, head)
         i = lax.axis_index("tile") if order_ref is None else order_ref[lax.axis_index("tile")]
@@ -316,6 +317,8 @@ def _kernel(
     exp2 = _ex2 if inline_ex2 else jnp.exp2  # (the interpreter runs no PTX)
     if probe_exact_exp:
         exp2 = lambda x: jnp.exp(x * math.log(2.0))  # noqa: E731 - timing only, other bits
+    # (the base-2 probe: log2 e in the logit scale - timing only, other bits)
+    step_spec = dataclasses.replace(spec, scale=spec.scale * LOG2E) if probe_log2_scores else spec
 
     def mul_add(a, b, c):
         return a * b + c if fused_mul_add is None else fused_mul_add(a, b, c)
@@ -489,13 +492,14 @@ def _kernel(
                 state,
                 s,
                 ok,
-                spec,
+                step_spec,
                 p_dtype=dtype,
                 update=update,
                 row_sum=row_sum,
                 mul_add=fused_mul_add,
                 sum_and_update=sum_and_update if one_drain else None,
                 exp2=exp2,
+                log2_scores=probe_log2_scores,
             )
 
         def empty_state():
@@ -866,6 +870,7 @@ def tiles_mgpu(
     prefetch_q: bool = False,
     probe_exact_exp: bool = False,
     probe_unmasked: bool = False,
+    probe_log2_scores: bool = False,
     interpret=None,
 ):
     """q [T, Hkv, G, D] -> normalised output [T, Hkv, G, D], the ``tiles`` walk on Mosaic GPU.
@@ -905,8 +910,11 @@ def tiles_mgpu(
     y * ln 2 (libdevice's ``expf``, the exponential of NUMERICS_VERSION 5, with two multiplies
     more), other bits - about what the one-instruction ``EX2_PTX`` saved. ``probe_unmasked``,
     another: every KV tile takes the full tiles' path (no key mask built, no V rows zeroed:
-    wrong values) - what the masked tiles on the causal diagonal cost. Nothing in the engine
-    passes either."""
+    wrong values) - what the masked tiles on the causal diagonal cost. ``probe_log2_scores``,
+    a third: log2 e folded into the logit scale and each exponential of a tile step ``EX2_PTX``
+    of the difference (one multiply an element less; the fold's exponentials as they are):
+    what a numerics change to base-2 logits would save, other bits. Nothing in the engine
+    passes any of them."""
     why = supported(qg.dtype, qg.shape[-1], spec)
     if why is not None:
         raise ValueError(f"attention (Mosaic GPU tiles): unsupported {why}")
@@ -1005,6 +1013,7 @@ def tiles_mgpu(
         probe_unmasked=bool(probe_unmasked),
         inline_ex2=interpret is None,
         probe_exact_exp=bool(probe_exact_exp),
+        probe_log2_scores=bool(probe_log2_scores),
     )
     args = [segs, nseg, program_order, rpos, rseq, block_tables, q]
     if program_order is None:  # the program index is the tile's

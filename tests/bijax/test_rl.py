@@ -220,6 +220,28 @@ def test_jit_gives_the_eager_bits():
     assert np.array_equal(bits(jitted), bits(eager))
 
 
+def test_traced_segment_ids_that_break_the_packing_rules_give_nan_not_wrong_values():
+    """Under jit the ids cannot be checked with an error; ids that would put tokens into other
+    sequences' pages poison the whole batch (NaN) on both paths. Control: valid traced ids give
+    the eager bits (no NaN)."""
+    tok = np.arange(10, 31, dtype=np.int32)[None]
+    two = np.array([[0] * 12 + [1] * 9], np.int32)
+    split = np.array([[0] * 6 + [1] * 9 + [0] * 6], np.int32)  # segment 0 in two runs
+    graphdef, state = nnx.split(_tiny())
+
+    @functools.partial(jax.jit, static_argnums=(2, 3))
+    def f(state, seg, max_segments, invariant):
+        return rl.logprobs(
+            (graphdef, state), tok, segment_ids=seg, max_segments=max_segments, invariant=invariant
+        )
+
+    good = f(state, two, 2, True)
+    assert np.array_equal(bits(good), bits(rl.logprobs((graphdef, state), tok, segment_ids=two)))
+    for seg, max_segments in ((two, 1), (split, 2)):
+        for invariant in (True, False):
+            assert np.isnan(np.asarray(f(state, seg, max_segments, invariant))).all(), (seg, invariant)
+
+
 def test_traced_segment_ids_need_max_segments():
     tok = np.ones((1, 8), np.int32)
     with pytest.raises(ValueError, match="max_segments"):

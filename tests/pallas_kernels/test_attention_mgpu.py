@@ -129,6 +129,14 @@ def test_cuda_lowering_is_one_mosaic_gpu_kernel(pv, rounding, overlap, launch):
             *args,
         )
         assert MOSAIC_GPU_CUSTOM_CALL in probe and EX2_PTX not in probe and "math.exp" in probe
+        # the base-2 logits probe lowers too, to another kernel (the timing step runs it)
+        base2 = cuda_export(
+            lambda q, k, v, idx: tiles_mgpu(
+                q, k, v, idx, spec=spec, pv=pv, rounding=rounding, overlap=overlap, probe_log2_scores=True
+            ),
+            *args,
+        )
+        assert MOSAIC_GPU_CUSTOM_CALL in base2 and EX2_PTX in base2 and base2 != text
 
 
 def test_unsupported_calls_are_refused_by_name():
@@ -225,6 +233,8 @@ def test_launch_choices_keep_the_bits():
     assert not np.array_equal(control, base), "split size changed nothing: the check cannot fail"
     # the timing probe that skips the masked tiles' work does change values (it is no launch)
     assert not np.array_equal(run(probe_unmasked=True), base)
+    # nor does the base-2 logits probe (log2 e in the scale: other roundings)
+    assert not np.array_equal(run(probe_log2_scores=True), base)
 
 
 @pytest.mark.parametrize("hq,launch", [(6, {}), (14, {"consumers": 2, "order": "heaviest"})])
