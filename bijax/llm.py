@@ -22,6 +22,7 @@ from bijax.outputs import RequestOutput
 from bijax.sampling_params import MAX_SEED, SamplingParams
 from bijax.speculative import SpeculativeConfig
 from bijax.step_programs import staged_inputs
+from models.checkpoint import non_finite
 from models.configs import PRESETS
 from models.llama import Llama, param_state
 from models.loading import DEFAULT_MODEL, embedded_model_path, is_embedded, is_preset, load_model
@@ -588,7 +589,12 @@ class LLM:
         unless already laid out that way; numpy arrays are copied), so a train step that donates
         them must be followed by another ``update_weights`` before the next ``generate``. The
         model object changes in place: every other open LLM on it (``LLM(llm.model, ...)``)
-        runs the new weights too - so each must be idle (RuntimeError before anything changes)."""
+        runs the new weights too - so each must be idle (RuntimeError before anything changes);
+        so does a draft model that is this model object, and so do states split from the model
+        before (``nnx.split`` / ``nnx.state`` share its variables: copy a reference policy's
+        params, ``jax.tree.map(jnp.copy, params)``, before updating). Arrays on another device
+        or sharding are moved to where the model's are. Weights holding NaN or infinity are
+        refused (ValueError: a diverged train step), and the engine keeps its own."""
         with self._exclusive("update_weights"):
             self._update_weights(weights)
 
@@ -634,14 +640,23 @@ class LLM:
                 raise ValueError(f"weights{name(k)} has dtype {new.dtype}, the model's is {ref.dtype}")
             if isinstance(new, jax.Array) and new.is_deleted():
                 raise ValueError(f"weights{name(k)} has been deleted (donated to a jitted step?)")
+
         # numpy leaves are copied (the caller may change them in place later; on a CPU device_put
-        # may alias a numpy buffer instead of copying it - so a private copy goes to the device)
-        weights = jax.tree_util.tree_map_with_path(
-            lambda k, v: (
-                jax.device_put(np.array(v, copy=True), want[k].sharding) if isinstance(v, np.ndarray) else v
-            ),
-            weights,
-        )
+        # may alias a numpy buffer instead of copying it - so a private copy goes to the device);
+        # arrays laid out elsewhere (another device, a trainer's sharding) are moved to where the
+        # model's are (the compiled steps take them there and nowhere else)
+        def placed(k, v):
+            if isinstance(v, np.ndarray):
+                return jax.device_put(np.array(v, copy=True), want[k].sharding)
+            return v if v.sharding == want[k].sharding else jax.device_put(v, want[k].sharding)
+
+        weights = jax.tree_util.tree_map_with_path(placed, weights)
+        bad = non_finite(weights)  # a diverged train step: refused, the engine keeps its weights
+        if bad:
+            raise ValueError(
+                f"weights[{bad[0]!r}] holds NaN or infinite values ({len(bad)} such parameters in all; "
+                "a diverged train step?): the engine keeps its current weights"
+            )
         nnx.replace_by_pure_dict(current, {k: v for k, v in weights.items()})
         nnx.update(self.model, current)
         self.engine.set_weights(self.model)  # also empties the prefix cache (KV of the old weights)

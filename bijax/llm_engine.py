@@ -114,6 +114,7 @@ class Engine:
         self.tokenizer = tokenizer
         self._token = object()  # marks the ValidPrompts this engine checked
         self.runner = ModelRunner(model, config)
+        self._model = model  # (a draft that is this object follows set_weights)
         self.blocks = BlockManager(
             config.num_kv_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
         )
@@ -205,14 +206,27 @@ class Engine:
         """Raises (before anything is scheduled) when the weights - the draft model's too - were
         deleted, e.g. donated to a train step since ``set_weights``."""
         self.runner.check_params()
-        if self.speculator is not None and self.speculator.draft is not None:
-            self.speculator.draft.check_params()
+        sp = self.speculator
+        if sp is not None and sp.draft is not None and sp.draft_model is not self._model:
+            sp.draft.check_params(
+                "the draft model's weights have been deleted (donated to a train step?); "
+                "update_weights does not change a draft that is another model: give the LLM a new "
+                "draft (a new LLM), or keep the draft's arrays out of the train step"
+            )
 
     def set_weights(self, model) -> None:
         """Runs with ``model``'s weights from now on (same structure, shapes, dtypes: nothing
-        recompiles) and empties the prefix cache, whose KV came from the old weights."""
+        recompiles) and empties the prefix cache, whose KV came from the old weights. A draft
+        model that is this model object (self-speculation) follows it; another draft keeps its
+        own weights."""
         self._require_idle("set_weights")
+        sp = self.speculator
+        follows = sp is not None and sp.draft is not None and sp.draft_model is self._model
         self.runner.set_model(model)
+        self._model = model
+        if follows:
+            sp.draft_model = model
+            sp.draft.set_model(model)
         self.blocks.reset_prefix_cache()  # its KV came from the old weights
 
     @property

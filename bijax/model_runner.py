@@ -809,10 +809,11 @@ class ModelRunner:
             return step_cache.lower_flat(fn, args, kw, donate=donate)
         return step_cache.lower(fn, args, kw, donate=donate, name=self._shared_name(key)[0])
 
-    def check_params(self) -> None:
+    def check_params(self, message: str | None = None) -> None:
         for leaf in self._param_leaves:
             if isinstance(leaf, jax.Array) and leaf.is_deleted():
                 raise RuntimeError(
-                    "the engine's weights have been deleted (donated to a train step?): "
+                    message
+                    or "the engine's weights have been deleted (donated to a train step?): "
                     "call LLM.update_weights with the new weights first"
                 )

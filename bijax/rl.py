@@ -21,6 +21,7 @@ XLA (``invariant=False``) path to float32 rounding.
 from __future__ import annotations
 
 import functools
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -144,16 +145,28 @@ def logprobs(
     temp = _temperature(temperature, b)
 
     graphdef, state = nnx.split(m)
-    out, mask = _logprobs(
-        graphdef,
-        state,
-        tokens,
-        jnp.asarray(segment_ids, jnp.int32),
-        temp,
-        max_segments=max_segments,
-        invariant=invariant,
-        traced_ids=seg_pos is None,  # (concrete ids were checked above, with an error)
-    )
+    try:
+        out, mask = _logprobs(
+            graphdef,
+            state,
+            tokens,
+            jnp.asarray(segment_ids, jnp.int32),
+            temp,
+            max_segments=max_segments,
+            invariant=invariant,
+            traced_ids=seg_pos is None,  # (concrete ids were checked above, with an error)
+        )
+    except AssertionError as e:
+        # a derivative of the gradient differentiates the kernels' forward rules, whose
+        # Pallas calls have no derivative rule: Pallas fails an internal assertion
+        if invariant and any(
+            "jax/_src/pallas" in f.filename for f in traceback.extract_tb(e.__traceback__)[-3:]
+        ):
+            raise NotImplementedError(
+                "bijax.logprobs: second-order derivatives (a derivative of the gradient) are not supported "
+                "by the invariant kernels (their backward rules are first order); invariant=False has them"
+            ) from e
+        raise
     return (out, mask) if return_mask else out
 
 
@@ -166,6 +179,10 @@ def logprobs(
     baseline_jit, static_argnums=(0,), static_argnames=("max_segments", "invariant", "traced_ids")
 )
 def _logprobs(graphdef, state, tokens, segment_ids, temp, *, max_segments, invariant, traced_ids):
+    # A caller's jit that closes over the model and the tokens makes them constants of its
+    # program, and XLA would fold the forward at compile time with other roundings: the
+    # barrier keeps them inputs of the computation, as in the engine's steps.
+    state, tokens, segment_ids = jax.lax.optimization_barrier((state, tokens, segment_ids))
     m = nnx.merge(graphdef, state)
     c = m.config
     b, length = tokens.shape

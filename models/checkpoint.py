@@ -67,13 +67,18 @@ def check_finite(model: Llama, where: str) -> None:
     a damaged checkpoint, or one cast into a dtype it overflows, would otherwise serve NaN
     logprobs and arbitrary tokens. One pass over each parameter where it lives (a llama3-8b's
     16 GB: ~5 ms of HBM reads on the H200), read back once."""
-    leaves = jax.tree_util.tree_flatten_with_path(param_state(model))[0]
-    flags = jax.device_get([_finite(x) for _, x in leaves])
-    names = [jax.tree_util.keystr(p, simple=True, separator=".") for p, _ in leaves]
-    bad = [name for name, ok in zip(names, flags, strict=True) if not ok]
+    bad = non_finite(param_state(model))
     if bad:
-        name = bad[0].removesuffix(".value")
         raise ValueError(
-            f"{where}: parameter {name!r} holds NaN or infinite values ({len(bad)} such parameters in "
+            f"{where}: parameter {bad[0]!r} holds NaN or infinite values ({len(bad)} such parameters in "
             "all) - the checkpoint is damaged, or its values overflow the dtype it was loaded in"
         )
+
+
+def non_finite(tree) -> list[str]:
+    """The dotted names of the array leaves of ``tree`` (a model's param state or its pure
+    dict) that hold a NaN or an infinity: one pass over each where it lives, read back once."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    flags = jax.device_get([_finite(x) for _, x in leaves])
+    names = [jax.tree_util.keystr(p, simple=True, separator=".").removesuffix(".value") for p, _ in leaves]
+    return [name for name, ok in zip(names, flags, strict=True) if not ok]

@@ -242,6 +242,28 @@ def test_traced_segment_ids_that_break_the_packing_rules_give_nan_not_wrong_valu
             assert np.isnan(np.asarray(f(state, seg, max_segments, invariant))).all(), (seg, invariant)
 
 
+def test_jit_with_the_model_and_tokens_as_constants_keeps_the_bits():
+    """A jit that closes over the model and the tokens (only the temperature traced): XLA
+    folded the forward at compile time with other roundings until ``_logprobs``' barrier.
+    Control: the XLA path's values differ from these bits, so the comparison can fail."""
+    model, tok = _tiny(), np.arange(3, 19, dtype=np.int32)[None]
+    eager = rl.logprobs(model, tok, temperature=0.7)
+    const = jax.jit(lambda t: rl.logprobs(model, tok, temperature=t))(jnp.float32(0.7))
+    assert np.array_equal(bits(const), bits(eager))
+    xla = jax.jit(lambda t: rl.logprobs(model, tok, temperature=t, invariant=False))(jnp.float32(0.7))
+    assert not np.array_equal(bits(xla), bits(eager))
+
+
+def test_second_order_derivatives_are_a_clear_error():
+    tok = np.arange(3, 11, dtype=np.int32)[None]
+
+    def f(t):
+        return rl.logprobs(_tiny(), tok, temperature=t).sum()
+
+    with pytest.raises(NotImplementedError, match="second-order derivatives"):
+        jax.grad(jax.grad(f))(jnp.float32(0.7))
+
+
 def test_traced_segment_ids_need_max_segments():
     tok = np.ones((1, 8), np.int32)
     with pytest.raises(ValueError, match="max_segments"):

@@ -128,6 +128,9 @@ def test_update_weights_rejects_a_different_tree():
     abstract = dict(good, final_norm=jax.ShapeDtypeStruct(good["final_norm"].shape, jnp.float32))
     with pytest.raises(TypeError, match=r"\['final_norm'\] must be an array, got ShapeDtypeStruct"):
         llm.update_weights(abstract)
+    nan = dict(good, final_norm=good["final_norm"].at[2].set(jnp.nan))  # a diverged train step
+    with pytest.raises(ValueError, match=r"\['final_norm'\] holds NaN.*keeps its current weights"):
+        llm.update_weights(nan)
     # Nothing was half-applied: the engine still generates with its own weights.
     ref = bijax.LLM(_fresh(), **ENGINE).generate(PROMPTS, SAMPLING, use_tqdm=False)
     assert _same(llm.generate(PROMPTS, SAMPLING, use_tqdm=False), ref)
@@ -142,6 +145,35 @@ def test_numpy_weights_are_copied_not_kept_by_reference():
     host["final_norm"][...] = 0.0
     want = bijax.LLM(_fresh(seed=2), **ENGINE).generate(PROMPTS, SAMPLING, use_tqdm=False)
     assert _same(llm.generate(PROMPTS, SAMPLING, use_tqdm=False), want)
+
+
+def test_weights_on_another_device_are_moved_to_the_models():
+    """A trainer's arrays on another device (or sharded its own way) are taken where the
+    engine's compiled steps want them (they failed in generate with XLA's sharding error)."""
+    llm = bijax.LLM(_fresh(), **ENGINE)
+    assert jax.device_count() > 1
+    elsewhere = jax.device_put(nnx.to_pure_dict(param_state(_fresh(seed=2))), jax.devices()[3])
+    llm.update_weights(elsewhere)
+    want = bijax.LLM(_fresh(seed=2), **ENGINE).generate(PROMPTS, SAMPLING, use_tqdm=False)
+    assert _same(llm.generate(PROMPTS, SAMPLING, use_tqdm=False), want)
+
+
+def test_a_draft_that_is_the_model_itself_follows_update_weights():
+    """Self-speculation (the draft is the target's model object): the draft runs the new
+    weights too - every draft accepted, the bits of plain decoding on them - and a train step
+    that donates the old arrays leaves nothing behind that needs them."""
+    model = _fresh()
+    spec = {"method": "draft_model", "model": model, "num_speculative_tokens": 3}
+    llm = bijax.LLM(model, **ENGINE, speculative_config=spec)
+    old = jax.tree_util.tree_leaves(nnx.to_pure_dict(param_state(model)))
+    llm.update_weights(param_state(_fresh(seed=2)))
+    for a in old:  # the train step donated the weights it was given
+        a.delete()
+    got = llm.generate(PROMPTS, SAMPLING, use_tqdm=False)
+    want = bijax.LLM(_fresh(seed=2), **ENGINE).generate(PROMPTS, SAMPLING, use_tqdm=False)
+    assert _same(got, want)
+    m = [o.metrics for o in got]
+    assert all(x.num_draft_tokens > 0 and x.num_accepted_tokens == x.num_draft_tokens for x in m), m
 
 
 def test_donated_weights_give_a_clear_error():
