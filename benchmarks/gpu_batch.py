@@ -38,10 +38,13 @@ def _startup(rows: str):
 
 
 _FOLD = "BIJAX_MGPU_LAUNCHES=fold|stages=2"  # attention_mgpu.py's launches with the fold in SMEM
-# the session-42 launch, its persistent form (the engine's since session 43) and prefetch q (early
-# q: session 44, out; the probes answered too)
+# the session-42 launch, its persistent form (the engine's since session 43), prefetch q (early
+# q: session 44, out) and the base-2 logits probe (session 45: what folding log2 e would save)
 _P42 = "pair, 3 stages, heaviest, one drain, dense rows, fold in SMEM"
-_PERSIST = f"'BIJAX_MGPU_LAUNCHES=={_P42}|={_P42}, persistent|={_P42}, persistent, prefetch q'"
+_PERSIST = (
+    f"'BIJAX_MGPU_LAUNCHES=={_P42}|={_P42}, persistent|={_P42}, persistent, prefetch q"
+    f"|=probe: {_P42}, persistent, base-2 logits'"
+)
 _PREFILL_CASES = ("--cases", "prefill,prefill64", "--paths", "invariant")
 _CHECK_LIMITS = ("--max-num-seqs", "2", "--max-num-batched-tokens", "32", "--requests", "4", "--max-tokens", "6",
                  "--max-model-len", "512")  # fmt: skip
