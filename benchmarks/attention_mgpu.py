@@ -297,6 +297,17 @@ PROBES = {
 }
 
 
+# Page-size probe (session 45): the same launch on the same kind of keys in 64-token pages (one
+# page a 64-key tile) and in 128-token pages - where the kernel takes 128-key tiles
+# (``kv_tile(128)``): a rescale, a row max and a ``p @ ones`` every 128 keys instead of 64, what
+# FlashAttention-3 does at D 128. Other bits (the tile is part of the numerics): timed, never
+# bit-checked. Without the fold in SMEM: two stages of 128-key tiles at D 128 do not fit with it.
+PAGE_PROBES = {
+    "64-token pages, pair, 3 stages, heaviest, one drain, dense rows": (64, _PAIR3),
+    "probe: 128-key tiles (128-token pages), pair, 3 stages, heaviest, one drain, dense rows": (128, _PAIR3),
+}
+
+
 def selected(launches: dict) -> dict:
     """``launches`` that the environment's ``BIJAX_MGPU_LAUNCHES`` names (unset: all) - a device
     call that asks about a few launches: "|"-separated items, each a part of a launch's name, or
@@ -381,6 +392,22 @@ def _time_launches_on(n, length, hq, hkv, d):
 
         try:
             us = kernel_us(mosaic, q, c.kc, c.vc)
+        except Exception as err:  # noqa: BLE001
+            print(f"INFO timing {name} [{what}] failed: {type(err).__name__}: {str(err)[:200]}")
+            continue
+        rows.append((name, what, us, cud, f"{flops / us / 1e6:.1f} TFLOP/s"))
+    for what, (bs, launch) in selected(PAGE_PROBES).items():
+        cp = Case(n, length, hq, hkv, d, seed=2, bs=bs)
+        qp, sp, pp = cp.tokens(np.repeat(np.arange(n), length), np.tile(np.arange(length), n))
+        idxp = (cp.bt, cp.cl, sp, pp)
+
+        def paged(q, k, v, launch=launch, idxp=idxp):
+            return attention_mgpu.tiles_mgpu(
+                qg(q), k, v, idxp, spec=spec, pv="into", rounding="two", **launch
+            )
+
+        try:
+            us = kernel_us(paged, qp, cp.kc, cp.vc)
         except Exception as err:  # noqa: BLE001
             print(f"INFO timing {name} [{what}] failed: {type(err).__name__}: {str(err)[:200]}")
             continue

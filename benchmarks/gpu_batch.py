@@ -41,10 +41,16 @@ _FOLD = "BIJAX_MGPU_LAUNCHES=fold|stages=2"  # attention_mgpu.py's launches with
 # the session-42 launch, its persistent form (the engine's since session 43), prefetch q (early
 # q: session 44, out) and the base-2 logits probe (session 45: what folding log2 e would save)
 _P42 = "pair, 3 stages, heaviest, one drain, dense rows, fold in SMEM"
-_PERSIST = (
-    f"'BIJAX_MGPU_LAUNCHES=={_P42}|={_P42}, persistent|={_P42}, persistent, prefetch q"
-    f"|=probe: {_P42}, persistent, base-2 logits'"
+_PAGES = "pair, 3 stages, heaviest, one drain, dense rows"  # the page-size probe's launch (no fold in SMEM)
+_PERSIST_NAMES = (
+    _P42,
+    f"{_P42}, persistent",
+    f"{_P42}, persistent, prefetch q",
+    f"probe: {_P42}, persistent, base-2 logits",
+    f"64-token pages, {_PAGES}",
+    f"probe: 128-key tiles (128-token pages), {_PAGES}",
 )
+_PERSIST = "'BIJAX_MGPU_LAUNCHES=" + "|".join("=" + n for n in _PERSIST_NAMES) + "'"
 _PREFILL_CASES = ("--cases", "prefill,prefill64", "--paths", "invariant")
 _CHECK_LIMITS = ("--max-num-seqs", "2", "--max-num-batched-tokens", "32", "--requests", "4", "--max-tokens", "6",
                  "--max-model-len", "512")  # fmt: skip
@@ -221,7 +227,7 @@ STEPS = {
     **_launch_steps(
         "persist",
         _PERSIST,
-        (240, 200),
+        (240, 260),
         "the session-42 prefill launch, its persistent form (the engine's) and prefetch q",
     ),
     "mgpu-fold-ptxas": (
