@@ -82,6 +82,9 @@ class SamplingParams:
         check_temperature(self.temperature, "SamplingParams.temperature", scalar=True)
         for f in ("top_p", "min_p"):
             v = getattr(self, f)
+            if isinstance(v, (np.floating, np.integer)) and not isinstance(v, bool):
+                v = float(v)  # a numpy scalar is the number it holds
+                object.__setattr__(self, f, v)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise TypeError(f"SamplingParams.{f} must be a finite number, got {v!r}")
         if not 0 < self.top_p <= 1:

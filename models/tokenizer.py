@@ -81,6 +81,7 @@ class Tokenizer:
         self.chat_template = chat_template
         self._no_template_reason = no_template_reason  # why chat_template is None, if it is known
         self._template = None
+        self._byte_decoder = None  # ``token_bytes``' table, made on first use
 
     @property
     def vocab_size(self) -> int:
@@ -111,6 +112,27 @@ class Tokenizer:
 
     def id_to_token(self, i: int) -> str | None:
         return self._tok.id_to_token(i)
+
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes token ``i`` stands for: whole where ``decode([i])`` cannot say them - a token
+        holding part of a UTF-8 character decodes to U+FFFD alone. Byte-level BPE (GPT-2's byte
+        alphabet: Llama 3, Qwen, SmolLM2) maps each character of the token back to its byte;
+        SentencePiece's byte fallback tokens ``<0xNN>`` are that byte and its "▁" a space;
+        added (special) tokens are their text. Any other decoder: ``decode([i])``'s UTF-8."""
+        if self._byte_decoder is None:
+            self._byte_decoder = _decoder_bytes(self._tok)
+        added = self._tok.get_added_tokens_decoder()
+        piece = self._tok.id_to_token(int(i))
+        if piece is None or int(i) in added or self._byte_decoder == "other":
+            return self.decode([int(i)]).encode()
+        if self._byte_decoder == "sentencepiece":
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                return bytes([int(piece[3:5], 16)])
+            return piece.replace("\u2581", " ").encode()
+        table = self._byte_decoder
+        if not all(ch in table for ch in piece):
+            return self.decode([int(i)]).encode()
+        return bytes(table[ch] for ch in piece)
 
     # ------------------------------------------------------------------ chat
 
@@ -369,3 +391,33 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
 
         return Tokenizer.from_gguf(open_gguf(path))
     raise FileNotFoundError(f"no tokenizer at {path} (expected a HF directory or a .gguf file)")
+
+
+def _gpt2_byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte: printable bytes stand for themselves, the
+    other 68 are shifted past 255 (256 + k for the k-th such byte, in byte order)."""
+    keep = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("\u00a1"), ord("\u00ac") + 1),
+        *range(ord("\u00ae"), 256),
+    ]
+    table, shift = {chr(b): b for b in keep}, 0
+    for b in range(256):
+        if b not in keep:
+            table[chr(256 + shift)] = b
+            shift += 1
+    return table
+
+
+def _decoder_bytes(backend):
+    """``token_bytes``' rule for a ``tokenizers`` backend: GPT-2's byte table for a ByteLevel
+    decoder, "sentencepiece" for byte fallback (``<0xNN>``) with "▁" spaces, else "other"."""
+    import json
+
+    decoder = json.loads(backend.to_str()).get("decoder") or {}
+    kinds = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders") or []}
+    if "ByteLevel" in kinds:
+        return _gpt2_byte_alphabet()
+    if "ByteFallback" in kinds:
+        return "sentencepiece"
+    return "other"

@@ -94,6 +94,12 @@ def run(args: argparse.Namespace) -> int:
         folder = os.path.dirname(os.path.abspath(args.record))
         if not os.path.isdir(folder):
             raise FileNotFoundError(f"--record: no such directory: {folder}")
+        if os.path.isdir(args.record):
+            raise ValueError(f"--record: {args.record} is a directory (give a file name in it)")
+        if not os.access(folder, os.W_OK) or (
+            os.path.exists(args.record) and not os.access(args.record, os.W_OK)
+        ):
+            raise ValueError(f"--record: {args.record} cannot be written here")
     if args.against:  # a bad file fails before the model loads
         from bijax import digest
 

@@ -19,6 +19,13 @@ def add_parser(sub) -> None:
         nargs="+",
         help="the model name(s) requests may give (default: --model); the first is reported",
     )
+    g.add_argument(
+        "--max-request-seqs",
+        type=int,
+        default=4096,
+        help="the most sequences (prompts x n) one request may ask for (default 4096); requests are "
+        "admitted first come, first served, so a larger one holds up the clients after it",
+    )
     g.add_argument("--no-invariant", action="store_true", help="plain XLA ops (batch-variant baseline)")
     g.add_argument(
         "--no-warmup", action="store_true", help="compile buckets on first use instead of up front"
@@ -39,13 +46,19 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in [0, 65536), got {args.port}")
     if args.api_key is not None and not args.api_key:
         raise ValueError("--api-key must not be empty")
+    if args.max_request_seqs < 1:
+        raise ValueError(f"--max-request-seqs must be >= 1, got {args.max_request_seqs}")
+    if args.port:  # a port in use fails now, not after the model has loaded and compiled
+        _check_port(args.host, args.port)
     t0 = time.perf_counter()
     s, t = sizes(args, 16)
     llm = make_llm(args, max_num_seqs=s, max_num_batched_tokens=t)
     info(f"model {args.model} loaded in {time.perf_counter() - t0:.1f}s ({s} seqs / {t} tokens per step)")
     warmup(llm, args, logprobs=False)
     names = args.served_model_name or [str(args.model)]
-    app = build_app(llm, served_model_names=names, api_key=args.api_key)
+    app = build_app(
+        llm, served_model_names=names, api_key=args.api_key, max_request_seqs=args.max_request_seqs
+    )
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
     )
@@ -68,6 +81,19 @@ def run(args: argparse.Namespace) -> int:
     server.run()
     info("bijax serve: stopped" + (f" ({signal.Signals(caught[0]).name})" if caught else ""))
     return 0
+
+
+def _check_port(host: str, port: int) -> None:
+    """ValueError when ``host:port`` cannot be listened on (in use, no such address)."""
+    import socket
+
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as uvicorn binds)
+            sock.bind(addr)
+    except OSError as e:
+        raise ValueError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e})") from None
 
 
 def _announce_when_started(server, name: str) -> None:

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException
 
 from bijax.llm import LLM
+from bijax.sampling_params import MAX_N
 from bijax.server import generation
 from bijax.server.engine_loop import EngineLoop
 from bijax.server.protocol import (
@@ -34,10 +35,11 @@ OPEN_PATHS = ("/health", "/metrics")  # never behind --api-key
 class Server:
     """What the routes share: the model's names, its tokenizer and limits, the engine loop."""
 
-    def __init__(self, llm: LLM, names: list[str], api_key: str | None):
+    def __init__(self, llm: LLM, names: list[str], api_key: str | None, max_request_seqs: int = MAX_N):
         self.names, self.api_key = names, api_key
         self.tokenizer = llm.tokenizer
         self.max_model_len = llm.config.max_model_len
+        self.max_request_seqs = max_request_seqs
         # the longest request the KV pool can hold (block 0 reserved): Engine.validate's rule
         self.max_tokens_in_pool = (llm.config.num_kv_blocks - 1) * llm.config.block_size
         self.kv_blocks_total = llm.config.num_kv_blocks - 1
@@ -46,7 +48,8 @@ class Server:
 
     def check_model(self, name: str | None) -> str:
         if name is not None and name not in self.names:
-            raise ApiError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+            shown = name if len(name) <= 200 else f"{name[:200]}... ({len(name)} characters)"
+            raise ApiError(404, f"The model `{shown}` does not exist.", param="model", code="model_not_found")
         return name or self.names[0]
 
     async def read_generation(self, request: Request, model: type[CompletionRequest | ChatRequest]):
@@ -57,6 +60,18 @@ class Server:
         name = self.check_model(req.model)
         req.check_unsupported()
         return req, name, req.include_usage()
+
+    def check_sequences(self, count: int) -> None:
+        """400 when one request asks for more sequences (prompts x n) than ``max_request_seqs``:
+        requests are admitted first come, first served, so one asking for thousands holds up
+        every later client until its last sequence has a slot (and holds their memory)."""
+        if count > self.max_request_seqs:
+            raise ApiError(
+                400,
+                f"this request asks for {count} sequences (prompts x n); the server takes at most "
+                f"{self.max_request_seqs} per request (bijax serve --max-request-seqs): split it",
+                param="n",
+            )
 
     def need_tokenizer(self, what: str) -> None:
         if self.tokenizer is None:
@@ -70,13 +85,18 @@ class Server:
         except (ValueError, TypeError) as e:
             code = "context_length_exceeded" if "max_model_len" in str(e) or "KV blocks" in str(e) else None
             param = "stop" if str(e).startswith("stop strings") else field
+            if str(e).startswith("stop_token_ids"):
+                param = "stop_token_ids"
             where = "" if index is None or param != field else f"{field}[{index}]: "
             raise ApiError(400, f"{where}{e}", param=param, code=code) from None
 
 
-def build_app(llm: LLM, *, served_model_names: list[str], api_key: str | None = None) -> FastAPI:
-    """The app serving ``llm``; the engine loop starts and stops with the app's lifespan."""
-    srv = Server(llm, list(served_model_names), api_key)
+def build_app(
+    llm: LLM, *, served_model_names: list[str], api_key: str | None = None, max_request_seqs: int = MAX_N
+) -> FastAPI:
+    """The app serving ``llm``; the engine loop starts and stops with the app's lifespan.
+    ``max_request_seqs``: the most sequences (prompts x n) one request may ask for."""
+    srv = Server(llm, list(served_model_names), api_key, max_request_seqs)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -137,6 +157,7 @@ def build_app(llm: LLM, *, served_model_names: list[str], api_key: str | None = 
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         params = req.sampling_params(max_tokens, req.logprobs, "logprobs")
         items = prompts(req.prompt)
+        srv.check_sequences(len(items) * params.n)  # (before any prompt is tokenized)
         if any(isinstance(p, str) for p in items):
             srv.need_tokenizer("a text prompt")
         # tokenized off the event loop: a huge prompt must not stall the other requests
@@ -164,9 +185,19 @@ def build_app(llm: LLM, *, served_model_names: list[str], api_key: str | None = 
                 req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             )
             if max_tokens is None:  # what is left of the context, and of the KV pool
-                max_tokens = max(1, min(srv.max_model_len, srv.max_tokens_in_pool) - len(ids))
+                room = min(srv.max_model_len, srv.max_tokens_in_pool)
+                if len(ids) >= room:
+                    raise ApiError(
+                        400,
+                        f"messages: the conversation is {len(ids)} tokens, which leaves no room for a "
+                        f"reply (max_model_len {srv.max_model_len}, KV pool {srv.max_tokens_in_pool} tokens)",
+                        param="messages",
+                        code="context_length_exceeded",
+                    )
+                max_tokens = room - len(ids)
             lp = (req.top_logprobs or 0) if req.logprobs else None
             params = req.sampling_params(max_tokens, lp, "top_logprobs", max_field)
+            srv.check_sequences(params.n)
             return [srv.validate({"prompt_token_ids": ids}, params, "messages")]
 
         valid = await asyncio.to_thread(prepare)

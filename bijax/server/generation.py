@@ -15,7 +15,7 @@ from bijax.llm_engine import ValidPrompt
 from bijax.outputs import RequestOutput
 from bijax.server.engine_loop import EngineError, next_item
 from bijax.server.protocol import ApiError
-from bijax.server.render import StreamState, chat_logprobs, completion_logprobs, usage
+from bijax.server.render import StreamState, TextOffsets, chat_logprobs, completion_logprobs, usage
 
 SEED_HEADER = "x-bijax-seed"  # the seed of each prompt's request, comma-separated
 
@@ -109,7 +109,9 @@ class Job:
                     lp = chat_logprobs(tok, o, 0, len(o.token_ids), True) if self.want_logprobs else None
                 else:
                     c["text"] = o.text
-                    lp = completion_logprobs(tok, o, 0, len(o.token_ids), 0) if self.want_logprobs else None
+                    lp = None
+                    if self.want_logprobs:
+                        lp = completion_logprobs(tok, o, 0, len(o.token_ids), TextOffsets(tok))
                 c.update(logprobs=lp, finish_reason=o.finish_reason, seed=out.seed)
                 if self.token_ids:
                     if not self.chat:
@@ -171,9 +173,8 @@ class Job:
                         lp = None
                         if self.want_logprobs:  # offsets continue from the tokens already sent
                             key = (item.request_id, o.index)
-                            lp = completion_logprobs(tok, o, a, b, text_offsets.get(key, 0))
-                            if lp["tokens"]:
-                                text_offsets[key] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+                            offsets = text_offsets.setdefault(key, TextOffsets(tok))
+                            lp = completion_logprobs(tok, o, a, b, offsets)
                     c.update(logprobs=lp, finish_reason=reason, seed=item.seed)
                     if self.token_ids:
                         if not self.chat and a == 0:

@@ -16,6 +16,9 @@ from models.tokenizer import message_text
 from pallas_kernels.checks import short_repr
 
 _MAX_MESSAGE = 1000  # characters of an error message, at most
+# Stop strings a request may give (every one is searched for at every step of the engine
+# thread, which all clients share: 200,000 of them had slowed the other clients 2.3x).
+MAX_STOPS, MAX_STOP_CHARS = 64, 1000
 
 
 class ApiError(Exception):
@@ -34,17 +37,49 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
-# Fields OpenAI/vLLM have that bijax does not implement: accepted only at their neutral value.
+# Fields OpenAI/vLLM have that bijax does not implement: accepted only at their neutral value
+# (anything else would be ignored - a sample the client did not ask for). Other unknown fields
+# are ignored, as vLLM does (``user``, ``metadata``, ``store``, ...: no effect on a sample).
+_OFF = (None, False)
 _NEUTRAL = {
     "frequency_penalty": (None, 0, 0.0),
     "presence_penalty": (None, 0, 0.0),
     "repetition_penalty": (None, 1, 1.0),
+    "length_penalty": (None, 1, 1.0),
     "logit_bias": (None, {}),
-    "echo": (None, False),
+    "echo": _OFF,
     "suffix": (None, ""),
     "tools": (None, []),
+    "functions": (None, []),
+    "tool_choice": (None, "none", "auto"),  # (no tools can be given)
+    "function_call": (None, "none", "auto"),
     "response_format": (None, {"type": "text"}),
+    "min_tokens": (None, 0),
+    "include_stop_str_in_output": _OFF,
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "logits_processors": (None, []),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    "prompt_logprobs": (None,),
+    "use_beam_search": _OFF,
+    "truncate_prompt_tokens": (None,),
+    "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True),
+    "priority": (None, 0),
+    "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
+    "continue_final_message": _OFF,
+    "documents": (None, []),
+    "prediction": (None,),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "reasoning_effort": (None,),
 }
+_STREAM_OPTIONS = {"include_usage": _OFF, "continuous_usage_stats": _OFF}  # (the second: only off)
 
 
 class _Body(BaseModel):
@@ -83,15 +118,21 @@ class _Sampling(_Body):
         opts = self.stream_options or {}
         if not self.stream and self.stream_options is not None:
             raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
-        value = opts.get("include_usage", False)
-        if not isinstance(value, bool):
-            raise ApiError(400, "stream_options.include_usage must be a bool", param="stream_options")
-        return value
+        for key, value in opts.items():
+            if key not in _STREAM_OPTIONS:
+                raise ApiError(400, f"stream_options.{key} is not supported by bijax", param="stream_options")
+            if value is not None and not isinstance(value, bool):
+                raise ApiError(400, f"stream_options.{key} must be a bool", param="stream_options")
+        if opts.get("continuous_usage_stats"):
+            raise ApiError(
+                400, "stream_options.continuous_usage_stats is not supported by bijax", param="stream_options"
+            )
+        return bool(opts.get("include_usage"))
 
     def check_unsupported(self) -> None:
         for name, value in (self.model_extra or {}).items():
             if name in _NEUTRAL and value not in _NEUTRAL[name]:
-                raise ApiError(400, f"{name} is not supported by bijax (got {value!r})", param=name)
+                raise ApiError(400, f"{name} is not supported by bijax (got {short_repr(value)})", param=name)
         if self.best_of is not None and self.best_of != self.n:
             raise ApiError(400, "best_of is not supported by bijax (only best_of == n)", param="best_of")
 
@@ -101,6 +142,16 @@ class _Sampling(_Body):
         stop = self.stop
         if stop is not None and not isinstance(stop, (str, list)):
             raise ApiError(400, "stop must be a string or a list of strings", param="stop")
+        if isinstance(stop, list) and len(stop) > MAX_STOPS:
+            raise ApiError(400, f"stop: at most {MAX_STOPS} stop strings, got {len(stop)}", param="stop")
+        longest = max(
+            (len(x) for x in ([stop] if isinstance(stop, str) else stop or []) if isinstance(x, str)),
+            default=0,
+        )
+        if longest > MAX_STOP_CHARS:
+            raise ApiError(
+                400, f"stop: a stop string is {longest} characters (at most {MAX_STOP_CHARS})", param="stop"
+            )
         kwargs = dict(
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,

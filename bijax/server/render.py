@@ -8,6 +8,7 @@ exact and ``json`` writes the shortest repr that reads back as the same float, s
 
 from __future__ import annotations
 
+import codecs
 import math
 
 from bijax.outputs import CompletionOutput
@@ -25,6 +26,39 @@ def token_str(tokenizer, i: int) -> str:
     return tokenizer.decode([i]) if tokenizer is not None else f"token_id:{i}"
 
 
+def token_bytes(tokenizer, i: int) -> bytes:
+    """The bytes token ``i`` stands for (whole, where it holds part of a character)."""
+    return tokenizer.token_bytes(i) if tokenizer is not None else token_str(None, i).encode()
+
+
+def token_key(tokenizer, i: int) -> str:
+    """A token as the legacy completions format names it: its text, or OpenAI's
+    ``bytes:\\xNN...`` where it holds only part of a character (its text would be U+FFFD, the
+    same for every such token: top_logprobs' keys would collide)."""
+    text = token_str(tokenizer, i)
+    if "\ufffd" in text and tokenizer is not None:
+        raw = tokenizer.token_bytes(i)
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{x:02x}" for x in raw)
+    return text
+
+
+class TextOffsets:
+    """Each token's offset in characters of the text the tokens make, token by token: a token
+    that ends inside a character adds no character until the one that completes it."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.chars = tokenizer, 0
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def next(self, i: int) -> int:
+        at = self.chars
+        self.chars += len(self.decoder.decode(token_bytes(self.tokenizer, i)))
+        return at
+
+
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {
         "prompt_tokens": prompt_tokens,
@@ -33,21 +67,19 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
-def completion_logprobs(tok, o: CompletionOutput, a: int, b: int, offset: int) -> dict:
-    """The legacy completions ``logprobs`` object for tokens a:b of ``o``."""
-    tokens = [token_str(tok, t) for t in o.token_ids[a:b]]
-    offsets = []
-    for t in tokens:
-        offsets.append(offset)
-        offset += len(t)
+def completion_logprobs(tok, o: CompletionOutput, a: int, b: int, offsets: TextOffsets) -> dict:
+    """The legacy completions ``logprobs`` object for tokens a:b of ``o``; ``offsets`` has seen
+    tokens :a of ``o`` (a stream's earlier chunks)."""
+    tokens = [token_key(tok, t) for t in o.token_ids[a:b]]
+    text_offset = [offsets.next(t) for t in o.token_ids[a:b]]
     tops = None
     if o.top_logprobs is not None:
-        tops = [{token_str(tok, i): _f(v) for i, v in step} for step in o.top_logprobs[a:b]]
+        tops = [{token_key(tok, i): _f(v) for i, v in step} for step in o.top_logprobs[a:b]]
     return {
         "tokens": tokens,
         "token_logprobs": [_f(x) for x in o.logprobs[a:b]],
         "top_logprobs": tops,
-        "text_offset": offsets,
+        "text_offset": text_offset,
     }
 
 
@@ -55,8 +87,7 @@ def chat_logprobs(tok, o: CompletionOutput, a: int, b: int, top: bool) -> dict:
     """The chat ``logprobs`` object ({"content": [...]}) for tokens a:b of ``o``."""
 
     def entry(i, v):
-        s = token_str(tok, i)
-        return {"token": s, "logprob": _f(v), "bytes": list(s.encode())}
+        return {"token": token_str(tok, i), "logprob": _f(v), "bytes": list(token_bytes(tok, i))}
 
     content = []
     for k in range(a, b):

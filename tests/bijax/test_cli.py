@@ -110,7 +110,8 @@ def test_engine_limits_of_zero_are_refused_not_taken_as_the_default(flag, capsys
         (["generate", "hi", "--system", "be brief"], "--system needs --chat"),
         (["generate", "hi", "--max-tokens", "100000"], "max_model_len"),
         (["generate", "hi", "--tensor-parallel-size", "3"], "tensor_parallel_size"),
-        (["check", "--requests", "0"], "--requests must be >= 1"),
+        (["check", "--requests", "1"], "--requests must be >= 2"),  # (before the model loads)
+        (["check", "--model", "tiny", "--record", "/tmp"], "is a directory"),
         (["check", "--model", "tiny", "--record", "/nonexistent-dir/x.json"], "no such directory"),
         (["generate", "hi", "--top-k", "3000000000"], "top_k must be -1 or 0 (off) or in [1, 2147483647]"),
         (["bench", "--model", "tiny", "--temperature", "-1"], "temperature"),  # (before the model loads)

@@ -74,3 +74,8 @@ def test_numpy_values_that_are_scalars_or_id_lists_are_taken():
     assert all(type(v) is int for v in (sp.max_tokens, sp.top_k, sp.n, sp.seed, sp.logprobs))
     with pytest.raises(ValueError, match="seed"):  # (the range still holds)
         SamplingParams(seed=np.int64(-1))
+    # numpy floats in the float fields, stored as the Python floats they hold
+    sp = SamplingParams(top_p=np.float32(0.5), min_p=np.float16(0.25))
+    assert (sp.top_p, sp.min_p) == (0.5, 0.25) and type(sp.top_p) is float and type(sp.min_p) is float
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=np.float32(1.5))

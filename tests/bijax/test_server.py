@@ -369,6 +369,21 @@ def test_tokenize_and_detokenize(smol):
         ({"prompt": [70000]}, 400, "prompt", "vocabulary"),
         ({"prompt": ["Hi", ""]}, 400, "prompt", "prompt[1]: prompt is empty"),  # which of them
         ({"prompt": "x", "frequency_penalty": 0.5}, 400, "frequency_penalty", "not supported"),
+        # vLLM's fields bijax does not implement: refused, never silently ignored
+        ({"prompt": "x", "min_tokens": 5}, 400, "min_tokens", "not supported"),
+        ({"prompt": "x", "guided_choice": ["a", "b"]}, 400, "guided_choice", "not supported"),
+        ({"prompt": "x", "skip_special_tokens": False}, 400, "skip_special_tokens", "not supported"),
+        ({"prompt": "x", "stop": ["s"] * 65}, 400, "stop", "at most 64 stop strings"),
+        ({"prompt": "x", "stop": "s" * 1001}, 400, "stop", "at most 1000"),
+        ({"prompt": "x", "stop_token_ids": [70000]}, 400, "stop_token_ids", "vocabulary"),
+        ({"prompt": ["x", "y"], "n": 4096}, 400, "n", "8192 sequences"),  # (--max-request-seqs)
+        ({"prompt": "x", "model": "m" * 5000}, 404, "model", "(5000 characters)"),
+        (
+            {"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}},
+            400,
+            "stream_options",
+            "not supported",
+        ),
         ({"prompt": " x" * 300, "max_tokens": 4}, 400, "prompt", "max_model_len"),
         ({"prompt": "x", "max_tokens": 256}, 400, "prompt", "max_model_len"),
         ({"prompt": "x", "model": "gpt-4"}, 404, "model", "does not exist"),
@@ -394,6 +409,9 @@ def test_bad_chat_requests_bad_json_and_the_official_clients_errors(smol):
     big = [{"role": "user", "content": "word " * 300}]
     got, r = smol.post("/v1/chat/completions", {"messages": big})
     assert got == 400 and r["error"]["code"] == "context_length_exceeded"
+    assert "leaves no room for a reply" in r["error"]["message"], r  # (no max_tokens it was not sent)
+    got, r = smol.post("/v1/chat/completions", {"messages": MSGS, "functions": [{"name": "f"}]})
+    assert got == 400 and r["error"]["param"] == "functions", r
     with pytest.raises(openai.NotFoundError):
         smol.client().completions.create(model="nope", prompt="x", max_tokens=1)
     with pytest.raises(openai.BadRequestError) as e:
@@ -406,8 +424,13 @@ def test_nulls_mean_defaults_and_malformed_bodies_name_the_problem(smol, tiny):
     that is JSON but no object, a 0 under the name the client used, text parts that are not
     strings, and stop strings on a model without a tokenizer are 400s naming the right thing."""
     nulls = {"n": None, "stream": None, "ignore_eos": None, "return_token_ids": None, "logprobs": None}
-    got, r = smol.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2, **nulls})
+    got, r = smol.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2, **nulls, "min_tokens": None})
     assert got == 200 and len(r["choices"]) == 1, r
+    opts = {"stream": True, "stream_options": {"include_usage": None}}  # (a null inside it too)
+    body = json.dumps({"prompt": "Hi", "max_tokens": 2, **opts}).encode()
+    req = urllib.request.Request(smol.url + "/v1/completions", data=body, headers=_auth(KEY), method="POST")
+    with urllib.request.urlopen(req, timeout=120) as r:
+        assert r.status == 200 and r.read().decode().rstrip().endswith("data: [DONE]")
     chat_nulls = {"n": None, "stream": None, "logprobs": None, "add_generation_prompt": None}
     got, r = smol.post("/v1/chat/completions", {"messages": MSGS, "max_tokens": 2, **chat_nulls})
     assert got == 200 and r["choices"][0]["logprobs"] is None, r
@@ -510,13 +533,52 @@ def test_a_disconnect_aborts_and_frees_blocks(smol):
 
 @pytest.mark.parametrize(
     "argv, message",
-    [(["--port", "70000"], "--port"), (["--api-key", ""], "--api-key")],
+    [
+        (["--port", "70000"], "--port"),
+        (["--api-key", ""], "--api-key"),
+        (["--max-request-seqs", "0"], "--max-request-seqs"),
+        (["--port", "IN_USE"], "cannot listen there"),
+    ],
 )
 def test_bad_serve_flags_exit_2_before_loading(capsys, argv, message):
+    import socket
+
     from bijax import cli
 
-    assert cli.main(["serve", "--model", "tiny", *argv]) == 2
-    assert message in capsys.readouterr().err
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        argv = [str(taken.getsockname()[1]) if a == "IN_USE" else a for a in argv]
+        assert cli.main(["serve", "--model", "tiny", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "loaded in" not in err
+
+
+def test_logprobs_of_tokens_that_hold_part_of_a_character():
+    """An emoji is several byte tokens, each decoding to U+FFFD alone: chat's ``bytes`` are the
+    token's own bytes (they join to the text), completions name such tokens "bytes:\\xNN..."
+    (distinct top_logprobs keys) and count text_offset in characters of the text."""
+    from bijax.outputs import CompletionOutput
+    from bijax.server.render import TextOffsets, chat_logprobs, completion_logprobs
+    from models.loading import embedded_model_path
+    from models.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(embedded_model_path("smollm2-135m"))
+    text = "🌟👎 é!"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert len(ids) > 4 and sum(tok.decode([i]) == "\ufffd" for i in ids) >= 2
+    steps = [[(i, -1.0), (j, -2.0)] for i, j in zip(ids, ids[1:] + ids[:1], strict=True)]
+    o = CompletionOutput(0, ids, np.full(len(ids), -1.0, np.float32), text, None, top_logprobs=steps)
+    chat = chat_logprobs(tok, o, 0, len(ids), True)["content"]
+    assert b"".join(bytes(e["bytes"]) for e in chat).decode() == text
+    legacy = completion_logprobs(tok, o, 0, len(ids), TextOffsets(tok))
+    assert all(len(step) == 2 for step in legacy["top_logprobs"])  # no two keys collide
+    assert any(t.startswith("bytes:\\x") for t in legacy["tokens"])
+    assert legacy["text_offset"][-1] == text.index("!") and max(legacy["text_offset"]) < len(text)
+    # streamed in two chunks: the offsets continue across them
+    offsets = TextOffsets(tok)
+    a = completion_logprobs(tok, o, 0, 3, offsets)["text_offset"]
+    assert a + completion_logprobs(tok, o, 3, len(ids), offsets)["text_offset"] == legacy["text_offset"]
 
 
 # ---------------------------------------------------------------------- last: it stops the tiny server

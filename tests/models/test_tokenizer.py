@@ -164,3 +164,24 @@ def test_hf_directory_files_as_transformers_reads_them(hf_dir, tmp_path):
     (d / "generation_config.json").write_text('{"eos_token_id": [1, 2],}')
     with pytest.raises(ValueError, match="generation_config.json is not valid JSON"):
         load_tokenizer(d)
+
+
+def test_token_bytes_of_byte_level_and_byte_fallback_tokenizers(tok):
+    """``token_bytes``: what a token stands for, also where it holds part of a character (its
+    ``decode`` is U+FFFD alone). Byte-level BPE (SmolLM2): the tokens of any text join to its
+    bytes. SentencePiece byte fallback: ``<0xNN>`` is that byte, "▁" a space."""
+    for text in ("🌟👎 é", "答案 x\n\t", "<|im_end|>ab"):
+        ids = tok.encode(text, add_special_tokens=False)
+        assert b"".join(tok.token_bytes(i) for i in ids) == text.encode(), text
+    assert any(tok.decode([i]) == "\ufffd" for i in tok.encode("🌟", add_special_tokens=False))  # (control)
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models
+
+    vocab = {"<unk>": 0, "<0xF0>": 1, "<0x9F>": 2, "<0x8C>": 3, "\u2581a": 4, "b": 5}
+    backend = Backend(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    spm = Tokenizer(backend, bos_token=None, eos_token=None, chat_template=None)
+    assert [spm.token_bytes(i) for i in (1, 2, 3, 4, 5)] == [b"\xf0", b"\x9f", b"\x8c", b" a", b"b"]
+    assert spm.decode([1]) == "\ufffd"  # (what the bytes are for)
