@@ -122,6 +122,8 @@ def run(args: argparse.Namespace) -> int:
             "prompts, so it needs a model with a tokenizer (an embedded model, a .gguf file or a HF "
             "directory); presets run in bijax check and bijax bench"
         )
+    if args.logprobs is not None and not args.json:
+        raise ValueError("--logprobs needs --json (the text output shows no logprobs)")
     prompts = _prompts(args)
     params = SamplingParams(
         temperature=args.temperature,
