@@ -385,29 +385,21 @@ def _time_launches_on(n, length, hq, hkv, d):
 
     tri = kernel_us(triton, q, c.kc, c.vc)
     rows = [(name, "Triton tiles", tri, cud, f"{flops / tri / 1e6:.1f} TFLOP/s")]
-    for what, launch in {"Mosaic, default launch": {}, **selected(LAUNCHES), **selected(PROBES)}.items():
-
-        def mosaic(q, k, v, launch=launch):
-            return attention_mgpu.tiles_mgpu(qg(q), k, v, idx, spec=spec, pv="into", rounding="two", **launch)
-
-        try:
-            us = kernel_us(mosaic, q, c.kc, c.vc)
-        except Exception as err:  # noqa: BLE001
-            print(f"INFO timing {name} [{what}] failed: {type(err).__name__}: {str(err)[:200]}")
-            continue
-        rows.append((name, what, us, cud, f"{flops / us / 1e6:.1f} TFLOP/s"))
-    for what, (bs, launch) in selected(PAGE_PROBES).items():
+    launches = {"Mosaic, default launch": {}, **selected(LAUNCHES), **selected(PROBES)}
+    runs = [(what, launch, c, q, idx) for what, launch in launches.items()]
+    for what, (bs, launch) in selected(PAGE_PROBES).items():  # the same kind of keys, other pages
         cp = Case(n, length, hq, hkv, d, seed=2, bs=bs)
         qp, sp, pp = cp.tokens(np.repeat(np.arange(n), length), np.tile(np.arange(length), n))
-        idxp = (cp.bt, cp.cl, sp, pp)
+        runs.append((what, launch, cp, qp, (cp.bt, cp.cl, sp, pp)))
+    for what, launch, case, qq, index in runs:
 
-        def paged(q, k, v, launch=launch, idxp=idxp):
+        def mosaic(q, k, v, launch=launch, index=index):
             return attention_mgpu.tiles_mgpu(
-                qg(q), k, v, idxp, spec=spec, pv="into", rounding="two", **launch
+                qg(q), k, v, index, spec=spec, pv="into", rounding="two", **launch
             )
 
         try:
-            us = kernel_us(paged, qp, cp.kc, cp.vc)
+            us = kernel_us(mosaic, qq, case.kc, case.vc)
         except Exception as err:  # noqa: BLE001
             print(f"INFO timing {name} [{what}] failed: {type(err).__name__}: {str(err)[:200]}")
             continue
