@@ -82,10 +82,13 @@ def cpu_math_is_consistent() -> bool:
     on every CPU measured) compiled with the process defaults must equal the same probe compiled
     with the setting forced on."""
     cpu = jax.local_devices(backend="cpu")[0]  # this process's own (several processes under TP)
-    x = jax.device_put(np.linspace(1e-3, 7.0, 4096, dtype=np.float32), cpu)
     forced = {_CPU_MATH_FLAG.lstrip("-"): False}
-    default = np.asarray(jax.jit(lax.rsqrt)(x))
-    consistent = np.asarray(jax.jit(lax.rsqrt, compiler_options=forced)(x))
+    # (run now even when first asked inside a caller's jit: there the probe's jits would be
+    # staged into the caller's program and give tracers)
+    with jax.ensure_compile_time_eval():
+        x = jax.device_put(np.linspace(1e-3, 7.0, 4096, dtype=np.float32), cpu)
+        default = np.asarray(jax.jit(lax.rsqrt)(x))
+        consistent = np.asarray(jax.jit(lax.rsqrt, compiler_options=forced)(x))
     return bool(np.array_equal(default.view(np.uint32), consistent.view(np.uint32)))
 
 

@@ -240,6 +240,9 @@ def test_traced_segment_ids_that_break_the_packing_rules_give_nan_not_wrong_valu
     for seg, max_segments in ((two, 1), (split, 2)):
         for invariant in (True, False):
             assert np.isnan(np.asarray(f(state, seg, max_segments, invariant))).all(), (seg, invariant)
+    # the model's own packed forward too (its logits)
+    logits = jax.jit(lambda seg: _tiny().forward_packed(tok, seg, max_segments=1))(two)
+    assert np.isnan(np.asarray(logits)).all()
 
 
 def test_jit_with_the_model_and_tokens_as_constants_keeps_the_bits():

@@ -25,6 +25,14 @@ def test_this_process_compiles_cpu_code_with_consistent_math():
     assert pk.cpu_math_is_consistent()
 
 
+def test_the_probe_runs_when_first_asked_inside_a_jit():
+    """A trainer's first bijax call is often inside its jitted step: the probe must run there
+    too (its own jits were staged into the caller's trace: a TracerArrayConversionError)."""
+    pk.runtime.cpu_math_is_consistent.cache_clear()
+    out = jax.jit(lambda x: x + pk.cpu_math_is_consistent())(np.float32(1.0))
+    assert float(out) == 2.0 and pk.cpu_math_is_consistent()
+
+
 def test_the_probe_tells_the_two_settings_apart():
     """Negative control for the probe: rsqrt compiled with platform-dependent math differs from
     the consistent build on this CPU (XLA then uses the CPU's approximate rsqrt)."""
