@@ -76,12 +76,18 @@ def test_batch_invariance_pallas_interpret():
 
 
 def test_negative_control_xla_rms_norm_is_not_invariant_here():
+    """XLA's CPU rms_norm differs with the row count only at a few small prefixes (about 1 in 40
+    of them), so the data are fixed here: with ``rand``'s (a new seed per call, so they depend
+    on what ran before in the process) the control found nothing in one CI worker."""
     found = []
-    for h in (576, 1536, 4096):
-        x, g = rand((300, h)), rand((h,))
-        found += prefix_mismatches(
-            lambda xs, g=g: pk.rms_norm_reference(xs, g, eps=1e-5), x, (1, 2, 3, 7, 16, 17)
-        )
+    for seed in (100, 101):  # (576 columns: 8 of these 32 prefixes differ)
+        rng = np.random.default_rng(seed)
+        for h in (576,):
+            x = jnp.asarray(rng.standard_normal((300, h), dtype=np.float32))
+            g = jnp.asarray(rng.standard_normal(h, dtype=np.float32))
+            found += prefix_mismatches(
+                lambda xs, g=g: pk.rms_norm_reference(xs, g, eps=1e-5), x, tuple(range(1, 17))
+            )
     assert found, "XLA's rms_norm was batch invariant everywhere: the negative control cannot fail"
 
 
