@@ -79,7 +79,7 @@ _NEUTRAL = {
     "audio": (None,),
     "reasoning_effort": (None,),
 }
-_STREAM_OPTIONS = {"include_usage": _OFF, "continuous_usage_stats": _OFF}  # (the second: only off)
+_STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")  # (the second: only false or null)
 
 
 class _Body(BaseModel):
