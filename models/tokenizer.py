@@ -82,6 +82,7 @@ class Tokenizer:
         self._no_template_reason = no_template_reason  # why chat_template is None, if it is known
         self._template = None
         self._byte_decoder = None  # ``token_bytes``' table, made on first use
+        self._added_ids: frozenset[int] = frozenset()
 
     @property
     def vocab_size(self) -> int:
@@ -119,11 +120,11 @@ class Tokenizer:
         alphabet: Llama 3, Qwen, SmolLM2) maps each character of the token back to its byte;
         SentencePiece's byte fallback tokens ``<0xNN>`` are that byte and its "▁" a space;
         added (special) tokens are their text. Any other decoder: ``decode([i])``'s UTF-8."""
-        if self._byte_decoder is None:
+        if self._byte_decoder is None:  # (once: the rule and the added tokens' ids)
             self._byte_decoder = _decoder_bytes(self._tok)
-        added = self._tok.get_added_tokens_decoder()
+            self._added_ids = frozenset(self._tok.get_added_tokens_decoder())
         piece = self._tok.id_to_token(int(i))
-        if piece is None or int(i) in added or self._byte_decoder == "other":
+        if piece is None or int(i) in self._added_ids or self._byte_decoder == "other":
             return self.decode([int(i)]).encode()
         if self._byte_decoder == "sentencepiece":
             if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):

@@ -185,6 +185,19 @@ def _scale_mul(interpret: bool):
     return rounded_product if interpret else None
 
 
+def _walk_args(spec: AttentionSpec, block_size: int, block_tables, bulk: bool, interpret: bool) -> dict:
+    """The keyword arguments the tokens and tiles kernels share: the walk's settings and the
+    tile step's hooks (``_exp2``, ``_scale_mul``) for this mode."""
+    return dict(
+        spec=spec,
+        block_size=block_size,
+        max_blocks=block_tables.shape[1],
+        bulk=bulk,
+        exp2=_exp2(interpret),
+        scale_mul=_scale_mul(interpret),
+    )
+
+
 def _empty_state(rows: int, d: int):
     return (
         jnp.full((rows,), -jnp.inf, jnp.float32),
@@ -374,12 +387,7 @@ def token_states(
     m, l, acc = pl.pallas_call(
         functools.partial(
             _tokens_kernel,
-            spec=spec,
-            block_size=block_size,
-            max_blocks=block_tables.shape[1],
-            bulk=bulk,
-            exp2=_exp2(interpret),
-            scale_mul=_scale_mul(interpret),
+            **_walk_args(spec, block_size, block_tables, bulk, interpret),
             lanes=lanes if walk else None,
         ),
         grid=(t, hkv, lanes),
@@ -518,15 +526,7 @@ def _tiles(
     k_view, v_view, cache = _cache_view(k_cache, v_cache, row_loads)
     block = pl.BlockSpec((pl.squeezed, pl.squeezed, rows, d), lambda i, h: (i, h, 0, 0))
     out = pl.pallas_call(
-        functools.partial(
-            _tiles_kernel,
-            spec=spec,
-            block_size=block_size,
-            max_blocks=block_tables.shape[1],
-            bulk=bulk,
-            exp2=_exp2(interpret),
-            scale_mul=_scale_mul(interpret),
-        ),
+        functools.partial(_tiles_kernel, **_walk_args(spec, block_size, block_tables, bulk, interpret)),
         grid=(nt, hkv),
         in_specs=[per_tile, per_tile, whole(context_lens), whole(block_tables), block, cache, cache],
         out_specs=block,
