@@ -9,6 +9,7 @@ import os
 import threading
 import warnings
 import weakref
+from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 
 import jax
@@ -27,7 +28,7 @@ from models.configs import PRESETS
 from models.llama import Llama, param_state
 from models.loading import DEFAULT_MODEL, embedded_model_path, is_embedded, is_preset, load_model
 from models.sharding import check_tensor_parallel
-from models.tokenizer import load_tokenizer
+from models.tokenizer import Tokenizer, load_tokenizer
 from pallas_kernels.checks import check_positive_int
 
 _CPU_KV_BYTES = 1 << 30  # the KV pool on CPU when num_kv_blocks is not given
@@ -151,6 +152,22 @@ def _check_arguments(*, dtype, gpu_memory_utilization, seed, flags: dict, **coun
             raise TypeError(
                 f"dtype must be a floating-point dtype (e.g. 'bfloat16', 'float32'), got {dtype!r}"
             )
+
+
+def _tokenizer_argument(tokenizer):
+    """``LLM``'s ``tokenizer``: None, a ``Tokenizer``, or where to load one from (a HF
+    directory or a .gguf file, as vLLM's ``tokenizer`` names one)."""
+    if tokenizer is None or isinstance(tokenizer, Tokenizer):
+        return tokenizer
+    if isinstance(tokenizer, (str, os.PathLike)):
+        try:
+            return load_tokenizer(tokenizer)
+        except (ValueError, FileNotFoundError, OSError) as e:
+            raise type(e)(f"tokenizer: {e}") from None
+    raise TypeError(
+        "tokenizer must be a bijax Tokenizer, or a HF tokenizer directory or .gguf file to load one "
+        f"from, got {type(tokenizer).__name__}"
+    )
 
 
 def _checkpoint_tokenizer(model):
@@ -293,6 +310,7 @@ class LLM:
             ),
         )
         spec = SpeculativeConfig.create(speculative_config)  # checked before loading anything
+        tokenizer = _tokenizer_argument(tokenizer)
         load = functools.partial(
             _load, dtype=dtype, k_shards=k_shards, seed=seed, tensor_parallel_size=tensor_parallel_size
         )
@@ -357,7 +375,7 @@ class LLM:
         on_output=None,
     ) -> list[RequestOutput]:
         """Generates for each prompt (a str, a list of token ids, a {"prompt_token_ids": [...]}
-        dict, or a list of those; a numpy array: 1-D one prompt, 2-D one per row); returns
+        or {"prompt": "..."} dict, or a list of those; a numpy array: 1-D one prompt, 2-D one per row); returns
         one RequestOutput per prompt, in input order. A bad prompt or parameter raises before
         anything runs, naming it. ``on_output(i, out)``, if given, sees every RequestOutput of
         prompt ``i`` as the steps produce them (partial ones too: streaming). One call at a time
@@ -403,6 +421,11 @@ class LLM:
             raise ValueError("no prompts given")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
+        elif isinstance(sampling_params, (dict, str, bytes)) or not isinstance(sampling_params, Iterable):
+            raise TypeError(
+                "sampling_params must be a SamplingParams or a list of them (one per prompt), "
+                f"got {type(sampling_params).__name__}"
+            )
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Iterable, Sized
 
 import jax
 import numpy as np
@@ -111,6 +112,8 @@ class Engine:
         self._spec_totals = dict.fromkeys(_SPEC_COUNTERS, 0)
         self._spec_totals["speculation_host_seconds"] = 0.0
         self.model_config = model.config
+        # top logprobs a step computes when a row asks for any (a vocabulary may be smaller)
+        self._top_n = min(MAX_LOGPROBS, model.config.vocab_size)
         self.tokenizer = tokenizer
         self._token = object()  # marks the ValidPrompts this engine checked
         self.runner = ModelRunner(model, config)
@@ -150,7 +153,7 @@ class Engine:
     # ------------------------------------------------------------------ input checks
 
     def validate(self, prompt, params: SamplingParams | None = None) -> ValidPrompt:
-        """Tokenizes ``prompt`` (a str, a list of token ids, or {"prompt_token_ids": [...]}) and
+        """Tokenizes ``prompt`` (a str, a list of token ids, {"prompt_token_ids": [...]} or {"prompt": "..."}) and
         checks it with ``params`` against this engine (vocabulary, max_model_len, KV pool);
         ValueError / TypeError naming the problem. The result goes to ``add_request`` as is."""
         params = SamplingParams() if params is None else params
@@ -290,12 +293,12 @@ class Engine:
             logprobs=logprobs, max_step_tokens=max_step_tokens, step_tokens=step_tokens
         )
         tracing = 0.0
-        for num_logprobs in [0, MAX_LOGPROBS] if logprobs else [0]:
+        for num_logprobs in [0, self._top_n] if logprobs else [0]:
             tick = None if on_bucket is None else (lambda s, t, n=num_logprobs: on_bucket(s, t, bool(n)))
             tracing += self.runner.warmup(pairs, num_logprobs, tick)
         if self.speculator is not None:  # verify steps sample every token row: (s, t, t)
             verify = self.speculator.verify_buckets(self.runner.bucket_pairs())
-            for num_logprobs in [0, MAX_LOGPROBS] if logprobs else [0]:  # (verify rows sample too)
+            for num_logprobs in [0, self._top_n] if logprobs else [0]:  # (verify rows sample too)
                 tracing += self.runner.warmup(verify, num_logprobs)
             if self.speculator.draft is not None:  # its decode steps, and the verify steps it runs too
                 tracing += self.speculator.draft.warmup(self.runner.bucket_pairs() + verify)
@@ -505,7 +508,7 @@ class Engine:
         self._spec_totals["num_drained_steps"] += drained
         self._spec_totals["num_drained_steps_without_drafts"] += drained and not drafts
         run = [Chunk.pending(seq, n, drafts.get(seq.seq_id, ())) for seq, n in chunks]
-        num_logprobs = MAX_LOGPROBS if any(s.params.logprobs for s, _ in chunks) else 0
+        num_logprobs = self._top_n if any(s.params.logprobs for s, _ in chunks) else 0
         tok, lp, top = self.runner.step(run, num_logprobs)
         if self.speculator is not None:
             self.speculator.observe(run)
@@ -555,7 +558,7 @@ class Engine:
             chunks = self.scheduler.schedule()
             if chunks:
                 run = [Chunk.pending(seq, n) for seq, n in chunks]
-                num_logprobs = MAX_LOGPROBS if any(s.params.logprobs for s, _ in chunks) else 0
+                num_logprobs = self._top_n if any(s.params.logprobs for s, _ in chunks) else 0
                 launched = self.runner.dispatch(run, num_logprobs, steps[-1].launched if steps else None)
                 samples = []
                 for seq, n in chunks:  # the host's view moves on now; the tokens come back later
@@ -712,12 +715,21 @@ class Engine:
         self._require_idle("score")
         self.check_weights()
         check_temperature(temperature, scalar=True)
+        for name, arg in (("token_ids", token_ids), ("prompt_lens", prompt_lens)):
+            if isinstance(arg, (str, bytes, dict)) or not isinstance(arg, Sized):
+                raise TypeError(f"{name} must be a list (one entry per sequence), got {type(arg).__name__}")
         if len(token_ids) != len(prompt_lens):
             raise ValueError(f"{len(token_ids)} sequences but {len(prompt_lens)} prompt_lens")
         seqs = []
         dummy = SamplingParams(max_tokens=1)
         for i, (ids, pl) in enumerate(zip(token_ids, prompt_lens, strict=True)):
+            if isinstance(ids, (str, bytes, dict)) or not isinstance(ids, Iterable):  # (text: its characters)
+                raise TypeError(f"token_ids[{i}] must be a list of int token ids, got {type(ids).__name__}")
             _, ids = self._tokenize(list(ids))
+            if len(ids) > self.config.max_model_len:
+                raise ValueError(
+                    f"token_ids[{i}]: {len(ids)} tokens exceed max_model_len ({self.config.max_model_len})"
+                )
             if not is_int(pl) or not 1 <= pl <= len(ids):
                 raise ValueError(f"prompt_lens[{i}] must be an int in [1, {len(ids)}], got {pl!r}")
             pl = int(pl)

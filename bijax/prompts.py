@@ -22,12 +22,20 @@ class ValidPrompt:
 
 
 def tokenize(tokenizer, prompt) -> tuple[str | None, list[int]]:
-    """(text or None, token ids) of a prompt: a str, a list of token ids, or
-    {"prompt_token_ids": [...]}; ValueError / TypeError naming the problem."""
+    """(text or None, token ids) of a prompt: a str, a list of token ids, or vLLM's dict forms
+    {"prompt_token_ids": [...]} and {"prompt": "..."}; ValueError / TypeError naming the problem."""
     if isinstance(prompt, dict):
-        if "prompt_token_ids" not in prompt:
-            raise ValueError("a dict prompt must have 'prompt_token_ids'")
-        prompt = prompt["prompt_token_ids"]
+        keys = set(prompt)
+        if keys not in ({"prompt_token_ids"}, {"prompt"}):
+            raise ValueError(
+                "a dict prompt must have exactly one key, 'prompt_token_ids' (a list of token ids) or "
+                f"'prompt' (text); got {sorted(map(str, keys))}"
+            )
+        (key,) = keys
+        prompt = prompt[key]
+        if (key == "prompt") != isinstance(prompt, str):  # (a str of ids was tokenized as text)
+            want = "a str" if key == "prompt" else "a list of int token ids"
+            raise TypeError(f"a dict prompt's '{key}' must be {want}, got {type(prompt).__name__}")
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("this model has no tokenizer: give prompts as lists of token ids")
@@ -73,6 +81,8 @@ def check_request(
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    if params.logprobs and params.logprobs > vocab_size:
+        raise ValueError(f"logprobs ({params.logprobs}) exceeds the vocabulary size ({vocab_size})")
     bad = [t for t in params.stop_token_ids if t >= vocab_size]
     if bad:  # (it could never be sampled: a typo, or another model's id)
         raise ValueError(f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {vocab_size})")

@@ -39,6 +39,24 @@ class RopeScaling:
     high_freq_factor: float
     original_max_position_embeddings: int
 
+    def __post_init__(self):
+        # (inv_freq divides by each of them: a zero or a negative gives NaN or meaningless
+        # angles, never an error later)
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 and math.isfinite(v)):
+                raise ValueError(f"rope_scaling: {name} must be a positive number, got {v!r}")
+        check_positive_int(
+            "rope_scaling: original_max_position_embeddings",
+            self.original_max_position_embeddings,
+            numpy=False,
+        )
+        if self.high_freq_factor <= self.low_freq_factor:  # (the band between them is smoothed)
+            raise ValueError(
+                f"rope_scaling: high_freq_factor ({self.high_freq_factor}) must exceed "
+                f"low_freq_factor ({self.low_freq_factor})"
+            )
+
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
@@ -116,6 +134,10 @@ class LlamaConfig:
             raise ValueError(
                 f"LlamaConfig: {len(self.rope_freq_factors)} rope_freq_factors for head_dim {self.head_dim}"
             )
+        if self.rope_freq_factors is not None and not all(
+            f > 0 and math.isfinite(f) for f in self.rope_freq_factors
+        ):  # (the frequencies are divided by them)
+            raise ValueError("LlamaConfig: rope_freq_factors must be positive and finite")
         if not (self.rope_theta > 1 and math.isfinite(self.rope_theta)):
             raise ValueError(f"LlamaConfig: rope_theta must be > 1, got {self.rope_theta!r}")
         if self.num_experts:
@@ -232,8 +254,12 @@ def _from_hf_dict(hf: dict[str, Any]) -> LlamaConfig:
         raise ValueError("unsupported: mlp_bias=True")
     if model_type in ("qwen2", "qwen3", "qwen3_moe") and hf.get("use_sliding_window"):
         raise ValueError(f"unsupported: {model_type} with use_sliding_window=True")
-    if model_type == "mistral" and hf.get("sliding_window"):
-        raise ValueError("unsupported: Mistral with a sliding window")
+    # (transformers' MistralConfig takes a 4096-token window when config.json has no such key)
+    if model_type == "mistral" and hf.get("sliding_window", 4096):
+        raise ValueError(
+            "unsupported: Mistral with a sliding window (config.json's sliding_window, "
+            "4096 when the key is absent as in transformers)"
+        )
     missing = [
         k
         for k in (

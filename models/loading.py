@@ -312,6 +312,11 @@ def load_model(
 
     if dtype is not None:
         weight_dtype(dtype)  # named before anything loads
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise TypeError(
+            "model must be a preset or embedded model's name, a path (.gguf file, HF or orbax "
+            f"checkpoint directory) or a Llama, got {type(name_or_path).__name__}"
+        )
     if is_preset(name_or_path):
         make = lambda: Llama(  # noqa: E731
             preset(name_or_path), dtype=jnp.bfloat16 if dtype is None else dtype, k_shards=k_shards, seed=seed

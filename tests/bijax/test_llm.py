@@ -155,6 +155,11 @@ def test_stop_strings_with_a_real_tokenizer():
         "The capital of France is", SP(temperature=0, max_tokens=12, stop=[word]), use_tqdm=False
     )[0]
     assert o.finish_reason == "stop" and word not in o.text and ref.text.startswith(o.text)
+    # vLLM's text dict prompt is the same prompt
+    d = smol.generate(
+        {"prompt": "The capital of France is"}, SP(temperature=0, max_tokens=12), use_tqdm=False
+    )[0]
+    assert d.token_ids == ref.token_ids and np.array_equal(bits(d.logprobs), bits(ref.logprobs))
     # a stop string the output starts with: the text is empty, not the whole output
     first = ref.text[:2]
     o = smol.generate(
@@ -443,3 +448,61 @@ def test_baseline_jit_compiles_only_the_baselines_program_with_its_options(monke
     # inside a caller's jit or grad it is part of the caller's program (nested options: refused)
     assert jax.jit(lambda x: f(x, invariant=False))(jnp.ones(3)).tolist() == [2, 2, 2]
     assert jax.grad(lambda x: f(x, invariant=False).sum())(jnp.ones(3)).tolist() == [2, 2, 2]
+
+
+def test_tokenizer_argument_is_a_tokenizer_or_where_one_is():
+    """``tokenizer=`` a path loads it (vLLM's convention); anything else is refused by name
+    before the model loads (a str was an AttributeError from deep in the engine)."""
+    import bijax
+    from models.loading import embedded_model_path
+    from models.tokenizer import Tokenizer
+
+    with pytest.raises(TypeError, match="tokenizer must be a bijax Tokenizer.*got int"):
+        bijax.LLM("tiny", tokenizer=123)
+    with pytest.raises(FileNotFoundError, match="tokenizer: no tokenizer at"):
+        bijax.LLM("tiny", tokenizer="/nonexistent/tokenizer")
+    llm = bijax.LLM("tiny", tokenizer=embedded_model_path("smollm2-135m"), max_model_len=64, num_kv_blocks=8)
+    assert isinstance(llm.tokenizer, Tokenizer) and llm.tokenizer.encode("Paris", add_special_tokens=False)
+    llm.close()
+
+
+def test_top_logprobs_of_a_vocabulary_under_twenty():
+    """A step asks for min(20, vocabulary) top logprobs: with 5 tokens any logprobs request
+    failed inside the sampling program; more than the vocabulary is refused up front."""
+    import dataclasses
+
+    import bijax
+    from models.configs import preset
+    from models.llama import Llama
+
+    model = Llama(dataclasses.replace(preset("tiny"), vocab_size=5), dtype=jnp.float32, seed=0)
+    llm = bijax.LLM(model, max_model_len=32, max_num_seqs=2, max_num_batched_tokens=16, num_kv_blocks=8)
+    o = llm.generate([1, 2, 3], SP(temperature=0, max_tokens=2, logprobs=5), use_tqdm=False)[0]
+    top = o.outputs[0].top_logprobs
+    assert [len(t) for t in top] == [5, 5] and [t[0][0] for t in top] == o.token_ids
+    assert sorted(i for i, _ in top[0]) == list(range(5))
+    with pytest.raises(ValueError, match=r"logprobs \(6\) exceeds the vocabulary size \(5\)"):
+        llm.generate([1, 2, 3], SP(max_tokens=2, logprobs=6), use_tqdm=False)
+    llm.close()
+
+
+def test_misshapen_calls_are_named(llm):
+    """Arguments of the wrong kind get an error naming them (a dict of sampling settings was
+    read as its keys; a str to score was split into characters; a str of ids in a dict prompt
+    was tokenized as text; a too-long sequence to score named max_tokens)."""
+    import bijax
+
+    with pytest.raises(TypeError, match="sampling_params must be a SamplingParams or a list.*got dict"):
+        llm.generate(PROMPT, {"temperature": 0, "max_tokens": 2}, use_tqdm=False)
+    with pytest.raises(TypeError, match=r"token_ids\[0\] must be a list of int token ids, got str"):
+        llm.score(["Hello world"], [1])
+    with pytest.raises(TypeError, match="prompt_lens must be a list .*got int"):
+        llm.score([PROMPT], 2)
+    with pytest.raises(ValueError, match=r"token_ids\[0\]: \d+ tokens exceed max_model_len"):
+        llm.score([PROMPT * llm.config.max_model_len], [1])
+    with pytest.raises(TypeError, match="'prompt_token_ids' must be a list of int token ids, got str"):
+        llm.generate({"prompt_token_ids": "5 17 42"}, SP(max_tokens=1), use_tqdm=False)
+    with pytest.raises(ValueError, match="exactly one key"):
+        llm.generate({"prompt_token_ids": PROMPT, "multi_modal_data": {}}, SP(max_tokens=1), use_tqdm=False)
+    with pytest.raises(TypeError, match="model must be a preset"):
+        bijax.LLM(None)

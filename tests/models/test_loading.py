@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -262,6 +263,31 @@ def test_config_from_hf_both_rope_formats():
             },
             r"rope_scaling\.factor must be a number",
         ),  # fmt: skip
+        # a zero factor loaded and served NaN logprobs (the RoPE table is no parameter)
+        *(
+            (
+                {
+                    "rope_scaling": {
+                        "rope_type": "llama3",
+                        "factor": 8,
+                        "low_freq_factor": 1,
+                        "high_freq_factor": 4,
+                        "original_max_position_embeddings": 8192,
+                        **bad,
+                    }
+                },
+                match,
+            )
+            for bad, match in (
+                ({"factor": 0}, r"factor must be a positive number, got 0"),
+                ({"low_freq_factor": -1}, r"low_freq_factor must be a positive number"),
+                ({"original_max_position_embeddings": 0}, "original_max_position_embeddings"),
+                ({"high_freq_factor": 1}, r"high_freq_factor \(1.0\) must exceed low_freq_factor"),
+            )
+        ),
+        # transformers' MistralConfig takes a 4096-token window when the key is absent
+        ({"model_type": "mistral"}, "Mistral with a sliding window"),
+        ({"model_type": "mistral", "sliding_window": 4096}, "Mistral with a sliding window"),
         ({"num_key_value_heads": 3}, "num_kv_heads"),
         ({"vocab_size": 0}, "vocab_size"),
         ({"eos_token_id": [2, None]}, "eos_token_id must be an integer, got None"),  # (int() TypeErrors)
@@ -273,6 +299,20 @@ def test_bad_configs(change, match):
     cfg.update(change)
     with pytest.raises(ValueError, match=match):
         LlamaConfig.from_hf(cfg)
+
+
+def test_rope_freq_factors_must_be_positive():
+    tiny = preset("tiny")
+    half = tiny.head_dim // 2
+    dataclasses.replace(tiny, rope_freq_factors=(1.0,) * half)
+    with pytest.raises(ValueError, match="rope_freq_factors must be positive"):
+        dataclasses.replace(tiny, rope_freq_factors=(1.0,) * (half - 1) + (0.0,))
+
+
+def test_mistral_without_a_window_loads():
+    cfg = json.load(open(os.path.join(FIXTURES, "llama2", "config.json")))
+    got = LlamaConfig.from_hf({**cfg, "model_type": "mistral", "sliding_window": None})
+    assert got.model_type == "mistral"
 
 
 def test_config_without_model_type_or_eps_reads_as_transformers_would():
