@@ -337,18 +337,21 @@ def shared_launch():
             [rand(61 + 7 * i + j, (k, n), jnp.bfloat16, 1 / math.sqrt(k)) for j, (k, n) in enumerate(shapes)]
             for i in range(copies_for(nbytes))
         ]
-        for m in (1, 16, 32):
+        # M = 64 (a 64-sequence decode step): "auto" runs a Mosaic GPU launch per weight there,
+        # so "shared" is the Triton shared launch (backend="triton") - would it be faster?
+        for m in (1, 16, 32, 64):
             x = rand(60, (m, shapes[0][0]), jnp.bfloat16)
+            backend = "triton" if m == 64 else "auto"
             want = [bits(pk.matmul(x, w)) for w in sets[0]]
-            got = [bits(y) for y in pk.matmul_shared(x, sets[0])]
+            got = [bits(y) for y in pk.matmul_shared(x, sets[0], backend=backend)]
             check(
-                f"shared launch {name} M={m} == a launch each",
+                f"shared launch ({backend}) {name} M={m} == a launch each",
                 all(np.array_equal(a, b) for a, b in zip(got, want, strict=True)),
             )
 
             t_xla = group_us(lambda x, ws: [x @ w for w in ws], x, sets)
             t_each = group_us(lambda x, ws: [pk.matmul(x, w) for w in ws], x, sets)
-            t_shared = group_us(lambda x, ws: pk.matmul_shared(x, ws), x, sets)
+            t_shared = group_us(lambda x, ws, b=backend: pk.matmul_shared(x, ws, backend=b), x, sets)
             rows.append((name, m, nbytes, t_xla, t_each, t_shared))
             print(
                 f"SHARED {name} M={m}: xla {t_xla:.1f} us, a launch each {t_each:.1f} us, shared {t_shared:.1f} us",
