@@ -23,7 +23,7 @@ from bijax.outputs import RequestOutput
 from bijax.sampling_params import MAX_SEED, SamplingParams
 from bijax.speculative import SpeculativeConfig
 from bijax.step_programs import staged_inputs
-from models.checkpoint import non_finite
+from models.checkpoint import check_same_layout, non_finite
 from models.configs import PRESETS
 from models.llama import Llama, param_state
 from models.loading import DEFAULT_MODEL, embedded_model_path, is_embedded, is_preset, load_model
@@ -431,6 +431,12 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
         self.engine.check_weights()
+        if self.engine.has_unfinished_requests():  # (generate would step them, and drop their outputs)
+            raise RuntimeError(
+                "generate: the engine has requests this call did not add (engine.add_request, or final "
+                "outputs a failed call kept for the next engine.step()): step the engine until "
+                "has_unfinished_requests() is False, or abort them, first"
+            )
         valid = []
         for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):  # check all before adding any
             if not isinstance(sp, SamplingParams):
@@ -455,7 +461,7 @@ class LLM:
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step(partial=on_output is not None):
-                    if out.request_id not in index:  # (left by an earlier call whose release failed)
+                    if out.request_id not in index:  # (added by an on_output callback: not ours)
                         continue
                     if out.finished:
                         done[out.request_id] = out
@@ -624,14 +630,25 @@ class LLM:
     def _update_weights(self, weights) -> None:
         if self.engine.closed:  # before the model (which other engines may share) is touched
             raise RuntimeError("update_weights: this LLM was closed (close() freed its KV cache)")
-        # the other open LLMs on this model object follow it: all must be idle before it changes
+        # the other open LLMs on this model object follow it: all must be idle before it changes,
+        # and stay so (their locks held: a generate starting meanwhile in another thread would
+        # fail halfway through the swap and keep the old weights)
         sharing = [o for o in list(_LLMS) if o is not self and o.model is self.model and not o.engine.closed]
-        for llm in (self, *sharing):
-            if llm.engine.has_unfinished_requests() or (llm is not self and llm._busy.locked()):
-                raise RuntimeError(
-                    "update_weights runs when no generation is in flight"
-                    + ("" if llm is self else " (in any LLM on this model: another one is generating)")
-                )
+        with contextlib.ExitStack() as held:
+            for llm in (self, *sharing):
+                if llm is not self:
+                    if not llm._busy.acquire(blocking=False):
+                        llm = None
+                    else:
+                        held.callback(llm._busy.release)
+                if llm is None or llm.engine.has_unfinished_requests():
+                    raise RuntimeError(
+                        "update_weights runs when no generation is in flight"
+                        + ("" if llm is self else " (in any LLM on this model: another one is generating)")
+                    )
+            self._swap_weights(weights, sharing)
+
+    def _swap_weights(self, weights, sharing) -> None:
         if isinstance(weights, Llama):
             weights = param_state(weights)
         if isinstance(weights, nnx.State):
@@ -643,26 +660,7 @@ class LLM:
             )
         current = param_state(self.model)
         want = dict(jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(current)))
-        got = dict(jax.tree_util.tree_leaves_with_path(weights))
-        name = jax.tree_util.keystr
-        missing = [name(k) for k in want if k not in got]
-        extra = [name(k) for k in got if k not in want]
-        if missing or extra:
-            raise ValueError(
-                f"weights do not have the model's structure: missing {missing[:3]}, unexpected {extra[:3]}"
-            )
-        for k, ref in want.items():
-            new = got[k]
-            if not isinstance(new, (jax.Array, np.ndarray)):  # (a ShapeDtypeStruct has no values)
-                raise TypeError(f"weights{name(k)} must be an array, got {type(new).__name__}")
-            if tuple(new.shape) != tuple(ref.shape):
-                raise ValueError(
-                    f"weights{name(k)} has shape {tuple(new.shape)}, the model's is {tuple(ref.shape)}"
-                )
-            if new.dtype != ref.dtype:
-                raise ValueError(f"weights{name(k)} has dtype {new.dtype}, the model's is {ref.dtype}")
-            if isinstance(new, jax.Array) and new.is_deleted():
-                raise ValueError(f"weights{name(k)} has been deleted (donated to a jitted step?)")
+        check_same_layout(want, dict(jax.tree_util.tree_leaves_with_path(weights)))
 
         # numpy leaves are copied (the caller may change them in place later; on a CPU device_put
         # may alias a numpy buffer instead of copying it - so a private copy goes to the device);

@@ -153,9 +153,11 @@ class Engine:
     # ------------------------------------------------------------------ input checks
 
     def validate(self, prompt, params: SamplingParams | None = None) -> ValidPrompt:
-        """Tokenizes ``prompt`` (a str, a list of token ids, {"prompt_token_ids": [...]} or {"prompt": "..."}) and
-        checks it with ``params`` against this engine (vocabulary, max_model_len, KV pool);
+        """Tokenizes ``prompt`` (a str, a list of token ids, {"prompt_token_ids": [...]} or
+        {"prompt": "..."}) and checks it with ``params`` against this engine (vocabulary,
+        max_model_len, KV pool);
         ValueError / TypeError naming the problem. The result goes to ``add_request`` as is."""
+        self._require_open("validate")
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -179,6 +181,10 @@ class Engine:
         self._require_open("add_request")
         if not isinstance(request_id, str) or request_id in self._requests:
             raise ValueError(f"request_id must be a new str, got {request_id!r}")
+        if any(o.request_id == request_id for o in self._kept):  # (one id, one request's outputs)
+            raise ValueError(
+                f"request_id {request_id!r} finished, but the next step() has yet to return its output"
+            )
         if isinstance(prompt, ValidPrompt):
             if params is not None and params is not prompt.params:
                 raise ValueError("a ValidPrompt carries its SamplingParams: pass params=None")
@@ -208,7 +214,15 @@ class Engine:
     def check_weights(self) -> None:
         """Raises (before anything is scheduled) when the weights - the draft model's too - were
         deleted, e.g. donated to a train step since ``set_weights``."""
-        self.runner.check_params()
+        try:
+            self.runner.check_params()
+        except RuntimeError as e:
+            if not self.has_unfinished_requests():
+                raise
+            n = len(self._requests)  # (new weights go in only while idle)
+            raise RuntimeError(
+                f"{e} - after aborting the {n} request(s) in flight, whose KV came from the old weights"
+            ) from None
         sp = self.speculator
         if sp is not None and sp.draft is not None and sp.draft_model is not self._model:
             sp.draft.check_params(
@@ -218,11 +232,12 @@ class Engine:
             )
 
     def set_weights(self, model) -> None:
-        """Runs with ``model``'s weights from now on (same structure, shapes, dtypes: nothing
-        recompiles) and empties the prefix cache, whose KV came from the old weights. A draft
-        model that is this model object (self-speculation) follows it; another draft keeps its
-        own weights."""
+        """Runs with ``model``'s weights from now on (same config, k_shards, shapes, dtypes -
+        nothing recompiles - else an error before anything changes) and empties the prefix
+        cache, whose KV came from the old weights. A draft model that is this model object
+        (self-speculation) follows it; another draft keeps its own weights."""
         self._require_idle("set_weights")
+        self.runner.check_model(model)  # (nothing changes unless the steps can run it)
         sp = self.speculator
         follows = sp is not None and sp.draft is not None and sp.draft_model is self._model
         self.runner.set_model(model)
@@ -289,6 +304,8 @@ class Engine:
         when it comes). Returns the seconds spent tracing and lowering (the rest compiles or
         loads)."""
         self._require_open("warmup")
+        if not isinstance(logprobs, (bool, np.bool_)):
+            raise TypeError(f"warmup: logprobs must be True or False, got {logprobs!r}")
         pairs = self.pending_buckets(
             logprobs=logprobs, max_step_tokens=max_step_tokens, step_tokens=step_tokens
         )
@@ -367,16 +384,16 @@ class Engine:
         prefix caching: a pool too small for a batch forces preemption (``bijax check``). The
         cache keeps its shape, so nothing recompiles. Only while idle."""
         self._require_idle("limit_kv_pool")
-        if (
-            isinstance(num_blocks, bool)
-            or not isinstance(num_blocks, int)
-            or not 2 <= num_blocks <= self.config.num_kv_blocks
-        ):
+        if not is_int(num_blocks) or not 2 <= num_blocks <= self.config.num_kv_blocks:
             raise ValueError(
                 f"num_blocks must be an int in [2, {self.config.num_kv_blocks}], got {num_blocks!r}"
             )
+        num_blocks = int(num_blocks)
+        hits, preemptions = self.blocks.hit_blocks, self.scheduler.num_preemptions
         self.blocks = BlockManager(num_blocks, self.config.block_size, enable_prefix_caching=False)
         self.scheduler = Scheduler(self.config, self.blocks)
+        # (``stats`` counts since the engine was built, not since the pool changed)
+        self.blocks.hit_blocks, self.scheduler.num_preemptions = hits, preemptions
         self._token = object()  # prompts checked against the whole pool are checked again
 
     def _require_idle(self, what: str) -> None:
@@ -406,6 +423,8 @@ class Engine:
                 self.speculator.draft.close()
 
     def abort(self, request_id: str) -> None:
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
         req = self._requests.get(request_id)
         if req is None:
             raise ValueError(f"no request {request_id!r}")
@@ -423,6 +442,11 @@ class Engine:
         those steps; their final outputs are not lost - the next ``step()`` returns them (and
         ``has_unfinished_requests()`` stays true until it has). A failing engine frees what it
         can."""
+        if isinstance(request_ids, (str, bytes)) or not isinstance(request_ids, Iterable):
+            raise TypeError(f"request_ids must be a list of str, got {type(request_ids).__name__}")
+        request_ids = list(request_ids)
+        if not all(isinstance(r, str) for r in request_ids):
+            raise TypeError("request_ids must be a list of str")
         released = set()
         for rid in request_ids:
             if rid in self._requests:

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import concurrent.futures.thread  # its exit hook registered before ``_stopping``'s (see there)
+import contextlib
 import dataclasses
 import functools
 import itertools
 import os
+import signal
 import threading
 import time
 import warnings
@@ -59,6 +61,7 @@ from bijax.step_programs import (
     tiered,
 )
 from models import sharding
+from models.checkpoint import check_same_layout
 from models.llama import Llama
 from models.paged import PagedBatch, init_kv_cache
 
@@ -139,6 +142,32 @@ def num_compiled_steps() -> int:
     return _compiles[0]
 
 
+@contextlib.contextmanager
+def ctrl_c_held():
+    """Ctrl-C (SIGINT) held back until the block ends, then delivered: a KeyboardInterrupt
+    between a program that took the KV cache (donated) and the store of the cache it returned
+    would leave the runner holding deleted arrays, and every later step failing. Only in the
+    main thread (the one Python delivers signals to) and under a handler set from Python."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.getsignal(signal.SIGINT)
+    if old is None:  # (a handler not set from Python cannot be put back)
+        yield
+        return
+    frames = []
+    signal.signal(signal.SIGINT, lambda _num, frame: frames.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+    if frames:  # (the block ended normally: the held Ctrl-C now, as its handler takes it)
+        if callable(old):
+            old(signal.SIGINT, frames[0])
+        elif old == signal.SIG_DFL:
+            signal.raise_signal(signal.SIGINT)
+
+
 class ModelRunner:
     """Runs the jitted steps of one model. With ``config.tensor_parallel_size`` > 1 the model's
     weights are moved onto a mesh of that many devices (the model then holds the shards)."""
@@ -203,6 +232,29 @@ class ModelRunner:
         self._staging: dict = {}  # the step inputs' device buffers, by structure and shapes (``_staged``)
         self._stage = staged_inputs()
 
+    def check_model(self, model, what: str = "set_weights") -> None:
+        """Raises (naming the difference) unless ``model`` is a ``Llama`` like the one this runner
+        runs: the same config and k_shards, its arrays of the same shapes and dtypes, none
+        deleted - what its compiled steps and KV cache were made for."""
+        if not isinstance(model, Llama):
+            raise TypeError(f"{what}: model must be a models.Llama, got {type(model).__name__}")
+        if model.config != self.model_config:
+            diff = [
+                f.name
+                for f in dataclasses.fields(model.config)
+                if getattr(model.config, f.name) != getattr(self.model_config, f.name)
+            ]
+            raise ValueError(f"{what}: the model's config differs from the engine's in {diff}")
+        if (model.k_shards, model.tp_parts) != (self.k_shards, self.tp_parts):
+            raise ValueError(
+                f"{what}: the model has k_shards={model.k_shards} (tp_parts={model.tp_parts}), the engine's "
+                f"{self.k_shards} ({self.tp_parts}): other bits"
+            )
+        leaves = lambda state: dict(jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(state)))  # noqa: E731
+        check_same_layout(
+            leaves(self.params), leaves(nnx.split(model)[1]), what=f"{what}: the model's weights"
+        )
+
     def set_model(self, model: Llama) -> None:
         """Takes the model's weights (placed on the mesh under tensor parallelism)."""
         graphdef, params = nnx.split(model)
@@ -213,13 +265,14 @@ class ModelRunner:
             self._upgrading.clear()
             self._generation += 1
         self.graphdef = graphdef
+        self.k_shards, self.tp_parts = model.k_shards, model.tp_parts
         if self.mesh is not None:
             params = sharding.shard_state(params, self.mesh)
             nnx.update(model, params)  # the model keeps the shards, not a second whole copy
         elif any(
-            isinstance(a, jax.Array) and len(a.sharding.device_set) > 1
+            isinstance(a, jax.Array) and a.sharding.device_set != {jax.devices()[0]}
             for a in jax.tree_util.tree_leaves(params)
-        ):  # shards of an earlier tensor-parallel engine: back to one device, never a partitioned step
+        ):  # shards of an earlier tensor-parallel engine, or another device: to the one the steps run on
             params = jax.device_put(params, jax.devices()[0])
             nnx.update(model, params)
         self.params = params
@@ -402,7 +455,8 @@ class ModelRunner:
         compiled = self._program(("forward", s, t, r))
         rest, rest_tree = jax.tree_util.tree_flatten(args[1:])  # the weights' leaves as flattened once
         tree = jax.tree_util.treedef_tuple([self._param_tree, *rest_tree.children()])
-        logits, self.cache = compiled(*args, flat=(self._param_leaves + rest, tree))
+        with ctrl_c_held():
+            logits, self.cache = compiled(*args, flat=(self._param_leaves + rest, tree))
         return logits
 
     def _forward_layers(self, batch: PagedBatch, s: int, t: int, r: int):
@@ -415,19 +469,23 @@ class ModelRunner:
         in_leaves, in_tree = jax.tree_util.tree_flatten(inputs)
         _, rope, rope_tree = lay.rope
         trees = {}  # by group: the layers of a group share their arguments' tree
-        for j, (run, g) in enumerate(zip(lay.runs, lay.groups, strict=True)):
-            _, weights, weights_tree = lay.blocks[j]
-            kv = tuple(self.cache[i] for i in run)
-            tree = trees.get(g)
-            if tree is None:
-                kv_tree = jax.tree_util.tree_structure(kv)
-                tree = trees[g] = _tuple(weights_tree, kv_tree, rope_tree, _LEAF, _LEAF, in_tree)
-            leaves = weights + [x for layer_kv in kv for x in layer_kv] + rope + [h, residual] + in_leaves
-            (h, residual), kv = self._layer(("block", s, t, g), j)(flat=(leaves, tree))
-            for i, layer_kv in zip(run, kv, strict=True):
-                self.cache[i] = layer_kv
+        # (every program first - a compile here is never inside ``ctrl_c_held``)
+        programs = [self._layer(("block", s, t, g), j) for j, g in enumerate(lay.groups)]
+        head_program = self._program(("head", t, r))
+        with ctrl_c_held():
+            for j, (run, g) in enumerate(zip(lay.runs, lay.groups, strict=True)):
+                _, weights, weights_tree = lay.blocks[j]
+                kv = tuple(self.cache[i] for i in run)
+                tree = trees.get(g)
+                if tree is None:
+                    kv_tree = jax.tree_util.tree_structure(kv)
+                    tree = trees[g] = _tuple(weights_tree, kv_tree, rope_tree, _LEAF, _LEAF, in_tree)
+                leaves = weights + [x for layer_kv in kv for x in layer_kv] + rope + [h, residual] + in_leaves
+                (h, residual), kv = programs[j](flat=(leaves, tree))
+                for i, layer_kv in zip(run, kv, strict=True):
+                    self.cache[i] = layer_kv
         _, head, head_tree = lay.head
-        return self._program(("head", t, r))(flat=(head + [h, rows], _tuple(head_tree, _LEAF, _LEAF)))
+        return head_program(flat=(head + [h, rows], _tuple(head_tree, _LEAF, _LEAF)))
 
     def _program(self, key):
         """The compiled program of ``_lowered``'s ``key``, compiled now if ``warmup`` did not."""

@@ -55,6 +55,10 @@ def test_prefix_cache_hit_equals_miss():
     o = again[1]
     lp = llm.score([o.prompt_token_ids + o.token_ids], [len(o.prompt_token_ids)], temperature=0.8)[0]
     np.testing.assert_array_equal(bits(lp), bits(o.logprobs))
+    # the counters are since the engine was built: a smaller pool does not zero them
+    hits = llm.engine.stats().prefix_cache_hit_blocks
+    llm.engine.limit_kv_pool(40)
+    assert llm.engine.stats().prefix_cache_hit_blocks == hits > 0
 
 
 def test_preemption_equals_no_preemption():
@@ -284,3 +288,132 @@ def test_one_call_at_a_time_and_release_keeps_the_other_outputs():
     assert len(keep) == 1 and keep[0].outputs[0].token_ids == solo.token_ids
     assert not [o for o in outs if o.request_id == "drop"]
     llm.close()
+
+
+@pytest.mark.parametrize("form", ["layers", "whole"])
+def test_ctrl_c_right_after_a_program_took_the_cache(monkeypatch, form):
+    """A real SIGINT that arrives just after a forward program returned - the KV cache it was
+    given already donated, the one it returned not yet stored - is held until the cache is
+    stored: generate raises KeyboardInterrupt and the engine runs on with the same bits (the
+    runner held deleted arrays, and every later step failed)."""
+    import signal
+
+    monkeypatch.setenv("BIJAX_STEP_PROGRAMS", form)
+    llm = _llm()
+    sp = SP(temperature=0.8, seed=5, max_tokens=6, ignore_eos=True)
+    ref = llm.generate([[5, 6, 7, 8, 9]], sp, use_tqdm=False)
+    runner, armed = llm.engine.runner, [True]
+    real = runner._layer if form == "layers" else runner._program
+
+    def interrupted(*a):
+        program = real(*a)
+        if not (form == "layers" or a[0][0] == "forward"):
+            return program
+
+        def call(*args, **kw):
+            out = program(*args, **kw)
+            if armed[0]:
+                armed[0] = False
+                signal.raise_signal(signal.SIGINT)  # Ctrl-C now
+            return out
+
+        return call
+
+    monkeypatch.setattr(runner, "_layer" if form == "layers" else "_program", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[5, 6, 7, 8, 9]], sp, use_tqdm=False)
+    assert not armed[0] and not llm.engine.has_unfinished_requests()
+    monkeypatch.undo()
+    assert _same(llm.generate([[5, 6, 7, 8, 9]], sp, use_tqdm=False), ref)
+    llm.close()
+
+
+def test_engine_level_requests_and_generate():
+    """Requests added with ``engine.add_request`` are never lost: ``generate`` refuses to run
+    (it would step them and drop their outputs); an id whose final output the next step is
+    yet to return is not taken again; ``abort`` / ``release`` name a wrong argument's type (a
+    str to release was read as a list of one-character ids)."""
+    llm = _llm()
+    e = llm.engine
+    sp = SP(temperature=0.8, seed=2, max_tokens=3, ignore_eos=True)
+    e.add_request("job-1", [5, 6, 7], sp)
+    with pytest.raises(RuntimeError, match="requests this call did not add"):
+        llm.generate([[1, 2, 3]], sp, use_tqdm=False)
+    e.add_request("long", [4, 5, 6], SP(max_tokens=20, ignore_eos=True))
+    e.step()
+    with pytest.raises(TypeError, match="request_ids must be a list of str, got str"):
+        e.release("long")
+    with pytest.raises(TypeError, match="request_id must be a str, got list"):
+        e.abort(["long"])
+    e.release(["long"])  # job-1 runs to its end; its output waits for the next step()
+    with pytest.raises(ValueError, match=r"'job-1' finished, but the next step\(\) has yet to return"):
+        e.add_request("job-1", [9, 9, 9], sp)
+    with pytest.raises(RuntimeError, match="requests this call did not add"):
+        llm.generate([[1, 2, 3]], sp, use_tqdm=False)
+    outs = []
+    while e.has_unfinished_requests():
+        outs += e.step()
+    (job,) = [o for o in outs if o.finished]
+    assert job.request_id == "job-1" and job.prompt_token_ids == [5, 6, 7]
+    solo = llm.generate([[5, 6, 7]], sp, use_tqdm=False)[0]  # idle again: generate runs
+    assert _same([job], [solo])
+    llm.close()
+
+
+def test_set_weights_checks_and_a_swap_holds_the_other_llms(monkeypatch):
+    """``Engine.set_weights`` refuses a model its steps cannot run (config, dtype), naming the
+    difference, before anything changes; ``update_weights`` holds the other LLMs on the model
+    while it swaps (a generate starting meanwhile in another of them ran, and that LLM kept the
+    old weights); deleted weights with requests in flight say what to do."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    import bijax.llm
+    from models.configs import preset
+    from models.llama import Llama, param_state
+
+    a = _llm()
+    b = bijax.LLM(
+        a.model, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=160, seed=1
+    )
+    sp = SP(temperature=0.8, seed=4, max_tokens=4, ignore_eos=True)
+    before = a.generate([[5, 6, 7]], sp, use_tqdm=False)
+    tiny = preset("tiny")
+    with pytest.raises(ValueError, match=r"config differs from the engine's in \['vocab_size'\]"):
+        a.engine.set_weights(Llama(dataclasses.replace(tiny, vocab_size=300), dtype=jnp.float32))
+    with pytest.raises(ValueError, match="has dtype bfloat16, the model's is float32"):
+        a.engine.set_weights(Llama(tiny, dtype=jnp.bfloat16))
+    with pytest.raises(TypeError, match="model must be a models.Llama"):
+        a.engine.set_weights(param_state(a.model))
+    assert _same(a.generate([[5, 6, 7]], sp, use_tqdm=False), before)  # nothing changed
+    # during a's swap, b is held: its generate is refused (it ran before, on the old weights)
+    seen, real = [], bijax.llm.non_finite
+
+    def b_generates(tree):
+        try:
+            b.generate([[5, 6, 7]], sp, use_tqdm=False)
+            seen.append("ran")
+        except RuntimeError as e:
+            seen.append(str(e))
+        return real(tree)
+
+    monkeypatch.setattr(bijax.llm, "non_finite", b_generates)
+    new = param_state(Llama(tiny, dtype=jnp.float32, seed=9))
+    a.update_weights(new)
+    assert len(seen) == 1 and "already running" in seen[0], seen
+    monkeypatch.undo()
+    moved = a.generate([[5, 6, 7]], sp, use_tqdm=False)
+    assert not _same(moved, before) and _same(b.generate([[5, 6, 7]], sp, use_tqdm=False), moved)
+    # deleted weights (donated to a train step) with a request in flight: abort, then update
+    b.close()
+    a.engine.add_request("r", [5, 6, 7], sp)
+    for leaf in jax.tree_util.tree_leaves(param_state(a.model)):
+        leaf.delete()
+    with pytest.raises(RuntimeError, match=r"after aborting the 1 request\(s\) in flight"):
+        a.engine.step()
+    a.engine.release(["r"])
+    a.update_weights(param_state(Llama(tiny, dtype=jnp.float32, seed=9)))  # (``new``'s arrays are deleted)
+    assert _same(a.generate([[5, 6, 7]], sp, use_tqdm=False), moved)
+    a.close()
