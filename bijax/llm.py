@@ -375,8 +375,8 @@ class LLM:
         on_output=None,
     ) -> list[RequestOutput]:
         """Generates for each prompt (a str, a list of token ids, a {"prompt_token_ids": [...]}
-        or {"prompt": "..."} dict, or a list of those; a numpy array: 1-D one prompt, 2-D one per row); returns
-        one RequestOutput per prompt, in input order. A bad prompt or parameter raises before
+        or {"prompt": "..."} dict, or a list of those; a numpy array: 1-D one prompt, 2-D one
+        per row); returns one RequestOutput per prompt, in input order. A bad prompt or parameter raises before
         anything runs, naming it. ``on_output(i, out)``, if given, sees every RequestOutput of
         prompt ``i`` as the steps produce them (partial ones too: streaming). One call at a time
         per LLM: a second one (another thread, or ``on_output`` calling back) raises
