@@ -156,12 +156,13 @@ def logprobs(
             invariant=invariant,
             traced_ids=seg_pos is None,  # (concrete ids were checked above, with an error)
         )
-    except AssertionError as e:
-        # a derivative of the gradient differentiates the kernels' forward rules, whose
-        # Pallas calls have no derivative rule: Pallas fails an internal assertion
-        if invariant and any(
-            "jax/_src/pallas" in f.filename for f in traceback.extract_tb(e.__traceback__)[-3:]
-        ):
+    except (AssertionError, ValueError) as e:
+        # a derivative of the gradient differentiates the kernels' forward rules, which have no
+        # derivative rule: Pallas fails an internal assertion, or linearizing the CPU forms
+        # (``runtime.unbatched``'s custom_vmap) fails
+        pallas = any("jax/_src/pallas" in f.filename for f in traceback.extract_tb(e.__traceback__)[-3:])
+        linearize = isinstance(e, ValueError) and str(e).startswith("Linearization failed")
+        if invariant and ((isinstance(e, AssertionError) and pallas) or linearize):
             raise NotImplementedError(
                 "bijax.logprobs: second-order derivatives (a derivative of the gradient) are not supported "
                 "by the invariant kernels (their backward rules are first order); invariant=False has them"

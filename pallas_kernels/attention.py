@@ -250,6 +250,9 @@ def check_write_kv(op: str, k_cache, v_cache, k, v, slot_mapping, *, cast: bool 
             raise ValueError(
                 f"{op}: {name} must be [num_blocks, block_size, Hkv, D], got {getattr(a, 'shape', None)}"
             )
+    for name, a in (("k", k), ("v", v)):
+        if getattr(a, "ndim", None) != 3:
+            raise ValueError(f"{op}: {name} must be a [T, Hkv, D] array, got {type(a).__name__}")
     if k.shape != v.shape or k.shape[1:] != k_cache.shape[2:] or v_cache.shape != k_cache.shape:
         raise ValueError(f"{op}: k {k.shape} / v {v.shape} do not fit cache rows {k_cache.shape[2:]}")
     if not cast and (k.dtype != k_cache.dtype or v.dtype != v_cache.dtype):

@@ -38,6 +38,17 @@ def check_float_dtype(op: str, **arrays) -> None:
             raise TypeError(f"{op}: {name} has dtype {dtype}; supported: bfloat16, float16, float32")
 
 
+def check_out_dtype(op: str, out_dtype):
+    """``out_dtype`` as a dtype the kernels write (bfloat16, float16, float32), else TypeError."""
+    try:
+        dtype = jnp.dtype(out_dtype)
+    except TypeError:
+        raise TypeError(f"{op}: out_dtype must be a dtype, got {out_dtype!r}") from None
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{op}: out_dtype must be bfloat16, float16 or float32, got {dtype}")
+    return dtype
+
+
 def check_same_dtype(op: str, **arrays) -> None:
     dtypes = {name: _dtype(op, name, a) for name, a in arrays.items()}
     if len(set(dtypes.values())) > 1:

@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import runtime
-from pallas_kernels.checks import check_float_dtype, check_positive_int, check_same_dtype
+from pallas_kernels.checks import check_float_dtype, check_out_dtype, check_positive_int, check_same_dtype
 from pallas_kernels.matmul import jnp_row_tile
 from pallas_kernels.matmul_triton import GpuTiles, gpu_tile_m, k_loop, leaf_output, swizzle
 from pallas_kernels.plan import (
@@ -43,6 +43,7 @@ from pallas_kernels.plan import (
     H200_SMS,
     K_SHARDS,
     MatmulPlan,
+    is_k_shards,
     leaf_result,
     plan_matmul,
     to_leaves,
@@ -311,8 +312,12 @@ def grouped_matmul(
         raise ValueError("grouped_matmul: x has no rows (M == 0)")
     if x.shape[1] != w.shape[1]:
         raise ValueError(f"grouped_matmul: K mismatch, x is {x.shape} but w is {w.shape}")
+    if x.shape[1] == 0:
+        raise ValueError("grouped_matmul: the operands have no K (x has no columns)")
     if group_sizes.shape[0] != w.shape[0] or w.shape[0] == 0:
-        raise ValueError(f"grouped_matmul: {group_sizes.shape[0]} group sizes for {w.shape[0]} weights in w")
+        raise ValueError(
+            f"grouped_matmul: {group_sizes.shape[0]} group sizes for {w.shape[0]} weights in w (at least one)"
+        )
     if w.shape[2] == 0:
         raise ValueError("grouped_matmul: w has no columns (N == 0)")
     sizes = runtime.concrete(group_sizes)
@@ -322,11 +327,9 @@ def grouped_matmul(
         raise ValueError(
             f"grouped_matmul: group_sizes sum to {int(sizes.sum())}, more than x's {x.shape[0]} rows"
         )
-    if k_shards not in K_SHARDS:
+    if not is_k_shards(k_shards):
         raise ValueError(f"grouped_matmul: k_shards must be one of {K_SHARDS}, got {k_shards!r}")
-    out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
-    if not jnp.issubdtype(out_dtype, jnp.floating):
-        raise TypeError(f"grouped_matmul: out_dtype must be a float dtype, got {out_dtype}")
+    out_dtype = check_out_dtype("grouped_matmul", x.dtype if out_dtype is None else out_dtype)
     runtime.check_backend(backend, interpret)
     if tiles is not None and not isinstance(tiles, GpuTiles):
         raise TypeError(f"grouped_matmul: tiles must be a GpuTiles, got {type(tiles).__name__}")

@@ -31,9 +31,17 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import runtime
-from pallas_kernels.checks import check_float_dtype, check_same_dtype
+from pallas_kernels.checks import check_float_dtype, check_out_dtype, check_same_dtype
 from pallas_kernels.matmul_triton import GpuTiles, gpu_tiles, triton_partial
-from pallas_kernels.plan import K_SHARDS, MatmulPlan, combine_leaves, plan_matmul, to_leaves, tree_sum
+from pallas_kernels.plan import (
+    K_SHARDS,
+    MatmulPlan,
+    combine_leaves,
+    is_k_shards,
+    plan_matmul,
+    to_leaves,
+    tree_sum,
+)
 
 # --------------------------------------------------------------------------- CPU formulation
 
@@ -94,17 +102,16 @@ def _check_operands(x, w, out_dtype):
         raise ValueError("matmul: w has no columns (N == 0)")
     if w.shape[0] == 0:
         raise ValueError("matmul: the operands have no K (x has no columns, w no rows)")
-    out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
-    if not jnp.issubdtype(out_dtype, jnp.floating):
-        raise TypeError(f"matmul: out_dtype must be a float dtype, got {out_dtype}")
-    return out_dtype
+    return check_out_dtype("matmul", x.dtype if out_dtype is None else out_dtype)
 
 
 def _check_cols(op: str, name: str, n: int, col_blocks, full_n) -> None:
     """``col_blocks`` and ``full_n`` for a weight ``name`` of N = ``n`` columns (its column shard
     planned as the whole [K, full_n] weight: whole column blocks of it)."""
-    if col_blocks not in K_SHARDS:
+    if not is_k_shards(col_blocks):
         raise ValueError(f"{op}: col_blocks must be one of {K_SHARDS}, got {col_blocks!r}")
+    if full_n == n and n % col_blocks:  # (full_n is N unless the caller gave a column shard's)
+        raise ValueError(f"{op}: col_blocks={col_blocks} must divide N={n}")
     if isinstance(full_n, bool) or not isinstance(full_n, int) or full_n % col_blocks or full_n < n:
         raise ValueError(f"{op}: full_n={full_n!r} must be an int >= N={n} and a multiple of col_blocks")
     if n % (full_n // col_blocks):
@@ -249,7 +256,7 @@ def matmul(
     XLA dots cast to the dtypes of x and w.
     """
     out_dtype = _check_operands(x, w, out_dtype)
-    if k_shards not in K_SHARDS:
+    if not is_k_shards(k_shards):
         raise ValueError(f"matmul: k_shards must be one of {K_SHARDS}, got {k_shards!r}")
     full_n = w.shape[1] if full_n is None else full_n
     _check_cols("matmul", "w", w.shape[1], col_blocks, full_n)
@@ -436,8 +443,12 @@ def matmul_partial(
     ``backend`` defaults to the plan's platform ("jnp" for a CPU plan, "triton" for GPU).
     Differentiable like ``matmul`` (float32 XLA dots in the backward).
     """
+    if not isinstance(plan, MatmulPlan):
+        raise TypeError(f"matmul_partial: plan must be a MatmulPlan (plan_matmul), got {type(plan).__name__}")
     check_float_dtype("matmul_partial", x=x, w=w)
     check_same_dtype("matmul_partial", x=x, w=w)
+    if 0 in x.shape or 0 in w.shape:
+        raise ValueError(f"matmul_partial: empty operands {x.shape} @ {w.shape}")
     if jnp.dtype(w.dtype).name != plan.dtype:
         raise TypeError(f"matmul_partial: operands are {w.dtype} but the plan is for {plan.dtype}")
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0] or w.shape[1] != plan.n:
@@ -452,6 +463,11 @@ def matmul_partial(
         raise ValueError(
             f"matmul_partial: a {plan.platform} plan runs on backend={expected!r}, not {backend!r} "
             f"(make the plan with plan_matmul(..., platform=...) for the backend you run)"
+        )
+    if backend == "triton" and not interpret and jax.default_backend() == "cpu":
+        raise ValueError(
+            "matmul_partial: a gpu plan runs on a GPU; on this CPU-only host make the plan with "
+            "plan_matmul(..., platform='cpu'), or pass interpret=True"
         )
     return _partial(x, w, plan=plan, num_shards=kr // plan.shard_k, backend=backend, interpret=interpret)
 

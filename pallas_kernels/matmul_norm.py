@@ -19,7 +19,7 @@ import jax
 from pallas_kernels import runtime
 from pallas_kernels.checks import check_eps, check_same_dtype
 from pallas_kernels.matmul import _check_operands, _dot_bwd, formulations
-from pallas_kernels.plan import K_SHARDS
+from pallas_kernels.plan import K_SHARDS, is_k_shards
 from pallas_kernels.rms_norm import rms_norm_jnp, rms_norm_pallas, rms_norm_reference
 
 # True (the default): on the GPU the norm kernel combines the matmul's leaf partials. False: the
@@ -98,7 +98,7 @@ def matmul_norm(
         _check_operands(x, w, None)
     except (TypeError, ValueError) as e:
         raise type(e)(f"matmul_norm: {str(e).removeprefix('matmul: ')}") from None
-    if k_shards not in K_SHARDS:
+    if not is_k_shards(k_shards):
         raise ValueError(f"matmul_norm: k_shards must be one of {K_SHARDS}, got {k_shards!r}")
     for name, a in (("weight", weight), ("residual", residual)):
         if not hasattr(a, "shape") or not hasattr(a, "dtype"):

@@ -13,7 +13,17 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.checks import is_int
+
 K_SHARDS = (1, 2, 4, 8)
+
+
+def is_k_shards(value) -> bool:
+    """Whether ``value`` is one of ``K_SHARDS`` as an integer (2.0 or True is none: they passed
+    ``in K_SHARDS`` and failed later, deep in tracing)."""
+    return is_int(value) and int(value) in K_SHARDS
+
+
 TILE_K = 64
 # Programs that keep the 132 SMs of an H200 busy.
 H200_SMS = 132
@@ -81,13 +91,13 @@ def plan_matmul(
     """
     if platform is None:
         platform = "cpu" if jax.default_backend() == "cpu" else "gpu"
-    if k_shards not in K_SHARDS:
+    if not is_k_shards(k_shards):
         raise ValueError(f"k_shards must be one of {K_SHARDS}, got {k_shards!r}")
     if platform not in ("gpu", "cpu"):
         raise ValueError(f"platform must be 'gpu' or 'cpu', got {platform!r}")
     if k < 1 or n < 1:
         raise ValueError(f"weight shape must be positive, got ({k}, {n})")
-    if col_blocks not in K_SHARDS or n % col_blocks:
+    if not is_k_shards(col_blocks) or n % col_blocks:
         raise ValueError(f"col_blocks must be one of {K_SHARDS} and divide N={n}, got {col_blocks!r}")
     dtype = jnp.dtype(dtype)
     shard_k = -(-k // k_shards)
@@ -127,7 +137,7 @@ def to_leaves(a: jax.Array, plan: MatmulPlan, num_shards: int, axis: int) -> jax
 def tree_sum(parts):
     """Balanced binary tree of fp32 adds over ``parts`` (a power-of-two count), pairing neighbours."""
     parts = list(parts)
-    if len(parts) & (len(parts) - 1):
+    if not parts or len(parts) & (len(parts) - 1):
         raise ValueError(f"tree_sum needs a power-of-two number of parts, got {len(parts)}")
     while len(parts) > 1:
         parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]

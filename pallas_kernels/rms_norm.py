@@ -78,6 +78,19 @@ def rms_norm_pallas(x, weight, residual, *, eps: float, interpret: bool, fold: i
 
 
 def rms_norm_jnp(x, weight, residual, *, eps: float):
+    return _rms_norm_rows(eps)(x, weight, residual)
+
+
+@functools.cache
+def _rms_norm_rows(eps: float):
+    return runtime.unbatched(functools.partial(_rms_norm_jnp, eps=eps))
+
+
+def _rms_norm_jnp(x, weight, residual, *, eps: float):
+    # (fenced: XLA fused a caller's multiply into the single-tile reduction - FMA - but not
+    # into the lax.map of several tiles, so a row's bits hung on the row count; the Triton
+    # kernel's inputs come from memory)
+    x, weight, residual = lax.optimization_barrier((x, weight, residual))
     t, h = x.shape
     tp = -(-t // CPU_TILE_T) * CPU_TILE_T
     wf = weight.astype(jnp.float32)

@@ -184,6 +184,26 @@ def concrete(a) -> np.ndarray | None:
         return None
 
 
+def unbatched(fn: Callable) -> Callable:
+    """``fn`` - a CPU row op's jnp form - that under ``jax.vmap`` runs once per batch element
+    (``lax.map``), on the shapes it was written for: XLA's CPU reductions take their order from
+    the shape they see, and a batched [B, 16, H] tile gave other bits than [16, H] did (a row's
+    bits then hung on the vmapped size). Arguments may be None (never batched)."""
+    f = jax.custom_batching.custom_vmap(fn)
+
+    @f.def_vmap
+    def _rule(axis_size, in_batched, *args):
+        mapped = [a if b is True else None for a, b in zip(args, in_batched, strict=True)]
+
+        def one(xs):
+            return f(*(x if b is True else a for a, b, x in zip(args, in_batched, xs, strict=True)))
+
+        out = lax.map(one, mapped)
+        return out, jax.tree_util.tree_map(lambda _: True, out)
+
+    return f
+
+
 def dispatch(backend: str, jnp_fn: Callable, triton_fn: Callable, *args: Any) -> Any:
     """Calls ``jnp_fn`` or ``triton_fn`` on ``args`` according to ``backend``."""
     if backend == "jnp":

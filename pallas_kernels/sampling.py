@@ -108,6 +108,7 @@ def tempered(logits: jax.Array, temperature) -> jax.Array:
     logits[R, V] (rows with T <= 0 unchanged). Differentiable in logits and temperature
     (``jax.custom_vjp``; the forward bits are those of sampling)."""
     check_rank("tempered", "logits", logits, 2)
+    check_float_dtype("tempered", logits=logits)
     if tuple(jnp.shape(temperature)) != (logits.shape[0],):
         raise ValueError(f"tempered: temperature must have shape ({logits.shape[0]},)")
     return _tempered_vjp(logits, jnp.asarray(temperature, jnp.float32))
@@ -194,10 +195,21 @@ def sample(logits, *, temperature, top_k, top_p, min_p, gumbel, filters: bool = 
     check_float_dtype("sample", logits=logits)
     r, v = logits.shape
     for name, a in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("min_p", min_p)):
-        if tuple(jnp.shape(a)) != (r,):
-            raise ValueError(f"sample: {name} must have shape ({r},), got {tuple(jnp.shape(a))}")
+        if tuple(np.shape(a)) != (r,):
+            raise ValueError(f"sample: {name} must have shape ({r},), got {tuple(np.shape(a))}")
     if tuple(jnp.shape(gumbel)) != (r, v):
         raise ValueError(f"sample: gumbel must have shape ({r}, {v}), got {tuple(jnp.shape(gumbel))}")
+    # concrete values are checked (traced ones are the caller's: SamplingParams checks the
+    # engine's): a value outside these ranges kept no token, and the row sampled token 0
+    for name, a, ok, want in (
+        ("temperature", temperature, np.isfinite, "finite (<= 0: greedy)"),
+        ("top_k", top_k, lambda k: k == np.round(k), "whole numbers (<= 0: off)"),
+        ("top_p", top_p, lambda p: (p > 0) & (p <= 1), "in (0, 1]"),
+        ("min_p", min_p, lambda p: (p >= 0) & (p <= 1), "in [0, 1]"),
+    ):
+        c = runtime.concrete(a)
+        if c is not None and not np.all(ok(c.astype(np.float64))):
+            raise ValueError(f"sample: {name} must be {want}, got {c.tolist()}")
     return _sample(
         logits,
         jnp.asarray(temperature, jnp.float32),
@@ -214,11 +226,16 @@ def _top_n(lp, *, n):
     ids, vals = [], []
     x = lp.astype(jnp.float32)
     rows = jnp.arange(x.shape[0])
+    taken = jnp.zeros(x.shape, bool)
     for _ in range(n):
         i = _argmax_rows(x)
+        # a row whose remaining entries are all -inf: argmax lands on the first -inf, which may
+        # be one already taken (set to -inf below) - the first one not taken instead
+        i = jnp.where(taken[rows, i], _argmax_rows(~taken), i)
         ids.append(i)
-        vals.append(x[rows, i])
+        vals.append(lp[rows, i].astype(jnp.float32))
         x = x.at[rows, i].set(-jnp.inf)
+        taken = taken.at[rows, i].set(True)
     return jnp.stack(ids, axis=1), jnp.stack(vals, axis=1)
 
 
@@ -226,6 +243,7 @@ def top_n(logprobs: jax.Array, n: int):
     """The n largest entries of each row of logprobs[R, V] (ties: lower index first) ->
     (ids int32 [R, n], values float32 [R, n]); exact selection, batch invariant."""
     check_rank("top_n", "logprobs", logprobs, 2)
+    check_float_dtype("top_n", logprobs=logprobs)
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= logprobs.shape[1]:
         raise ValueError(f"top_n: n must be an int in [1, {logprobs.shape[1]}], got {n!r}")
     return _top_n(logprobs, n=n)

@@ -95,6 +95,16 @@ def _softmax_pallas(x, *, log_probs: bool, interpret: bool):
 
 
 def _softmax_jnp(x, *, log_probs: bool):
+    return _softmax_rows(log_probs)(x)
+
+
+@functools.cache
+def _softmax_rows(log_probs: bool):
+    return runtime.unbatched(functools.partial(_softmax_rows_jnp, log_probs=log_probs))
+
+
+def _softmax_rows_jnp(x, *, log_probs: bool):
+    x = lax.optimization_barrier(x)  # (see rms_norm's: a caller's multiply fused in, FMA)
     t, v = x.shape
     tp = -(-t // CPU_TILE_T) * CPU_TILE_T
 
