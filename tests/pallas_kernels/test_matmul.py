@@ -208,7 +208,13 @@ def test_tiles_override_is_checked():
             ValueError,
             "col_blocks",
         ),
-        (np.ones((2, 4), np.float32), np.ones((4, 6), np.float32), {"col_blocks": 4}, ValueError, "col_blocks=4 must divide N=6"),
+        (
+            np.ones((2, 4), np.float32),
+            np.ones((4, 6), np.float32),
+            {"col_blocks": 4},
+            ValueError,
+            "col_blocks=4 must divide N=6",
+        ),
         (np.ones((2, 4), np.float32), np.ones((4, 6), np.float32), {"full_n": 4}, ValueError, "full_n"),
         (
             np.ones((2, 0), np.float32),
