@@ -232,9 +232,9 @@ class Engine:
             )
 
     def set_weights(self, model) -> None:
-        """Runs with ``model``'s weights from now on (same config, k_shards, shapes, dtypes -
-        nothing recompiles - else an error before anything changes) and empties the prefix
-        cache, whose KV came from the old weights. A draft model that is this model object
+        """Runs with ``model``'s weights from now on (same attention heads, k_shards, shapes and
+        dtypes, else an error before anything changes; another config, such as an epsilon,
+        recompiles the steps) and empties the prefix cache, whose KV came from the old weights. A draft model that is this model object
         (self-speculation) follows it; another draft keeps its own weights."""
         self._require_idle("set_weights")
         self.runner.check_model(model)  # (nothing changes unless the steps can run it)

@@ -233,18 +233,19 @@ class ModelRunner:
         self._stage = staged_inputs()
 
     def check_model(self, model, what: str = "set_weights") -> None:
-        """Raises (naming the difference) unless ``model`` is a ``Llama`` like the one this runner
-        runs: the same config and k_shards, its arrays of the same shapes and dtypes, none
-        deleted - what its compiled steps and KV cache were made for."""
+        """Raises (naming the difference) unless ``model`` is a ``Llama`` the engine can run: the
+        same attention heads (the KV cache's shape) and k_shards, its arrays of the same shapes
+        and dtypes, none deleted. Another config otherwise (an epsilon, RoPE's base) is taken:
+        ``set_model`` drops the steps compiled for the old one."""
         if not isinstance(model, Llama):
             raise TypeError(f"{what}: model must be a models.Llama, got {type(model).__name__}")
-        if model.config != self.model_config:
-            diff = [
-                f.name
-                for f in dataclasses.fields(model.config)
-                if getattr(model.config, f.name) != getattr(self.model_config, f.name)
-            ]
-            raise ValueError(f"{what}: the model's config differs from the engine's in {diff}")
+        heads = lambda c: (c.num_heads, c.num_kv_heads, c.head_dim)  # noqa: E731
+        if heads(model.config) != heads(self.model_config):
+            raise ValueError(
+                f"{what}: the model's attention heads (num_heads, num_kv_heads, head_dim) "
+                f"{heads(model.config)} differ from the engine's {heads(self.model_config)}: its KV "
+                "cache was made for those"
+            )
         if (model.k_shards, model.tp_parts) != (self.k_shards, self.tp_parts):
             raise ValueError(
                 f"{what}: the model has k_shards={model.k_shards} (tp_parts={model.tp_parts}), the engine's "

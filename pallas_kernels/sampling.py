@@ -226,16 +226,15 @@ def _top_n(lp, *, n):
     ids, vals = [], []
     x = lp.astype(jnp.float32)
     rows = jnp.arange(x.shape[0])
-    taken = jnp.zeros(x.shape, bool)
+    # Order keys (-0.0 made +0.0: the float order ties them); a taken entry's key becomes 0,
+    # below every value's, -inf's included: a row whose remaining entries are all -inf takes
+    # them in index order, never one twice (as the float argmax over -inf-marked entries did).
+    keys = _order_key(jnp.where(x == 0, 0.0, x))
     for _ in range(n):
-        i = _argmax_rows(x)
-        # a row whose remaining entries are all -inf: argmax lands on the first -inf, which may
-        # be one already taken (set to -inf below) - the first one not taken instead
-        i = jnp.where(taken[rows, i], _argmax_rows(~taken), i)
+        i = jnp.argmax(keys, axis=-1).astype(jnp.int32)
         ids.append(i)
-        vals.append(lp[rows, i].astype(jnp.float32))
-        x = x.at[rows, i].set(-jnp.inf)
-        taken = taken.at[rows, i].set(True)
+        vals.append(x[rows, i])
+        keys = keys.at[rows, i].set(jnp.uint32(0))
     return jnp.stack(ids, axis=1), jnp.stack(vals, axis=1)
 
 

@@ -298,6 +298,18 @@ def test_ctrl_c_right_after_a_program_took_the_cache(monkeypatch, form):
     runner held deleted arrays, and every later step failed)."""
     import signal
 
+    # Ctrl-C as an interactive session takes it (a job started in the background with "&"
+    # inherits SIGINT ignored, and Python then installs no handler of its own)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _ctrl_c_after_a_program(monkeypatch, form)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _ctrl_c_after_a_program(monkeypatch, form):
+    import signal
+
     monkeypatch.setenv("BIJAX_STEP_PROGRAMS", form)
     llm = _llm()
     sp = SP(temperature=0.8, seed=5, max_tokens=6, ignore_eos=True)
@@ -381,8 +393,15 @@ def test_set_weights_checks_and_a_swap_holds_the_other_llms(monkeypatch):
     sp = SP(temperature=0.8, seed=4, max_tokens=4, ignore_eos=True)
     before = a.generate([[5, 6, 7]], sp, use_tqdm=False)
     tiny = preset("tiny")
-    with pytest.raises(ValueError, match=r"config differs from the engine's in \['vocab_size'\]"):
+    with pytest.raises(ValueError, match=r"the model's weights\['embed'\] has shape \(300, "):
         a.engine.set_weights(Llama(dataclasses.replace(tiny, vocab_size=300), dtype=jnp.float32))
+    with pytest.raises(
+        ValueError, match=r"attention heads .* \(8, 4, 128\) differ from the engine's \(16, 8, 64\)"
+    ):
+        # (the same weight shapes, another KV cache)
+        a.engine.set_weights(
+            Llama(dataclasses.replace(tiny, num_heads=8, num_kv_heads=4, head_dim=128), dtype=jnp.float32)
+        )
     with pytest.raises(ValueError, match="has dtype bfloat16, the model's is float32"):
         a.engine.set_weights(Llama(tiny, dtype=jnp.bfloat16))
     with pytest.raises(TypeError, match="model must be a models.Llama"):
