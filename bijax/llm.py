@@ -634,18 +634,16 @@ class LLM:
         # and stay so (their locks held: a generate starting meanwhile in another thread would
         # fail halfway through the swap and keep the old weights)
         sharing = [o for o in list(_LLMS) if o is not self and o.model is self.model and not o.engine.closed]
+        busy = "update_weights runs when no generation is in flight"
+        if self.engine.has_unfinished_requests():
+            raise RuntimeError(busy)
         with contextlib.ExitStack() as held:
-            for llm in (self, *sharing):
-                if llm is not self:
-                    if not llm._busy.acquire(blocking=False):
-                        llm = None
-                    else:
-                        held.callback(llm._busy.release)
-                if llm is None or llm.engine.has_unfinished_requests():
-                    raise RuntimeError(
-                        "update_weights runs when no generation is in flight"
-                        + ("" if llm is self else " (in any LLM on this model: another one is generating)")
-                    )
+            for other in sharing:
+                idle = other._busy.acquire(blocking=False)
+                if idle:
+                    held.callback(other._busy.release)
+                if not idle or other.engine.has_unfinished_requests():
+                    raise RuntimeError(busy + " (in any LLM on this model: another one is generating)")
             self._swap_weights(weights, sharing)
 
     def _swap_weights(self, weights, sharing) -> None:
