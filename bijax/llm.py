@@ -458,10 +458,12 @@ class LLM:
             from tqdm import tqdm
 
             bar = tqdm(total=len(ids), desc="generating", unit="req", leave=False)
+        others: list[RequestOutput] = []  # (requests an on_output callback added to the engine)
         try:
-            while self.engine.has_unfinished_requests():
+            while self.engine.has_unfinished_requests():  # (theirs run to their end here too)
                 for out in self.engine.step(partial=on_output is not None):
-                    if out.request_id not in index:  # (added by an on_output callback: not ours)
+                    if out.request_id not in index:
+                        others.append(out)
                         continue
                     if out.finished:
                         done[out.request_id] = out
@@ -470,9 +472,12 @@ class LLM:
                     if on_output is not None:
                         on_output(index[out.request_id], out)
         except BaseException:  # a failing step, callback or Ctrl-C: the engine stays usable
+            self.engine.hand_back(others)
+            others = []
             self.engine.release([r for r in ids if r not in done])
             raise
         finally:
+            self.engine.hand_back(others)  # theirs: the next engine.step() returns them
             if bar is not None:
                 bar.close()
         return [done[r] for r in ids]

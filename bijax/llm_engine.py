@@ -454,10 +454,22 @@ class Engine:
                 released.add(rid)
         try:
             while self._running():
-                kept = [o for o in self.step(partial=False) if o.request_id not in released]
-                self._kept += kept  # (step() handed back the earlier kept ones too)
+                self.hand_back([o for o in self.step(partial=False) if o.request_id not in released])
         except Exception:  # the engine itself is failing: nothing more to free here
             pass
+
+    def hand_back(self, outputs) -> None:
+        """Final outputs that a caller's ``step()`` returned but that belong to someone else
+        (``release``'s steps; ``LLM.generate`` stepping requests that its ``on_output`` added
+        here): the next ``step()`` returns them, and ``has_unfinished_requests()`` stays true
+        until it has. Partial outputs are snapshots, and later ones supersede them: only
+        finished outputs are kept."""
+        if isinstance(outputs, RequestOutput) or not isinstance(outputs, Iterable):
+            raise TypeError(f"outputs must be a list of RequestOutput, got {type(outputs).__name__}")
+        outputs = list(outputs)
+        if not all(isinstance(o, RequestOutput) for o in outputs):
+            raise TypeError("outputs must be a list of RequestOutput")
+        self._kept += [o for o in outputs if o.finished]
 
     def step(self, *, partial: bool = True) -> list[RequestOutput]:
         """Runs one scheduled step; returns the outputs of the requests it advanced

@@ -88,8 +88,11 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config['method'] must be one of {METHODS}, got {method!r}")
         if "num_speculative_tokens" not in spec:
             raise ValueError("speculative_config needs 'num_speculative_tokens'")
+        spec = dict(spec)
         for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
-            check_positive_int(f"speculative_config[{key!r}]", spec.get(key, 1), numpy=False)
+            check_positive_int(f"speculative_config[{key!r}]", spec.get(key, 1))
+            if key in spec:
+                spec[key] = int(spec[key])  # (a numpy int too; the config holds Python ints)
         adaptive = spec.get("adaptive", True)
         if not isinstance(adaptive, bool):
             raise ValueError(f"speculative_config['adaptive'] must be true or false, got {adaptive!r}")

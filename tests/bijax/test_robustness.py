@@ -344,7 +344,8 @@ def test_engine_level_requests_and_generate():
     """Requests added with ``engine.add_request`` are never lost: ``generate`` refuses to run
     (it would step them and drop their outputs); an id whose final output the next step is
     yet to return is not taken again; ``abort`` / ``release`` name a wrong argument's type (a
-    str to release was read as a list of one-character ids)."""
+    str to release was read as a list of one-character ids); requests an ``on_output`` callback
+    adds run to their end and their final outputs come out of the next ``step()``."""
     llm = _llm()
     e = llm.engine
     sp = SP(temperature=0.8, seed=2, max_tokens=3, ignore_eos=True)
@@ -369,6 +370,22 @@ def test_engine_level_requests_and_generate():
     assert job.request_id == "job-1" and job.prompt_token_ids == [5, 6, 7]
     solo = llm.generate([[5, 6, 7]], sp, use_tqdm=False)[0]  # idle again: generate runs
     assert _same([job], [solo])
+    # an on_output callback that adds an engine request: generate runs it too, and hands its
+    # final output back to the engine (the next step() returns it) - it was dropped
+    added = []
+
+    def add_one(i, out):
+        if not added:
+            added.append(e.add_request("from-callback", [5, 6, 7], sp))
+
+    (mine,) = llm.generate([[1, 2, 3]], sp, use_tqdm=False, on_output=add_one)
+    assert added and mine.prompt_token_ids == [1, 2, 3]
+    assert e.has_unfinished_requests()
+    (theirs,) = e.step()
+    assert theirs.request_id == "from-callback" and theirs.finished and _same([theirs], [solo])
+    assert not e.has_unfinished_requests()
+    with pytest.raises(TypeError, match="outputs must be a list of RequestOutput"):
+        e.hand_back(theirs)
     llm.close()
 
 

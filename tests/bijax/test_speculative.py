@@ -305,6 +305,12 @@ def test_config_errors():
     assert SpeculativeConfig.create({"method": "draft_model", "num_speculative_tokens": 2, "model": "tiny"})
     with pytest.raises(TypeError, match="dict"):
         SpeculativeConfig.create("ngram")
+    made = SpeculativeConfig.create(
+        {"method": "ngram", "num_speculative_tokens": np.int64(3)}
+    )  # (numpy ints)
+    assert made.num_speculative_tokens == 3 and type(made.num_speculative_tokens) is int
+    with pytest.raises(ValueError, match="num_speculative_tokens.*got 2.0"):
+        SpeculativeConfig.create({"method": "ngram", "num_speculative_tokens": 2.0})
     small = Llama(dataclasses.replace(preset("tiny"), vocab_size=300), dtype=jnp.float32, seed=0)
     with pytest.raises(
         ValueError,
