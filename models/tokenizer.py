@@ -167,6 +167,10 @@ class Tokenizer:
             )
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template failed: {e}") from None
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+            # the template's own Python errors on a message it does not handle (e.g. null
+            # content next to tool_calls): about the input, not from deep inside jinja
+            raise ValueError(f"chat template failed on these messages: {type(e).__name__}: {e}") from None
 
     def encode_chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> list[int]:
         """Token ids of the rendered conversation (special tokens in the template become their ids;

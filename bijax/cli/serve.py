@@ -26,6 +26,13 @@ def add_parser(sub) -> None:
         help="the most sequences (prompts x n) one request may ask for (default 4096); requests are "
         "admitted first come, first served, so a larger one holds up the clients after it",
     )
+    g.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=32 << 20,
+        help="the largest request body in bytes (default 32 MiB; 413 past it): a body is parsed "
+        "before anything else, and a huge one costs every client time",
+    )
     g.add_argument("--no-invariant", action="store_true", help="plain XLA ops (batch-variant baseline)")
     g.add_argument(
         "--no-warmup", action="store_true", help="compile buckets on first use instead of up front"
@@ -48,6 +55,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--api-key must not be empty")
     if args.max_request_seqs < 1:
         raise ValueError(f"--max-request-seqs must be >= 1, got {args.max_request_seqs}")
+    if args.max_request_bytes < 1:
+        raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     if args.port:  # a port in use fails now, not after the model has loaded and compiled
         _check_port(args.host, args.port)
     t0 = time.perf_counter()
@@ -57,7 +66,11 @@ def run(args: argparse.Namespace) -> int:
     warmup(llm, args, logprobs=False)
     names = args.served_model_name or [str(args.model)]
     app = build_app(
-        llm, served_model_names=names, api_key=args.api_key, max_request_seqs=args.max_request_seqs
+        llm,
+        served_model_names=names,
+        api_key=args.api_key,
+        max_request_seqs=args.max_request_seqs,
+        max_request_bytes=args.max_request_bytes,
     )
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5

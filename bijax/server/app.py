@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import functools
 import hmac
 import time
 import uuid
@@ -30,13 +32,26 @@ from bijax.server.protocol import (
 from bijax.server.render import prometheus
 
 OPEN_PATHS = ("/health", "/metrics")  # never behind --api-key
+MAX_REQUEST_BYTES = 32 << 20  # the default body limit (bijax serve --max-request-bytes)
+HEAVY_BYTES = 1 << 20  # bodies over this are parsed, walked and tokenized in the heavy pool
 
 
 class Server:
     """What the routes share: the model's names, its tokenizer and limits, the engine loop."""
 
-    def __init__(self, llm: LLM, names: list[str], api_key: str | None, max_request_seqs: int = MAX_N):
+    def __init__(
+        self,
+        llm: LLM,
+        names: list[str],
+        api_key: str | None,
+        max_request_seqs: int = MAX_N,
+        max_request_bytes: int = MAX_REQUEST_BYTES,
+    ):
         self.names, self.api_key = names, api_key
+        self.max_request_bytes = max_request_bytes
+        # large bodies are parsed and tokenized here, two at a time, so that a few of them never
+        # hold the default pool that every other request's tokenization runs in
+        self.heavy = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="bijax-heavy-request")
         self.tokenizer = llm.tokenizer
         self.max_model_len = llm.config.max_model_len
         self.max_request_seqs = max_request_seqs
@@ -52,14 +67,48 @@ class Server:
             raise ApiError(404, f"The model `{shown}` does not exist.", param="model", code="model_not_found")
         return name or self.names[0]
 
+    async def body(self, request: Request) -> bytes:
+        """The request's body; 413 past ``max_request_bytes`` (told by Content-Length, or
+        counted as it arrives), before it is parsed."""
+        limit = self.max_request_bytes
+        too_big = ApiError(
+            413,
+            f"the request body is over {limit} bytes (bijax serve --max-request-bytes): split the request",
+            code="request_too_large",
+        )
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            raise too_big
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def off_loop(self, size: int, fn, *args):
+        """``fn(*args)`` in a worker thread (never on the event loop: every client waits on it);
+        a request of ``size`` body bytes over HEAVY_BYTES runs in the heavy pool."""
+        if size <= HEAVY_BYTES:
+            return await asyncio.to_thread(fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self.heavy, functools.partial(fn, *args))
+
     async def read_generation(self, request: Request, model: type[CompletionRequest | ChatRequest]):
         """What /v1/completions and /v1/chat/completions first do, in this order: the body parsed
         as ``model``, the model name checked, unsupported fields refused, stream_options read.
-        Returns (the request, the served model name, include_usage)."""
-        req = parse(model, await request.body())
+        Returns (the request, the served model name, include_usage, the body's size)."""
+        req, size = await self.parse(request, model)
         name = self.check_model(req.model)
         req.check_unsupported()
-        return req, name, req.include_usage()
+        return req, name, req.include_usage(), size
+
+    async def parse(self, request: Request, model):
+        """The body parsed as ``model`` (off the event loop if it is large), and its size."""
+        raw = await self.body(request)
+        if len(raw) > HEAVY_BYTES:
+            return await self.off_loop(len(raw), parse, model, raw), len(raw)
+        return parse(model, raw), len(raw)
 
     def check_sequences(self, count: int) -> None:
         """400 when one request asks for more sequences (prompts x n) than ``max_request_seqs``:
@@ -92,11 +141,17 @@ class Server:
 
 
 def build_app(
-    llm: LLM, *, served_model_names: list[str], api_key: str | None = None, max_request_seqs: int = MAX_N
+    llm: LLM,
+    *,
+    served_model_names: list[str],
+    api_key: str | None = None,
+    max_request_seqs: int = MAX_N,
+    max_request_bytes: int = MAX_REQUEST_BYTES,
 ) -> FastAPI:
     """The app serving ``llm``; the engine loop starts and stops with the app's lifespan.
-    ``max_request_seqs``: the most sequences (prompts x n) one request may ask for."""
-    srv = Server(llm, list(served_model_names), api_key, max_request_seqs)
+    ``max_request_seqs``: the most sequences (prompts x n) one request may ask for;
+    ``max_request_bytes``: the largest body (413 past it)."""
+    srv = Server(llm, list(served_model_names), api_key, max_request_seqs, max_request_bytes)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -105,6 +160,7 @@ def build_app(
             yield
         finally:
             srv.loop.stop()
+            srv.heavy.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="bijax", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = srv
@@ -153,27 +209,28 @@ def build_app(
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request):
-        req, name, include_usage = await srv.read_generation(request, CompletionRequest)
+        req, name, include_usage, size = await srv.read_generation(request, CompletionRequest)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         params = req.sampling_params(max_tokens, req.logprobs, "logprobs")
-        items = prompts(req.prompt)
-        srv.check_sequences(len(items) * params.n)  # (before any prompt is tokenized)
-        if any(isinstance(p, str) for p in items):
-            srv.need_tokenizer("a text prompt")
-        # tokenized off the event loop: a huge prompt must not stall the other requests
-        many = len(items) > 1  # (a list of prompts: the error says which)
-        valid = await asyncio.to_thread(
-            lambda: [
+
+        def prepare():  # (off the event loop: a huge prompt must not stall the other requests)
+            items = prompts(req.prompt)
+            srv.check_sequences(len(items) * params.n)  # (before any prompt is tokenized)
+            if any(isinstance(p, str) for p in items):
+                srv.need_tokenizer("a text prompt")
+            many = len(items) > 1  # (a list of prompts: the error says which)
+            return [
                 srv.validate(p if isinstance(p, str) else list(p), params, "prompt", i if many else None)
                 for i, p in enumerate(items)
             ]
-        )
+
+        valid = await srv.off_loop(size, prepare)
         job = generation.Job(srv, request, f"cmpl-{uuid.uuid4().hex}", name, valid, chat=False)
         return await job.respond(req.stream, include_usage, req.return_token_ids)
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat(request: Request):
-        req, name, include_usage = await srv.read_generation(request, ChatRequest)
+        req, name, include_usage, size = await srv.read_generation(request, ChatRequest)
         srv.need_tokenizer("the chat template")
         if req.top_logprobs is not None and not req.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
@@ -200,34 +257,33 @@ def build_app(
             srv.check_sequences(params.n)
             return [srv.validate({"prompt_token_ids": ids}, params, "messages")]
 
-        valid = await asyncio.to_thread(prepare)
+        valid = await srv.off_loop(size, prepare)
         job = generation.Job(srv, request, f"chatcmpl-{uuid.uuid4().hex}", name, valid, chat=True)
         return await job.respond(req.stream, include_usage, req.return_token_ids, chat_logprobs=req.logprobs)
 
     @app.post("/tokenize", dependencies=auth)
     async def tokenize(request: Request):
-        req = parse(TokenizeRequest, await request.body())
+        req, size = await srv.parse(request, TokenizeRequest)
         srv.check_model(req.model)
         srv.need_tokenizer("/tokenize")
         if (req.prompt is None) == (req.messages is None):
             raise ApiError(400, "give exactly one of prompt and messages", param="prompt")
         if req.prompt is not None:
-            ids = await asyncio.to_thread(
-                srv.tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens
-            )
+            encode = functools.partial(srv.tokenizer.encode, add_special_tokens=req.add_special_tokens)
+            ids = await srv.off_loop(size, encode, req.prompt)
         else:
-            ids = await asyncio.to_thread(
-                _encode_chat, srv, messages(req.messages), req.add_generation_prompt
+            ids = await srv.off_loop(
+                size, _encode_chat, srv, messages(req.messages), req.add_generation_prompt
             )
         return {"count": len(ids), "max_model_len": srv.max_model_len, "tokens": ids}
 
     @app.post("/detokenize", dependencies=auth)
     async def detokenize(request: Request):
-        req = parse(DetokenizeRequest, await request.body())
+        req, size = await srv.parse(request, DetokenizeRequest)
         srv.check_model(req.model)
         srv.need_tokenizer("/detokenize")
         try:
-            return {"prompt": srv.tokenizer.decode(req.tokens)}
+            return {"prompt": await srv.off_loop(size, srv.tokenizer.decode, req.tokens)}
         except ValueError as e:
             raise ApiError(400, str(e), param="tokens") from None
 

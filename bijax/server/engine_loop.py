@@ -90,6 +90,7 @@ class EngineLoop:
         self._wake = threading.Event()
         self._sinks: dict[str, _Sink] = {}
         self._stopping = False
+        self._draining = False  # abort_all was called: no new requests
         self._lock = threading.Lock()  # an add is queued only while the loop will still run it
         self.metrics = Metrics()
         self.stats: EngineStats = engine.stats()  # a snapshot, refreshed by the engine thread
@@ -107,15 +108,20 @@ class EngineLoop:
     def validate(self, prompt, params) -> ValidPrompt:
         return self._engine.validate(prompt, params)
 
-    async def add(self, request_id: str, valid: ValidPrompt, outputs: asyncio.Queue) -> int:
-        """Queues a validated request; returns the seed it uses. Its ``RequestOutput``s (the
-        last one ``finished``), or an ``EngineError``, arrive on ``outputs``."""
+    async def add(self, requests: list[tuple[str, ValidPrompt]], outputs: asyncio.Queue) -> list[int]:
+        """Queues validated requests (request id, ValidPrompt) together - they join the same next
+        step, or none is added (the first error is raised); returns the seeds they use. Their
+        ``RequestOutput``s (the last one of each ``finished``), or an ``EngineError``, arrive on
+        ``outputs``. Refused (EngineError) once the server is shutting down."""
         loop = asyncio.get_running_loop()
         added = loop.create_future()
         with self._lock:
             if not self.alive:
                 raise EngineError("the engine loop is not running")
-            self._send(("add", request_id, valid, _Sink(loop, outputs), added))
+            if self._draining:
+                raise EngineError("the server is shutting down: no new requests")
+            requests = [(rid, valid, _Sink(loop, outputs)) for rid, valid in requests]  # one a request
+            self._send(("add", requests, added))
         return await added
 
     def abort(self, request_id: str) -> None:
@@ -123,9 +129,12 @@ class EngineLoop:
         self._send(("abort", request_id))
 
     def abort_all(self) -> None:
-        """Aborts every request in flight (shutting down): their responses end with
-        finish_reason "abort" at the next step."""
-        self._send(("abort_all",))
+        """Shutting down: aborts every request in flight (their responses end with
+        finish_reason "abort" at the next step) and refuses every later ``add`` (a request
+        still being validated gets a 503, not a run that the shutdown would cut)."""
+        with self._lock:
+            self._draining = True
+            self._send(("abort_all",))
 
     def stop(self, timeout: float = 10.0) -> None:
         """Aborts every request, finishes the step in progress and ends the thread."""
@@ -183,16 +192,21 @@ class EngineLoop:
             if kind == "stop":
                 return False
             if kind == "add":
-                _, rid, valid, sink, added = command
+                _, requests, added = command
+                seeds = []
                 try:
-                    seed = self._engine.add_request(rid, valid)
-                except Exception as e:  # the handler reports it to its client
-                    sink.loop.call_soon_threadsafe(_set_exception, added, e)
+                    for rid, valid, _ in requests:
+                        seeds.append(self._engine.add_request(rid, valid))
+                except Exception as e:  # none of them runs; the handler reports it to its client
+                    for rid, _, _ in requests[: len(seeds)]:
+                        self._engine.abort(rid)  # (its output at the next step has no sink)
+                    added.get_loop().call_soon_threadsafe(_set_exception, added, e)
                     continue
-                self._sinks[rid] = sink
-                self.metrics.requests_added += 1
-                self.metrics.prompt_tokens += len(valid.token_ids)
-                sink.loop.call_soon_threadsafe(_set_result, added, seed)
+                for rid, valid, sink in requests:
+                    self._sinks[rid] = sink
+                    self.metrics.requests_added += 1
+                    self.metrics.prompt_tokens += len(valid.token_ids)
+                added.get_loop().call_soon_threadsafe(_set_result, added, seeds)
             elif kind == "abort" and command[1] in self._sinks:
                 self._engine.abort(command[1])
             elif kind == "abort_all":

@@ -55,11 +55,9 @@ class Job:
         return JSONResponse(self._body(finals), headers=headers)
 
     async def _add_all(self) -> None:
-        try:
-            for rid, v in zip(self.rids, self.valid, strict=True):
-                self.seeds.append(await self.srv.loop.add(rid, v, self.queue))
-        except (EngineError, ValueError, TypeError) as e:
-            self._abort(self.rids[: len(self.seeds)])
+        try:  # all of them in one command: they join the same step
+            self.seeds = await self.srv.loop.add(list(zip(self.rids, self.valid, strict=True)), self.queue)
+        except (EngineError, ValueError, TypeError) as e:  # (none of them was added)
             status = 503 if isinstance(e, EngineError) else 400
             raise ApiError(status, str(e)) from None
         except BaseException:  # cancelled (client gone) or anything else: none may run unread

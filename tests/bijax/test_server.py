@@ -34,7 +34,7 @@ ENGINE = ["--max-model-len", "256", "--block-size", "16"]
 TINY = ["--model", "tiny", "--dtype", "float32", "--max-num-seqs", "4", "--max-num-batched-tokens", "64"]
 SMOL = ["--model", "smollm2-135m", "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
         "--num-kv-blocks", "160", "--model-seed", "1", "--api-key", KEY,
-        "--served-model-name", "smol", "smollm2-135m"]  # fmt: skip
+        "--served-model-name", "smol", "smollm2-135m", "--max-request-bytes", "16000000"]  # fmt: skip
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -468,6 +468,52 @@ def test_a_huge_prompt_is_tokenized_off_the_event_loop(smol):
 
     asyncio.run(run())
     assert done == [("health", 200), ("big", 400, "context_length_exceeded")], done
+
+
+def test_body_limit_heavy_pool_and_template_errors(smol):
+    """A body over --max-request-bytes is a 413 before it is read (Content-Length) or as it
+    arrives (chunked); large bodies are parsed and tokenized in their own two-thread pool, so
+    a few of them never hold the pool every other request's tokenization uses (eight 4 MB
+    prompts held a small request 14 s); a chat template's own Python error is a 400 naming it."""
+    import socket
+    import threading
+    import types
+
+    from bijax.server import app as server_app
+
+    host, port = smol.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+        sock.sendall((head + "Content-Type: application/json\r\nContent-Length: 16000001\r\n\r\n").encode())
+        reply = sock.recv(65536).decode()
+    assert reply.startswith("HTTP/1.1 413") and "--max-request-bytes" in reply, reply[:300]
+
+    class Chunked:  # what Server.body reads: headers, and the body as it arrives
+        headers = {}
+
+        async def stream(self):
+            for _ in range(5):
+                yield b"x" * 1000
+
+    limits = types.SimpleNamespace(max_request_bytes=4000)
+    with pytest.raises(server_app.ApiError, match="over 4000 bytes") as e:
+        asyncio.run(server_app.Server.body(limits, Chunked()))
+    assert e.value.status == 413
+    limits.max_request_bytes = 5000
+    assert asyncio.run(server_app.Server.body(limits, Chunked())) == b"x" * 5000
+
+    pool = types.SimpleNamespace(heavy=server_app.concurrent.futures.ThreadPoolExecutor(1, "heavy-test"))
+    where = [
+        asyncio.run(server_app.Server.off_loop(pool, size, lambda: threading.current_thread().name))
+        for size in (server_app.HEAVY_BYTES, server_app.HEAVY_BYTES + 1)
+    ]
+    pool.heavy.shutdown()
+    assert not where[0].startswith("heavy-test") and where[1].startswith("heavy-test"), where
+
+    tool_call = [{"role": "assistant", "content": None,
+                  "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]  # fmt: skip
+    got, r = smol.post("/v1/chat/completions", {"messages": tool_call, "max_tokens": 2})
+    assert got == 400 and r["error"]["message"].startswith("chat template failed"), r
 
 
 def test_api_key(smol):

@@ -47,9 +47,24 @@ class _FailsOnce:
         return self._engine.step()
 
 
+class _CountsAtStep:
+    """The engine, noting how many sequences it holds as each step starts."""
+
+    def __init__(self, engine):
+        self._engine, self.seqs = engine, []
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def step(self):
+        s = self._engine.stats()
+        self.seqs.append(s.num_running_seqs + s.num_waiting_seqs)
+        return self._engine.step()
+
+
 async def _run(loop: EngineLoop, rid: str, prompt, params):
     q: asyncio.Queue = asyncio.Queue()
-    seed = await loop.add(rid, loop.validate(prompt, params), q)
+    (seed,) = await loop.add([(rid, loop.validate(prompt, params))], q)
     while True:
         item = await next_item(q)
         if isinstance(item, EngineError) or item.finished:
@@ -80,18 +95,56 @@ def test_a_failing_step_fails_the_requests_in_flight_and_the_loop_serves_on():
     assert not loop.alive and not llm.engine.has_unfinished_requests()
 
 
-def test_adding_after_stop_is_refused():
-    loop = EngineLoop(shared_llm("tiny").engine)
+def test_requests_added_together_join_one_step_and_a_drain_refuses_adds():
+    """One command adds a request's prompts: they all join the next step (added one by one, a
+    32-prompt request took 33 steps to be queued); a failing one leaves none of them running.
+    After ``abort_all`` (shutting down) an add is refused; after ``stop``, too."""
+    engine = shared_llm("tiny").engine
+    counting = _CountsAtStep(engine)
+    loop = EngineLoop(counting)
+    params = SP(temperature=0, max_tokens=1)
+    valid = [loop.validate(p, params) for p in PROMPTS[:3]]
     loop.start()
-    loop.stop()
+    try:
+
+        async def go():
+            q: asyncio.Queue = asyncio.Queue()
+            seeds = await loop.add([(f"many-{i}", v) for i, v in enumerate(valid)], q)
+            finals = set()
+            while len(finals) < 3:
+                item = await next_item(q)
+                finals.add(item.request_id) if item.finished else None
+            bad = [("twice", valid[0]), ("twice", valid[1])]  # (the second's id is taken)
+            try:
+                await loop.add(bad, asyncio.Queue())
+            except ValueError as e:
+                return seeds, str(e)
+
+        seeds, error = asyncio.run(go())
+        assert len(seeds) == 3 and "request_id must be a new str" in error
+        assert counting.seqs[0] == 3  # the first step had all three (added one by one: 1)
+        loop.abort_all()
+
+        async def late():
+            try:
+                await loop.add([("late", valid[0])], asyncio.Queue())
+            except EngineError as e:
+                return str(e)
+
+        assert "shutting down" in asyncio.run(late())
+    finally:
+        loop.stop()
 
     async def add():
         try:
-            await loop.add("late", loop.validate(PROMPTS[0], SP(max_tokens=1)), asyncio.Queue())
+            await loop.add([("late", valid[0])], asyncio.Queue())
         except EngineError as e:
             return str(e)
 
     assert "not running" in asyncio.run(add())
+    assert (
+        not engine.has_unfinished_requests()
+    )  # (the first 'twice', added before the second failed, was aborted)
 
 
 def test_a_slow_reader_holds_one_snapshot_per_request():

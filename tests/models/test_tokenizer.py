@@ -113,6 +113,11 @@ def test_bad_input(gguf_tok, tmp_path):
     )
     with pytest.raises(ValueError, match="no system role"):
         raising.apply_chat_template([{"role": "user", "content": "x"}])
+    concat = Tokenizer(  # a template's own Python error (null content + '...'): named, a ValueError
+        gguf_tok._tok, bos_token=None, eos_token=None, chat_template="{{ messages[0]['content'] + '!' }}"
+    )
+    with pytest.raises(ValueError, match=r"chat template failed on these messages: TypeError"):
+        concat.apply_chat_template([{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}])
     no_template = Tokenizer(gguf_tok._tok, bos_token=None, eos_token=None, chat_template=None)
     with pytest.raises(ValueError, match="no chat template"):
         no_template.apply_chat_template([{"role": "user", "content": "x"}])
