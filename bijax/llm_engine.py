@@ -694,7 +694,7 @@ class Engine:
 
     def _finish_reason(self, seq: Sequence) -> str | None:
         p, last = seq.params, seq.output_token_ids[-1]
-        if (not p.ignore_eos and last in self.eos_ids) or last in p.stop_token_ids:
+        if (not p.ignore_eos and last in self.eos_ids) or p.stops_at(last):
             return "stop"
         if p.stop and self.tokenizer is not None:
             kept = seq.text  # searched at earlier tokens: only the new end can hold a stop now

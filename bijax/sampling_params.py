@@ -135,6 +135,12 @@ class SamplingParams:
         ids = tuple(int(i) if isinstance(i, np.integer) else i for i in ids or ())
         if any(not _is_int(i) or i < 0 for i in ids):
             bad("stop_token_ids", "must be a list of non-negative ints")
+        ids = tuple(dict.fromkeys(ids))  # each once (in order): a token checks against a set of them
         object.__setattr__(self, "stop_token_ids", ids)
+        object.__setattr__(self, "_stop_id_set", frozenset(ids))
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
+
+    def stops_at(self, token_id: int) -> bool:
+        """Whether ``token_id`` is one of ``stop_token_ids`` (a set lookup: the list may be long)."""
+        return token_id in self._stop_id_set

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -13,6 +15,9 @@ def test_defaults_and_normalisation():
     assert sp.temperature == 1.0 and sp.top_p == 1.0 and sp.top_k == -1 and sp.n == 1
     assert sp.stop == ("###",) and sp.stop_token_ids == (5,)
     assert SamplingParams(top_k=0).top_k == -1  # 0 is "off" too (vLLM, the server), reported as -1
+    many = SamplingParams(stop_token_ids=[7, 5, 7] * 1000)  # each id once, in order; a set lookup
+    assert many.stop_token_ids == (7, 5) and many.stops_at(5) and not many.stops_at(6)
+    assert dataclasses.replace(many, n=2).stops_at(7) and many == SamplingParams(stop_token_ids=[7, 5])
 
 
 @pytest.mark.parametrize(
