@@ -5,7 +5,9 @@ GPU: ``smollm2-shape`` and ``llama3-8b`` (random weights from seed 0), bfloat16 
     PYTHONPATH=. python3 benchmarks/gpu_digests.py --write    # (re)write the records there
 
 Re-run it after any kernel change, in the same session as the change: a MISMATCH on an unchanged
-NUMERICS_VERSION means GPU bits moved. Each configuration also runs the suite twice in one
+NUMERICS_VERSION means GPU bits moved. A record of this device class from an older
+NUMERICS_VERSION is reported as "vN record: digest SAME / DIFFERS" (a bump that changed CPU bits
+only, as 7 did, should give SAME; then ``--write`` re-records). Each configuration also runs the suite twice in one
 engine (run to run). The records carry the device fingerprint (``bijax.digest.fingerprint``); a
 record from another device class is not a MATCH / MISMATCH; where this device class has none,
 the row says which other classes' records its digest equals or differs from (the H100 gave the
@@ -99,6 +101,9 @@ def main():
             old = digest.load_record(path)
             if old["fingerprint"]["device_class"] != cls:
                 status = f"recorded on {old['fingerprint']['device_class']}"
+            elif old["numerics_version"] != bijax.NUMERICS_VERSION:  # did a bump move this device's bits?
+                same = old["digest"] == record["digest"]
+                status = f"v{old['numerics_version']} record: digest {'SAME' if same else 'DIFFERS'}"
             else:
                 digest.check_compatible(old, llm, path)
                 diffs = digest.compare(old, first)

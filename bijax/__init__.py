@@ -11,7 +11,11 @@ __version__ = "0.1.0"
 # 6: attention's exponentials as 2**(x log2 e): on the GPU one ex2.approx.ftz instruction in
 #    every kernel instead of libdevice's exact expf (GPU bits changed); CPU bits as in 5 (XLA
 #    compiles jnp.exp2(x * log2 e) to the same exp(x)).
-NUMERICS_VERSION = 6
+# 7: the CPU attention folds its splits in a scan: unrolled, XLA's fusion of the fold changed
+#    with the split count (the block-table width: max_model_len, the trainer's row length), so a
+#    token past its first split (512 keys) had other bits at another width. CPU bits changed
+#    past 512 tokens of context only; the GPU programs did not change.
+NUMERICS_VERSION = 7
 
 from pallas_kernels.runtime import request_xla_flag  # noqa: E402
 

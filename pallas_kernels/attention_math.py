@@ -306,9 +306,17 @@ def fold_splits(m, l, acc, pos, spec: AttentionSpec):
     """
     shape = m.shape[:2] + m.shape[3:]
     carry = (m[:, :, 0], l[:, :, 0], acc[:, :, 0], jnp.zeros(shape, bool))
-    for s in range(m.shape[2]):
+
+    def step(carry, split):  # one compiled step for every split count (NUMERICS_VERSION 7)
+        s, state = split[0], split[1:]
         use = jnp.broadcast_to(split_used(s, pos, spec)[:, None, None], shape)
-        carry = fold_step(carry, (m[:, :, s], l[:, :, s], acc[:, :, s]), use, exp2=jnp.exp2)
+        return fold_step(carry, state, use, exp2=jnp.exp2), None
+
+    # A scan, not a Python loop: unrolled, XLA's CPU fusion of the fold (and so which multiply
+    # adds it contracts) changed with the split count S - the block-table width - so a token
+    # past the first split got other bits at another max_model_len or trainer row length.
+    splits = (jnp.arange(m.shape[2]), jnp.moveaxis(m, 2, 0), jnp.moveaxis(l, 2, 0), jnp.moveaxis(acc, 2, 0))
+    carry, _ = lax.scan(step, carry, splits)
     return fold_finish(carry)
 
 

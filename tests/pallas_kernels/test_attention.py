@@ -257,6 +257,28 @@ def test_invariance_kv_in_other_physical_blocks(backend, interpret, gpu_kernel):
     np.testing.assert_array_equal(got, ref)
 
 
+def test_cpu_bits_do_not_depend_on_the_block_table_width():
+    """The block-table width sets the split count S (the engine's max_model_len, the trainer's
+    row length). The CPU fold over splits was a Python loop, and XLA fused it differently per
+    S: a token past its first split got other bits at another width (1,402 of 8,192 values
+    at 1,300 tokens, widths of 4 and 16 splits). It is a scan now (NUMERICS_VERSION 7)."""
+    tokens = [(0, 299), (0, 200), (0, 70), (0, 10)]
+    a = Paged([300], max_blocks=64, seed=11)
+    full, runs = a.bt, {}
+    for width in (19, 24, 40, 64):  # 5, 6, 10 and 16 splits of 64 keys (19 blocks in use)
+        a.bt = full[:, :width]
+        runs[width] = bits(a.run(tokens, split_size=64))
+    for width in (24, 40, 64):
+        np.testing.assert_array_equal(runs[width], runs[19])
+    # the control: the comparison sees every split - one value in split 4 (keys 256-319) moved
+    v = np.array(a.v[0])
+    v[260, 0, 0] += 1.0
+    a.v = [jnp.asarray(v)]
+    a.fill()
+    moved = bits(a.run(tokens, split_size=64))
+    assert not np.array_equal(moved[0], runs[19][0]) and np.array_equal(moved[1:], runs[19][1:])
+
+
 def test_negative_control_xla_reference_is_not_invariant():
     """The invariant=False path (XLA, dense over the batch's longest context) changes the same row."""
     paged = Paged([100, 640, 50], seed=7)
