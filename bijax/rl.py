@@ -30,7 +30,7 @@ from flax import nnx
 
 import pallas_kernels as pk
 from bijax.sampler import tempered_logprobs
-from bijax.sampling_params import check_temperature
+from bijax.sampling_params import check_temperature, temperature_ok
 from bijax.step_programs import baseline_jit
 from models.llama import Llama, check_packed, int_array_like_tokens, poison_bad_packing
 
@@ -155,6 +155,8 @@ def logprobs(
             max_segments=max_segments,
             invariant=invariant,
             traced_ids=seg_pos is None,  # (concrete ids were checked above, with an error)
+            traced_tokens=pk.runtime.concrete(tokens) is None,  # (so were concrete tokens ...)
+            traced_temp=pk.runtime.concrete(temp) is None,  # (... and a concrete temperature)
         )
     except (AssertionError, ValueError) as e:
         # a derivative of the gradient differentiates the kernels' forward rules, which have no
@@ -177,9 +179,23 @@ def logprobs(
 # (measured: eager and jitted RoPE differ in the last bit), and the bits would not match.
 # (the baseline's program compiles with step_programs.BASELINE_XLA_OPTIONS when called directly)
 @functools.partial(
-    baseline_jit, static_argnums=(0,), static_argnames=("max_segments", "invariant", "traced_ids")
+    baseline_jit,
+    static_argnums=(0,),
+    static_argnames=("max_segments", "invariant", "traced_ids", "traced_tokens", "traced_temp"),
 )
-def _logprobs(graphdef, state, tokens, segment_ids, temp, *, max_segments, invariant, traced_ids):
+def _logprobs(
+    graphdef,
+    state,
+    tokens,
+    segment_ids,
+    temp,
+    *,
+    max_segments,
+    invariant,
+    traced_ids,
+    traced_tokens,
+    traced_temp,
+):
     # A caller's jit that closes over the model and the tokens makes them constants of its
     # program, and XLA would fold the forward at compile time with other roundings: the
     # barrier keeps them inputs of the computation, as in the engine's steps.
@@ -199,4 +215,14 @@ def _logprobs(graphdef, state, tokens, segment_ids, temp, *, max_segments, invar
     prev_same = jnp.concatenate([jnp.zeros((b, 1), bool), segment_ids[:, 1:] == segment_ids[:, :-1]], axis=1)
     mask = valid & prev_same
     out = jnp.where(mask, shifted, jnp.float32(0))
+    # Traced values that the checks would refuse cannot raise here: a row with a real token
+    # outside the vocabulary (the embedding lookup would wrap or clamp it) or a bad temperature
+    # comes back all NaN, never finite and wrong (a select after the last arithmetic).
+    bad_rows = jnp.zeros((b,), bool)
+    if traced_tokens:
+        bad_rows |= (((tokens < 0) | (tokens >= c.vocab_size)) & valid).any(axis=1)
+    if traced_temp:
+        bad_rows |= ~temperature_ok(temp)
+    if traced_tokens or traced_temp:
+        out = jnp.where(bad_rows[:, None], jnp.float32(jnp.nan), out)
     return poison_bad_packing(out, segment_ids, max_segments, c) if traced_ids else out, mask

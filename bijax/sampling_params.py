@@ -52,6 +52,12 @@ def check_temperature(value, name: str = "temperature", *, scalar: bool = False)
         )
 
 
+def temperature_ok(t):
+    """``check_temperature``'s value rule on a traced float array, elementwise (False for NaN
+    and infinities): where it cannot raise, the caller poisons what a bad value would produce."""
+    return (t == 0) | ((t >= MIN_TEMPERATURE) & (t <= MAX_TEMPERATURE))
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How to sample one request.

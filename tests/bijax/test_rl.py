@@ -245,6 +245,39 @@ def test_traced_segment_ids_that_break_the_packing_rules_give_nan_not_wrong_valu
     assert np.isnan(np.asarray(logits)).all()
 
 
+def test_traced_tokens_and_temperatures_out_of_range_give_nan_rows():
+    """Eagerly a token outside the vocabulary or a bad temperature raises; under jit it cannot,
+    and a row holding one came back finite and wrong (-3 wrapped to 509, 600 was clamped). Now
+    that row is all NaN; the other rows keep their bits (the control: valid traced values
+    give the eager bits)."""
+    graphdef, state = nnx.split(_tiny())
+    tok = np.array([[5, 9, 7, 11], [5, 9, 7, 11], [4, 8, 6, 2]], np.int32)
+    seg = np.array([[0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, -1]], np.int32)
+
+    @jax.jit
+    def f(tok, temp):
+        return rl.logprobs((graphdef, state), tok, segment_ids=seg, temperature=temp, max_segments=1)
+
+    temps = jnp.array([0.7, 0.7, 1.0], jnp.float32)
+    eager = np.asarray(rl.logprobs((graphdef, state), tok, segment_ids=seg, temperature=np.asarray(temps)))
+    assert np.array_equal(bits(f(tok, temps)), bits(eager))
+    assert np.array_equal(
+        bits(f(np.where(seg < 0, -1, tok), temps)), bits(eager)
+    )  # padding may hold anything
+    for bad in (-3, 600):
+        got = np.asarray(f(_with(tok, (1, 2), bad), temps))
+        assert np.isnan(got[1]).all() and np.array_equal(bits(got[[0, 2]]), bits(eager[[0, 2]])), bad
+    for bad in (-1.0, np.nan, np.inf, 1e-35):
+        got = np.asarray(f(tok, temps.at[2].set(bad)))
+        assert np.isnan(got[2]).all() and np.array_equal(bits(got[:2]), bits(eager[:2])), bad
+
+
+def _with(a, index, value):
+    a = np.array(a)
+    a[index] = value
+    return a
+
+
 def test_jit_with_the_model_and_tokens_as_constants_keeps_the_bits():
     """A jit that closes over the model and the tokens (only the temperature traced): XLA
     folded the forward at compile time with other roundings until ``_logprobs``' barrier.
