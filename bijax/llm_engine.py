@@ -770,10 +770,13 @@ class Engine:
                 raise ValueError(f"prompt_lens[{i}] must be an int in [1, {len(ids)}], got {pl!r}")
             pl = int(pl)
             vocab = self.model_config.vocab_size
-            bad = [t for t in ids[pl:] if not 0 <= t < vocab]
+            # checked as a prompt and the tokens after it (at least one: a request's max_tokens),
+            # which hold the whole sequence - nothing to score (pl == len) at max_model_len fits
+            split = pl - 1 if pl == len(ids) > 1 else pl
+            bad = [t for t in ids[split:] if not 0 <= t < vocab]
             if bad:  # (the prompt's ids are _check's)
                 raise ValueError(f"token_ids[{i}]: token id {bad[0]} is outside the vocabulary [0, {vocab})")
-            self._check(ids[:pl], SamplingParams(max_tokens=max(1, len(ids) - pl)))
+            self._check(ids[:split], SamplingParams(max_tokens=max(1, len(ids) - split)))
             seq = Sequence(-1 - i, f"score-{i}", ids, dummy, 0, 0, i)
             seq.prefix_limit = pl - 1  # positions from pl - 1 on need their logits
             seqs.append(seq)

@@ -500,6 +500,9 @@ def test_misshapen_calls_are_named(llm):
         llm.score([PROMPT], 2)
     with pytest.raises(ValueError, match=r"token_ids\[0\]: \d+ tokens exceed max_model_len"):
         llm.score([PROMPT * llm.config.max_model_len], [1])
+    full = (PROMPT * llm.config.max_model_len)[: llm.config.max_model_len]  # exactly max_model_len
+    assert llm.score([full], [len(full)])[0].shape == (0,)  # nothing to score: "exceeds" was wrong
+    assert llm.score([full], [len(full) - 1])[0].shape == (1,)
     with pytest.raises(TypeError, match="'prompt_token_ids' must be a list of int token ids, got str"):
         llm.generate({"prompt_token_ids": "5 17 42"}, SP(max_tokens=1), use_tqdm=False)
     with pytest.raises(ValueError, match="exactly one key"):
