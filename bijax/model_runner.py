@@ -751,7 +751,9 @@ class ModelRunner:
 
     def wait_upgrades(self, timeout: float | None = None) -> float:
         """Waits for the background compiles that ``_upgrade`` started (tiered); returns the
-        seconds waited; re-raises a failed compile's error."""
+        seconds waited (0 when none is pending); re-raises a failed compile's error."""
+        if not self._upgrades:
+            return 0.0
         t0 = time.perf_counter()
         for f in concurrent.futures.as_completed(self._upgrades, timeout=timeout):
             f.result()

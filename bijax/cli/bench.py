@@ -164,7 +164,8 @@ def run(args: argparse.Namespace) -> int:
                 compiles_in_timed_runs=int(sum(x[4] for x in runs)),
                 warmup_runs=warmups,
                 # steps of the timed runs on the chain of programs (tiered start-up's first form,
-                # or BIJAX_STEP_PROGRAMS asking for it): 0 with the defaults once warmed up
+                # or BIJAX_STEP_PROGRAMS asking for it): 0 with the GPU's defaults once warmed
+                # up; on the CPU the chain is the default form, so every step counts
                 chain_steps_in_timed_runs=int(sum(x[6] for x in runs)),
             )
         )

@@ -23,14 +23,18 @@ def on_cpu() -> bool:
     return jax.default_backend() == "cpu"
 
 
-def engine_args(p: argparse.ArgumentParser) -> None:
+def engine_args(p: argparse.ArgumentParser, *, presets: bool = True) -> None:
+    """The model and engine flags; ``presets``: whether the command runs presets (random
+    weights, no tokenizer) - generate does not, and its help says so."""
     from models.loading import DEFAULT_MODEL
 
     g = p.add_argument_group("model and engine (names as bijax.LLM / vLLM)")
+    kinds = "preset (tiny, llama3-8b), " if presets else ""
     g.add_argument(
         "--model",
         default=DEFAULT_MODEL,
-        help=f"preset (tiny, llama3-8b), embedded model, .gguf file, HF or orbax directory (default {DEFAULT_MODEL})",
+        help=f"{kinds}embedded model, .gguf file, HF or orbax directory (default {DEFAULT_MODEL})"
+        + ("" if presets else "; a model with a tokenizer (presets run in bijax check and bench)"),
     )
     g.add_argument("--dtype", choices=DTYPES, help="weights/activations dtype (default: the checkpoint's)")
     g.add_argument(

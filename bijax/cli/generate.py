@@ -23,7 +23,7 @@ def add_parser(sub) -> None:
         "--no-warmup", action="store_true", help="compile buckets on first use instead of up front"
     )
     sampling_args(g)
-    engine_args(g)
+    engine_args(g, presets=False)
     g.set_defaults(func=run)
 
 
