@@ -29,6 +29,9 @@ program (``whole``, the GPU's) - ``BIJAX_STEP_PROGRAMS`` (``bijax.step_programs`
 chain with ``BIJAX_LAYER_COPIES=1`` / ``BIJAX_LAYER_COMMAND_BUFFERS=0``.
 ``matmul-shared``: ``matmul_triton.SHARED_LAUNCH`` off (``each``: q, k, v and gate, up a launch
 each) or on (``shared``: one launch per group where the launch shapes agree; the default).
+``shared-mid``: ``old`` - q, k, v as three Mosaic launches at 33-64 rows and gate, up a launch
+each at every M - or ``new`` (the default since 2026-12-06 session 47): the shared Triton launch
+up to 64 rows, gate and up shared from 17 rows.
 ``fusions``: ``matmul_norm.FUSED`` and ``rope.FUSED`` off (``off``: o / down's leaf partials
 combined by XLA before the norm kernel; RoPE and the KV write as XLA's five kernels) or on
 (``on``: the norm kernel combines the leaves; one RoPE + KV-write kernel a layer; the default).
@@ -111,6 +114,15 @@ SWITCHES = {
     "matmul-shared": {
         side: (("matmul_triton", "SHARED_LAUNCH", value),)
         for side, value in (("each", False), ("shared", True))
+    },
+    # session 47's mid-M rule: the shared launch up to 64 rows over Mosaic launches, and gate,
+    # up shared from 17 rows (``new``, the default) or neither (``old``)
+    "shared-mid": {
+        "old": (
+            ("matmul_triton", "SHARED_OVER_MGPU_ROWS", 0),
+            ("matmul_triton", "GATE_UP_SHARED_MIN_ROWS", 1 << 30),
+        ),
+        "new": (),
     },
     "fusions": {
         "off": (("matmul_norm", "FUSED", False), ("rope", "FUSED", False)),

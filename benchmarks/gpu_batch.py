@@ -126,6 +126,8 @@ _AB = {
         ("fusions-on", "fusions", "on", _LONG),
         ("qkv-xla", "qkv-combine", "xla", _LONG),
         ("qkv-kernel", "qkv-combine", "kernel", _LONG),
+        ("shared-mid-old", "shared-mid", "old", ()),
+        ("shared-mid-new", "shared-mid", "new", ()),
     )
 }
 _PROFILE_DECODE = ("--script", "profile_step.py", "--cases", "decode1,decode64", "--paths", "invariant")
@@ -141,6 +143,7 @@ _AB.update(
             ("shared", "matmul-shared", ("each", "shared")),
             ("fusions", "fusions", ("off", "on")),
             ("qkv", "qkv-combine", ("xla", "kernel")),
+            ("shared-mid", "shared-mid", ("old", "new")),
         )
         for side in sides
     }

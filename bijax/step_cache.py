@@ -80,6 +80,8 @@ _SETTINGS = (
     ("attention_triton", "DECODE_ROWS_IN_REGISTERS"),
     ("attention_triton", "DECODE_PROGRAMS"),
     ("matmul_triton", "SHARED_LAUNCH"),
+    ("matmul_triton", "SHARED_OVER_MGPU_ROWS"),
+    ("matmul_triton", "GATE_UP_SHARED_MIN_ROWS"),
     ("matmul_norm", "FUSED"),
     ("rope", "FUSED"),
     ("rope", "QKV_COMBINE_IN_KERNEL"),

@@ -297,10 +297,15 @@ class Decoder:
     def swiglu(self, mlp: MLP, x, *, invariant: bool, tp: TensorParallel | None = None):
         """A dense MLP's hidden activation SiLU(x @ gate) * (x @ up), before down."""
         cb = self.k_shards
-        # gate and up a launch each: one launch of both was slower at decode rows (H200, llama3-8b
-        # at M = 1 and 16: 68.7 vs 61.8 us; RESULTS.md, session 33), unlike q, k, v
-        g = col_mm(x, mlp.w_gate[...], invariant=invariant, col_blocks=cb, tp=tp).astype(jnp.float32)
-        u = col_mm(x, mlp.w_up[...], invariant=invariant, col_blocks=cb, tp=tp).astype(jnp.float32)
+        ws = (mlp.w_gate[...], mlp.w_up[...])
+        # gate and up a launch each at decode rows (one launch of both was slower there), one
+        # launch from GATE_UP_SHARED_MIN_ROWS rows on (matmul_triton's measurements); the same
+        # bits either way
+        if x.shape[0] >= pk.matmul_triton.GATE_UP_SHARED_MIN_ROWS:
+            g, u = col_mm_shared(x, ws, invariant=invariant, col_blocks=cb, tp=tp)
+        else:
+            g, u = (col_mm(x, w, invariant=invariant, col_blocks=cb, tp=tp) for w in ws)
+        g, u = g.astype(jnp.float32), u.astype(jnp.float32)
         return (g * jax.nn.sigmoid(g) * u).astype(x.dtype)  # SwiGLU in float32, rounded once
 
 

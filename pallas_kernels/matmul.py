@@ -310,7 +310,9 @@ def gpu_shared(x, ws, *, out_dtype, cols, backend, interpret, combine: bool = Tr
     m, auto = x.shape[0], backend == "auto"
     if interpret:
         tiles = GpuTiles(16, plans[0].tile_n, 4, 3)  # matmul's interpret tile (see triton_partial)
-    elif matmul_triton.SHARED_LAUNCH and not (auto and any(_runs_mgpu(p, m) for p in plans)):
+    elif matmul_triton.SHARED_LAUNCH and not (
+        auto and m > matmul_triton.SHARED_OVER_MGPU_ROWS and any(_runs_mgpu(p, m) for p in plans)
+    ):
         tiles = matmul_triton.shared_tiles(plans, m)
     else:
         tiles = None

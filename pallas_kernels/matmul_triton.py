@@ -33,6 +33,15 @@ GPU_TILE_M = (16, 32, 64, 128)
 # program is traced (set it before the first trace: jit caches do not key on it; the engine's
 # step cache does); interpret mode always takes the one launch.
 SHARED_LAUNCH = True
+# Up to this many rows the shared launch is taken even where each weight alone would run on the
+# Mosaic GPU kernel (32 < M <= 64 on K >= 4096): at M = 64 it took 0.93x the three Mosaic
+# launches' time for llama3-8b's q, k, v, 0.89x for gate, up, 0.49x for qwen2.5-7b's q, k, v
+# (H200, CUPTI, same run, bits equal: RESULTS.md 2026-12-06 session 47). 0: the old rule.
+SHARED_OVER_MGPU_ROWS = 64
+# gate and up share x but run as one launch only from this many rows: at M <= 16 one launch of
+# both took 68 us against 62 us for a launch each (H200, llama3-8b; sessions 33 and 47), at
+# M = 32 58 us against 62, at M = 64 59 against 66 (Mosaic each). Read by models.llama.
+GATE_UP_SHARED_MIN_ROWS = 17
 
 
 @dataclasses.dataclass(frozen=True)

@@ -121,22 +121,31 @@ def test_mosaic_gpu_path_only_on_hopper():
 
 
 def test_shared_launch_only_where_the_weights_launches_agree():
-    """q, k, v at 64 rows run the Mosaic GPU kernel on Hopper (a launch each, no shared
-    kernel); decode rows run the shared kernel, or with it switched off a launch per weight."""
+    """q, k, v above 64 rows run the Mosaic GPU kernel on Hopper (a launch each, no shared
+    kernel); up to 64 rows the shared kernel (at 33-64 rows each alone would be Mosaic: the
+    shared launch was faster, session 47), or with SHARED_OVER_MGPU_ROWS 0 the Mosaic
+    launches again; with the shared launch switched off, a launch per weight."""
     from pallas_kernels import matmul_triton
 
     ws = (S((4096, 4096), BF16), S((4096, 1024), BF16), S((4096, 1024), BF16))
     fn = lambda x, *ws: pk.matmul_shared(x, ws)  # noqa: E731
-    text = cuda_export(fn, S((64, 4096), BF16), *ws)
+    text = cuda_export(fn, S((96, 4096), BF16), *ws)
     assert "bijax_matmul_shared" not in text and text.count(MOSAIC_GPU_CUSTOM_CALL) >= 3
+    text = cuda_export(fn, S((64, 4096), BF16), *ws)
+    assert "bijax_matmul_shared" in text and MOSAIC_GPU_CUSTOM_CALL not in text
     assert "bijax_matmul_shared" in cuda_export(fn, S((1, 4096), BF16), *ws)
     try:  # a module setting read when tracing: traced anew (jit caches cleared) under each value
+        matmul_triton.SHARED_OVER_MGPU_ROWS = 0
+        jax.clear_caches()
+        old_rule = cuda_export(fn, S((64, 4096), BF16), *ws)
+        matmul_triton.SHARED_OVER_MGPU_ROWS = 64
         matmul_triton.SHARED_LAUNCH = False
         jax.clear_caches()
         text = cuda_export(fn, S((1, 4096), BF16), *ws)
     finally:
-        matmul_triton.SHARED_LAUNCH = True
+        matmul_triton.SHARED_LAUNCH, matmul_triton.SHARED_OVER_MGPU_ROWS = True, 64
         jax.clear_caches()
+    assert "bijax_matmul_shared" not in old_rule and old_rule.count(MOSAIC_GPU_CUSTOM_CALL) >= 3
     assert "bijax_matmul_shared" not in text and text.count('name = "bijax_matmul"') == 3
 
 
