@@ -25,7 +25,7 @@ class EngineConfig:
     seeds of requests that have none; enable_prefix_caching: reuse the KV blocks of prompts'
     cached prefixes; tensor_parallel_size: devices the model is split over (its k_shards must
     be a multiple); async_scheduling: enqueue the next step while the device runs the current
-    one (the same bits; off with speculative decoding)."""
+    one (the same bits; off with a draft model, on with n-gram speculation)."""
 
     max_model_len: int
     max_num_seqs: int = 16

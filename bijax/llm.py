@@ -269,7 +269,8 @@ class LLM:
     - the same token ids and logprob bits as without it, in fewer steps (``bijax.speculative``).
     ``async_scheduling`` (default on): the host schedules and enqueues step N + 1 while the
     device runs step N, feeding N's sampled tokens to N + 1 on the device - the same bits,
-    without the device waiting on the host between steps (off with speculative decoding).
+    without the device waiting on the host between steps (off with a draft model;
+    n-gram speculation keeps it).
     """
 
     def __init__(

