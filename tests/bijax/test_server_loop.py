@@ -124,27 +124,24 @@ def test_requests_added_together_join_one_step_and_a_drain_refuses_adds():
         assert len(seeds) == 3 and "request_id must be a new str" in error
         assert counting.seqs[0] == 3  # the first step had all three (added one by one: 1)
         loop.abort_all()
-
-        async def late():
-            try:
-                await loop.add([("late", valid[0])], asyncio.Queue())
-            except EngineError as e:
-                return str(e)
-
-        assert "shutting down" in asyncio.run(late())
+        assert "shutting down" in _refused(loop, valid[0])
     finally:
         loop.stop()
+    assert "not running" in _refused(loop, valid[0])
+    # (the first 'twice', added before the second failed, was aborted)
+    assert not engine.has_unfinished_requests()
+
+
+def _refused(loop: EngineLoop, valid) -> str:
+    """The EngineError's message when ``loop`` refuses to add a request."""
 
     async def add():
         try:
-            await loop.add([("late", valid[0])], asyncio.Queue())
+            await loop.add([("late", valid)], asyncio.Queue())
         except EngineError as e:
             return str(e)
 
-    assert "not running" in asyncio.run(add())
-    assert (
-        not engine.has_unfinished_requests()
-    )  # (the first 'twice', added before the second failed, was aborted)
+    return asyncio.run(add())
 
 
 def test_a_slow_reader_holds_one_snapshot_per_request():
