@@ -100,8 +100,8 @@ def test_digests_without_a_record_for_this_device_name_the_records_they_equal(tm
 
     from benchmarks import gpu_digests
 
-    src = os.path.join(gpu_digests.HERE, "nvidia-h100-80gb-hbm3-llama3-8b-bfloat16.json")
-    shutil.copy(src, tmp_path / "nvidia-h100-80gb-hbm3-llama3-8b-bfloat16.json")
+    src = os.path.join(gpu_digests.HERE, "nvidia-h200-llama3-8b-bfloat16.json")  # (this NUMERICS_VERSION's)
+    shutil.copy(src, tmp_path / "nvidia-h200-llama3-8b-bfloat16.json")
     with open(src) as f:
         rec = json.load(f)
     got = rec["digest"]
