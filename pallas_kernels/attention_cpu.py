@@ -60,7 +60,9 @@ def split_states(q, k_cache, v_cache, index, *, spec: AttentionSpec):
 
         def split_step(split, states):
             new = one_split(qt, seq, pos, ctx, split)
-            return tuple(lax.dynamic_update_index_in_dim(a, x, split, 2) for a, x in zip(states, new, strict=True))
+            return tuple(
+                lax.dynamic_update_index_in_dim(a, x, split, 2) for a, x in zip(states, new, strict=True)
+            )
 
         # a loop up to the last split a token of the tile reaches: one compiled split for every
         # context length (a Python loop over the splits compiled one copy a split: 8 s for a

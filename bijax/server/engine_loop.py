@@ -198,8 +198,9 @@ class EngineLoop:
                     for rid, valid, _ in requests:
                         seeds.append(self._engine.add_request(rid, valid))
                 except Exception as e:  # none of them runs; the handler reports it to its client
-                    for rid, _, _ in requests[: len(seeds)]:
-                        self._engine.abort(rid)  # (its output at the next step has no sink)
+                    # (release, not abort: an aborted request waits for a step to leave the
+                    # engine, and a stop before it left one behind)
+                    self._engine.release([rid for rid, _, _ in requests[: len(seeds)]])
                     added.get_loop().call_soon_threadsafe(_set_exception, added, e)
                     continue
                 for rid, valid, sink in requests:
