@@ -42,7 +42,8 @@ every one gave the bits of the launch measured since session 24 (2026-12-05, RES
 fold launches on an H100, session 42). The engine's launch (``attention_triton.
 MGPU_PREFILL_LAUNCH``) is, since session 42, the pair: two consumers, heaviest first, one
 drain, dense rows, the fold in SMEM; since session 43 with persistent programs (``persistent``:
-one an SM, each running its (tile pair, KV head) items through one ring).
+one an SM, each running its (tile pair, KV head) items through one ring); since session 48
+with ``prefetch_q`` (a consumer loads its next item's q while it walks the current one).
 
 Status: runs in Mosaic GPU interpret mode on CPU (the tests: accuracy, NaN-filled stale cache,
 padding, a token's bits alone / in chunks / among other sequences, ``overlap`` and stages as

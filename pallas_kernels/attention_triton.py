@@ -79,7 +79,13 @@ PREFILL_KERNEL = "tiles_mgpu"
 # with snake order, equal the H200 records (RESULTS.md, session 43). Session 44 ran it against
 # the session-42 launch again (another H100 host): 1.04 / 1.04 / 0.98 / 0.98x before the ex2
 # change, 0.99 / 0.99 / 0.96 / 1.02x after it - within a few percent either way. The A/B switch:
-# benchmarks/ab.py prefill-launch (pair-all-dense-fold: the launch before).
+# benchmarks/ab.py prefill-launch (pair-all-dense-fold: the launch before). Since session 48
+# a consumer also loads its next item's q at an item's start and stores its output by TMA from
+# a buffer of its own (``prefetch_q``; the buffer leaves room for 2 ring stages at D 128, not
+# 3): on an H100, same run, 0.977 / 0.992 / 0.984 / 0.978x the persistent launch's kernel time
+# on the four cases above; its ten bit checks PASS and the engine's four digests with it equal
+# the records (RESULTS.md, session 48; not yet run on an H200). The A/B switch's side before:
+# pair-all-dense-fold-persistent.
 MGPU_PREFILL_LAUNCH = (
     ("stages", 3),
     ("consumers", 2),
@@ -88,6 +94,7 @@ MGPU_PREFILL_LAUNCH = (
     ("packing", "dense"),
     ("fold_in_smem", True),
     ("persistent", True),
+    ("prefetch_q", True),
 )
 # The decode kernel stores, and its combine folds, only the splits a token uses (same bits:
 # the others leave the fold unchanged). False: every split of the grid, as before 2026-12-02

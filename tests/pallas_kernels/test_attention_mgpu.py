@@ -96,7 +96,7 @@ def test_segments_are_each_tiles_sequences_ascending():
         ("into", "two", False, {"fold_in_smem": True, "order": "heaviest", "packing": "dense"}),
         ("into", "two", False, dict(attention_triton.MGPU_PREFILL_LAUNCH)),  # the engine's
         ("into", "two", False, {**dict(attention_triton.MGPU_PREFILL_LAUNCH), "persistent": 5}),
-        ("into", "two", False, {**dict(attention_triton.MGPU_PREFILL_LAUNCH), "prefetch_q": True}),
+        ("into", "two", False, {**dict(attention_triton.MGPU_PREFILL_LAUNCH), "prefetch_q": False}),
     ],
 )
 def test_cuda_lowering_is_one_mosaic_gpu_kernel(pv, rounding, overlap, launch):
@@ -210,22 +210,25 @@ def test_launch_choices_keep_the_bits():
         return bits(out)
 
     base = run()
+    # (each choice in at least one launch, most in several: a run here takes ~7 s of CI time)
     launches = [
-        {"overlap": True},
         {"overlap": True, "stages": 2},
-        {"order": "heaviest"},
-        {"consumers": 2, "q_from_smem": True},
-        {"one_drain": True},
         {"consumers": 2, "stages": 4, "overlap": True, "order": "heaviest", "one_drain": True},
-        {"fold_in_smem": True},
+        {"fold_in_smem": True, "order": "heaviest", "one_drain": True},
         {"consumers": 2, "q_from_smem": True, "fold_in_smem": True, "order": "heaviest"},
         # persistent programs: one runs every work item (its ring and segment buffers wrap
-        # around), three take turns
+        # around), three take turns; the next item's q loaded at an item's start, the output
+        # staged in its own SMEM buffer
         {"consumers": 2, "persistent": 1},
-        {"consumers": 2, "persistent": 3, "order": "heaviest", "fold_in_smem": True, "one_drain": True},
-        # ... the next item's q loaded at an item's start, the output staged in the fold's SMEM
         {"consumers": 2, "persistent": 1, "fold_in_smem": True, "prefetch_q": True},
-        {"consumers": 2, "persistent": 3, "order": "heaviest", "fold_in_smem": True, "prefetch_q": True},
+        {
+            "consumers": 2,
+            "persistent": 3,
+            "order": "heaviest",
+            "fold_in_smem": True,
+            "one_drain": True,
+            "prefetch_q": True,
+        },
     ]
     for launch in launches:
         np.testing.assert_array_equal(run(**launch), base, err_msg=str(launch))
@@ -351,7 +354,9 @@ def test_auto_picks_the_mosaic_kernel_only_where_it_runs(monkeypatch):
     for bs in (16, 32, 64, 128):  # can_run says yes exactly where the launch's ring fits
         for d in (64, 128):
             try:
-                attention_mgpu._stages(kv_tile(bs), d, 2, 2, launch["consumers"], launch["fold_in_smem"])
+                attention_mgpu._stages(
+                    kv_tile(bs), d, 2, 2, launch["consumers"], launch["fold_in_smem"], launch["prefetch_q"]
+                )
                 fits = True
             except ValueError:
                 fits = False
