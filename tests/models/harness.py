@@ -89,13 +89,16 @@ def interleaved(lengths, chunks):
     return steps
 
 
-def greedy(model, prompt, new_tokens: int, *, invariant=True, block_size=16, prefill_bucket=None):
+def greedy(
+    model, prompt, new_tokens: int, *, invariant=True, block_size=16, prefill_bucket=None, blocks=None
+):
     """Greedy decoding through the paged forward: prefill the prompt in one step (padded to
-    ``prefill_bucket`` tokens), then one token per step (padded to 16).
+    ``prefill_bucket`` tokens), then one token per step (padded to 16), on a cache of ``blocks``
+    blocks (default: what the sequence needs; prompts of one size share the compiled steps).
     Returns (new token ids, float32 logits of each step's last token)."""
     prompt = [int(t) for t in prompt]
     total = len(prompt) + new_tokens
-    blocks = -(-total // block_size)
+    blocks = max(blocks or 0, -(-total // block_size))
     cache = init_kv_cache(model.config, blocks + 1, block_size, model.dtype)
     table = np.zeros((1, blocks), np.int32)
     table[0] = np.arange(1, blocks + 1)

@@ -83,6 +83,9 @@ def test_negative_control_ragged_dot_rows_depend_on_the_groups():
             few = pk.grouped_matmul_reference(x[:m], w, jnp.asarray([0, m, 0]))
             if not np.array_equal(bits(few), bits(many[:m])):
                 found.append((k, n, m))
+                break  # (one is enough: CI time)
+        if found:
+            break
     assert found, "ragged_dot was invariant on every shape: the negative control cannot fail"
 
 

@@ -107,7 +107,9 @@ def test_negative_control_xla_sampler_varies_with_batch():
 
     rng = np.random.default_rng(4)
     found = False
-    for v in (577, 1000):
+    for v in (577, 1000):  # (stops at the first difference: CI time)
+        if found:
+            break
         r = 300
         x = jnp.asarray((rng.standard_normal((r, v)) * 3).astype(np.float32))
         g = jax.random.gumbel(jax.random.key(5), (r, v))
@@ -117,6 +119,8 @@ def test_negative_control_xla_sampler_varies_with_batch():
         for n in (1, 2, 3, 7, 8, 16, 17):
             _, lp = ref(x[:n], t[:n], k[:n], p[:n], m[:n], g[:n])
             found |= not np.array_equal(bits(lp), bits(full[:n]))
+            if found:
+                break
     assert found, "XLA's sampler was batch invariant everywhere: the negative control cannot fail"
 
 
