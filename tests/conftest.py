@@ -92,10 +92,17 @@ def rel_err(out, ref) -> float:
     return float(np.abs(out - ref).max() / np.abs(ref).max())
 
 
-def prefix_mismatches(fn, x, ms) -> list[int]:
-    """The m in ms for which fn(x[:m]) is not bit-identical to fn(x)[:m]."""
+def prefix_mismatches(fn, x, ms, *, first=False) -> list[int]:
+    """The m in ms for which fn(x[:m]) is not bit-identical to fn(x)[:m] (``first``: only the
+    first such m - what a negative control needs)."""
     full = bits(fn(x))
-    return [m for m in ms if not np.array_equal(bits(fn(x[:m])), full[:m])]
+    found = []
+    for m in ms:
+        if not np.array_equal(bits(fn(x[:m])), full[:m]):
+            found.append(m)
+            if first:
+                break
+    return found
 
 
 def position_mismatch(fn, x, shift: int) -> bool:

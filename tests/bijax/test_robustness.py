@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -168,10 +169,7 @@ def test_soak_random_arrivals():
     keys = sorted(done)
     again = llm.generate(
         [prompts[k] for k in keys],
-        [
-            SP(**{**{f: getattr(params[k], f) for f in params[k].__dataclass_fields__}, "seed": seeds[k]})
-            for k in keys
-        ],
+        [dataclasses.replace(params[k], seed=seeds[k]) for k in keys],
         use_tqdm=False,
     )
     for k, ref in zip(keys, again, strict=True):
