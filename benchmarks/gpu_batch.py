@@ -449,6 +449,11 @@ STEPS = {
         260,
         "single-stream engine step: XLA's command-buffer update mode (ALWAYS_UPDATE, SKIP_TEMP) x inputs staged or not",
     ),
+    "startup-decode": (
+        _startup("single-decode,single,single-decode,single"),
+        240,
+        "start-up: one request's first token, empty caches, the prompt's and decoding's buckets warmed up / the prompt's only",
+    ),
     "startup-single-ab": (
         _startup("single-helper,single"),
         150,

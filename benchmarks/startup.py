@@ -7,8 +7,11 @@
            the helpers also compiling (``BIJAX_LOWERING_COMPILE=1``); ``engine-whole`` /
            ``engine-layers``: the forward as one program / a chain (``BIJAX_STEP_PROGRAMS``);
   single   one request's first token - ``LLM`` sized as ``bijax generate`` sizes it for one
-           prompt (1 sequence, 512 tokens per step), ``warmup(step_tokens=[prompt, 1])`` (since
-           2026-12-02 session 26; ``max_step_tokens=prompt`` before: one more bucket), then
+           prompt (1 sequence, 512 tokens per step), warmed up as it warms up: since 2026-12-06
+           (session 49) ``warmup(step_tokens=[prompt])`` on GPUs - decoding runs in the
+           prompt's bucket while its own compiles in the background - and
+           ``step_tokens=[prompt, 1]`` (row ``single-decode``) where steps wait on compiles
+           (from 2026-12-02 session 26; ``max_step_tokens=prompt`` before: one more bucket), then
            ``generate`` of 1 token - on an empty cache, then from the filled cache, timed from
            the process's start.
 Each also checks that its warmed-up steps (exported - by a helper or not - or read back from
@@ -52,7 +55,12 @@ def child(kind: str, model: str) -> None:
     t0 = time.perf_counter()
     if kind == "engine":
         llm.warmup(progress=False)
-    else:  # as ``bijax generate`` warms up for one prompt: its chunk's bucket and decoding's
+    elif kind == "single":  # as ``bijax generate`` warms up for one prompt: its chunk's bucket,
+        # and decoding's where a step would wait on its compile (not on GPUs since 2026-12-06:
+        # decoding runs in the prompt's bucket while its own compiles in the background)
+        decode = [] if llm.engine.compiles_in_background else [1]
+        llm.warmup(progress=False, step_tokens=[len(prompt), *decode])
+    else:  # "single-decode": both (``bijax generate`` until 2026-12-06)
         llm.warmup(progress=False, step_tokens=[len(prompt), 1])
     t["warmup"] = time.perf_counter() - t0
     r = llm.last_warmup
@@ -80,7 +88,7 @@ def child(kind: str, model: str) -> None:
     from bijax import model_runner, step_cache
 
     sp = bijax.SamplingParams(max_tokens=8, temperature=0.8, seed=1)
-    prompts = [{"prompt_token_ids": prompt[: 64 - 7 * i]} for i in range(1 if kind == "single" else 4)]
+    prompts = [{"prompt_token_ids": prompt[: 64 - 7 * i]} for i in range(4 if kind == "engine" else 1)]
     a = [o.outputs[0] for o in llm.generate(prompts, sp, use_tqdm=False)]
     # (tiered: ``a`` ran the whole forwards; ``b`` runs the chain, as nothing is queued again)
     llm.engine.runner._aot.clear()
@@ -162,6 +170,11 @@ ROWS = {
     ),
     "single": ("one request, first token, empty cache", "single", {}),
     "single-filled": ("one request, first token, filled cache", "single", {}),
+    "single-decode": (
+        "one request, first token, empty cache, the prompt's and decoding's buckets warmed up",
+        "single-decode",
+        {},
+    ),
     "single-no-helpers": (
         "one request, first token, empty cache, no helper processes",
         "single",
@@ -202,7 +215,7 @@ ROWS = {
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llama3-8b")
-    ap.add_argument("--child", choices=("engine", "single"))
+    ap.add_argument("--child", choices=("engine", "single", "single-decode"))
     ap.add_argument(
         "--rows",
         default=",".join(ROWS),

@@ -53,10 +53,13 @@ class EngineStats:
     num_drained_steps_without_drafts: int = 0
     speculation_host_seconds: float = 0.0  # host time spent deciding on and proposing drafts
     # steps whose forward ran as the chain of programs, and as one program (step_programs);
-    # tiered: whole forwards compiled in the background so far (the draft model's too)
+    # tiered: programs compiled in the background so far (whole forwards, and the chains of
+    # buckets whose steps ran in a larger compiled bucket meanwhile; the draft model's too), and
+    # those steps (the same bits in any bucket)
     num_chain_steps: int = 0
     num_whole_steps: int = 0
     num_upgraded_programs: int = 0
+    num_larger_bucket_steps: int = 0
 
 
 # EngineStats' integer counters of speculative decoding (the engine keeps them by these names)
@@ -254,6 +257,15 @@ class Engine:
         return None if sp is None else (sp.spec, sp.draft_model)
 
     @property
+    def compiles_in_background(self) -> bool:
+        """Whether this engine's steps never wait on a compile once one bucket is ready (tiered
+        step programs, the GPUs' default): a step whose bucket is not compiled yet runs in a
+        larger one that is (the same bits) while its own compiles in the background - so a
+        warm-up can leave out the buckets of later steps (``bijax generate`` warms up only the
+        prompt's: the first token sooner)."""
+        return self.runner._tiered
+
+    @property
     def num_compiled_buckets(self) -> int:
         return len(self.runner.compiled_buckets)
 
@@ -370,6 +382,7 @@ class Engine:
                 if self.speculator is None or self.speculator.draft is None
                 else self.speculator.draft.programs_upgraded
             ),
+            num_larger_bucket_steps=self.runner.larger_bucket_steps,
             **self._spec_totals,
         )
 

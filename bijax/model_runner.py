@@ -123,6 +123,9 @@ def _tuple(*trees):
 
 
 _compiles = [0]  # step programs compiled by every runner of this process
+# The counters' increments (a runner's background threads - whole forwards, buckets filled in -
+# and the engine's thread keep programs at the same time)
+_counting = threading.Lock()
 # Compiled programs by ``ModelRunner._shared_name``: runners of the same model and shapes (an
 # engine rebuilt, a draft model equal to the target, tests) share them, as jit's cache would.
 _shared: dict = {}
@@ -223,11 +226,15 @@ class ModelRunner:
         # in a background thread and run from when it is kept.
         self._tiered = tiered()
         self._upgrader = None  # that thread (a one-worker pool), made when first needed
+        # ... and one for the chains of buckets whose steps run in a larger bucket meanwhile
+        # (``_batch``: not queued behind whole forwards, which take longer to compile)
+        self._filler = None
+        self.larger_bucket_steps = 0  # steps run in a larger bucket than their own, so far
         self._upgrading: set = set()  # whole-forward keys given to it
         self._kept_chain: set = set()  # ... of them, not compiled there (``_upgrade``)
         self._upgrades: list = []  # its pending batches (futures)
         self._generation = 0  # the weights' structure: a background program of another is dropped
-        self.programs_upgraded = 0  # whole forwards it kept
+        self.programs_upgraded = 0  # programs the background threads kept
         self.steps_by_form = {"chain": 0, "whole": 0}  # steps run by each form of the forward
         self._staging: dict = {}  # the step inputs' device buffers, by structure and shapes (``_staged``)
         self._stage = staged_inputs()
@@ -335,10 +342,12 @@ class ModelRunner:
         cfg = self.config
         lens, starts, nrows = _chunk_arrays(chunks)
         total = int(lens.sum())
+        rows = int(nrows.sum())
         s, t = cfg.step_bucket(len(chunks), total)
+        if logit_rows and self._tiered:
+            s, t = self._ready_bucket(s, t, rows, len(chunks))
         bs = cfg.block_size
         b = PagedBatch.padding(s, t, cfg.max_blocks_per_seq, logit_rows=logit_rows)
-        rows = int(nrows.sum())
         if logit_rows and rows > len(chunks):
             b = b.replace(logit_rows=np.zeros(bucket(rows, cfg.token_buckets), np.int32))
         # Whole arrays at once (no per-chunk slices): token r's sequence row, position and slot.
@@ -361,6 +370,38 @@ class ModelRunner:
         if logit_rows:  # the last num_rows tokens of each chunk
             b.logit_rows[:rows] = _last_rows(first + lens, nrows)
         return b
+
+    def _ready_bucket(self, s: int, t: int, rows: int, num_chunks: int) -> tuple[int, int]:
+        """Tiered: the bucket a step of bucket (s, t) runs in - its own, or, while its own
+        forward is not compiled, the smallest larger bucket (fewest tokens, then sequences)
+        whose forward is, its own then compiling in the background; a step's bits do not
+        depend on its bucket (the extra rows are padding). Its own where none is ready, or
+        where its chain cannot be compiled in the background (``_kept_chain``): compiled now."""
+
+        def rows_of(s):  # sampled rows: one per sequence row, or bucketed like tokens
+            return bucket(rows, self.config.token_buckets) if rows > num_chunks else s
+
+        def ready(s, t) -> bool:
+            r = rows_of(s)
+            return self._reuse(("forward", s, t, r)) or all(
+                self._reuse(k) for k in self.forward_keys(s, t, r)
+            )
+
+        if ready(s, t):
+            return s, t
+        own = self.forward_keys(s, t, rows_of(s))
+        if any(k in self._kept_chain for k in own):
+            return s, t
+        larger = sorted(
+            (t2, s2) for s2, t2 in self.bucket_pairs() if s2 >= s and t2 >= t and (s2, t2) != (s, t)
+        )
+        for t2, s2 in larger:
+            if ready(s2, t2):
+                self._upgrade(own, fill=True)
+                self._upgrade([("forward", s, t, rows_of(s))])  # (as its chain's first step would)
+                self.larger_bucket_steps += 1
+                return s2, t2
+        return s, t
 
     def step(self, chunks: list[Chunk], num_logprobs: int = 0):
         """Runs one step; returns per sampled row, in chunk order, (token, logprob, top).
@@ -680,10 +721,11 @@ class ModelRunner:
                     if generation is not None and generation != self._generation:
                         continue  # compiled for weights of another structure: dropped
                     self._keep(key, future.result())
-                    if generation is None:
-                        self.programs_made += 1
-                    else:
-                        self.programs_upgraded += 1
+                    with _counting:
+                        if generation is None:
+                            self.programs_made += 1
+                        else:
+                            self.programs_upgraded += 1
                     for (s, t), todo in waiting.items():
                         if key in todo:
                             todo.discard(key)
@@ -692,7 +734,8 @@ class ModelRunner:
         finally:
             if helpers is not None:
                 helpers.close()
-                self.programs_lowered_elsewhere += helpers.exported
+                with _counting:
+                    self.programs_lowered_elsewhere += helpers.exported
         return tracing
 
     def _exported(self, key) -> bool:
@@ -701,16 +744,20 @@ class ModelRunner:
         where = step_cache.directory()
         return where is not None and os.path.exists(os.path.join(where, self._shared_name(key)[0]))
 
-    def _upgrade(self, keys) -> None:
+    def _upgrade(self, keys, *, fill: bool = False) -> None:
         """Tiered: compiles the whole forwards ``keys`` in a background thread (one batch of
         keys after another, each like ``warmup``'s); a step runs its bucket's whole forward
-        from when it is kept."""
+        from when it is kept. ``fill``: ``keys`` are the chain of a bucket whose steps run in a
+        larger one meanwhile (``_ready_bucket``), compiled in a thread of their own."""
         todo = [k for k in keys if k not in self._upgrading and not self._reuse(k)]
         if not todo:
             return
         self._upgrading.update(todo)
-        if self._upgrader is None:
+        if fill and self._filler is None:
+            self._filler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bijax-fill")
+        if not fill and self._upgrader is None:
             self._upgrader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bijax-upgrade")
+        pool = self._filler if fill else self._upgrader
         gen = self._generation
         # JAX settings made for this thread only (``with jax.default_matmul_precision(...)``)
         # are not the background thread's: a whole forward traced there would not be the
@@ -724,7 +771,11 @@ class ModelRunner:
                     "bijax: JAX settings made in this thread only (a `with jax...` block) are "
                     "not the background thread's, so these buckets keep running the chain of "
                     "programs (the same bits, slower steps) instead of compiling whole forwards "
-                    "there",
+                    "there"
+                    if not fill
+                    else "bijax: JAX settings made in this thread only (a `with jax...` block) are "
+                    "not the background thread's, so these buckets' programs compile when a step "
+                    "needs them (the same bits)",
                     RuntimeWarning,
                     stacklevel=1,
                 )
@@ -734,19 +785,25 @@ class ModelRunner:
             except Exception as e:
                 if _stopping.is_set():
                     return 0.0  # the interpreter is exiting: nothing more is compiled
+                self._kept_chain.update(todo)  # (a bucket filled in: its steps compile it now)
                 warnings.warn(
-                    f"bijax: compiling whole-forward step programs in the background failed "
-                    f"({type(e).__name__}: {e}); those buckets keep running the chain of programs "
-                    "(the same bits, slower steps)",
+                    f"bijax: compiling step programs in the background failed "
+                    f"({type(e).__name__}: {e}); "
+                    + (
+                        "those buckets' steps compile them when they come"
+                        if fill
+                        else "those buckets keep running the chain of programs (the same bits, slower steps)"
+                    ),
                     RuntimeWarning,
                     stacklevel=1,
                 )
                 raise
 
-        self._upgrades.append(self._upgrader.submit(compile_in_background))
+        self._upgrades.append(pool.submit(compile_in_background))
 
     def pending_upgrades(self) -> int:
-        """Whole forwards given to the background thread and not ready yet (tiered)."""
+        """Programs given to the background threads and not ready yet (tiered: whole forwards,
+        and chains of buckets whose steps run in a larger one meanwhile)."""
         return sum(1 for k in list(self._upgrading) if k not in self._aot and k not in self._kept_chain)
 
     def wait_upgrades(self, timeout: float | None = None) -> float:
@@ -767,8 +824,9 @@ class ModelRunner:
         input buffers now (not whenever the collector gets to them) and drops this runner's
         references to its programs. The runner runs nothing afterwards (``Engine.close``)."""
         try:
-            if self._upgrader is not None:
-                self._upgrader.shutdown(wait=True, cancel_futures=True)
+            for pool in (self._upgrader, self._filler):
+                if pool is not None:
+                    pool.shutdown(wait=True, cancel_futures=True)
         finally:
             buffers = jax.tree_util.tree_leaves(self.cache) + [
                 a for leaves in self._staging.values() for a in leaves
@@ -777,7 +835,7 @@ class ModelRunner:
                 if isinstance(a, jax.Array) and not a.is_deleted():
                     a.delete()
             self.cache = None
-            self._upgrader = None
+            self._upgrader = self._filler = None
             for kept in (self._staging, self._aot, self._copies, self._upgrading, self._kept_chain):
                 kept.clear()
             self._upgrades = []
@@ -801,7 +859,8 @@ class ModelRunner:
     def _keep(self, key, compiled) -> None:
         """A program this runner compiled: kept, shared with other runners, counted."""
         self._aot[key] = _shared[self._shared_name(key)] = compiled
-        _compiles[0] += 1
+        with _counting:
+            _compiles[0] += 1
 
     def _spec(self, key):
         """(jitted function, args, static kw, donated argument, label) of ``_lowered``'s key."""

@@ -163,7 +163,9 @@ def run(args: argparse.Namespace) -> int:
     if len(lens) == 1 and args.n == 1:  # its steps are known: the prompt's chunks, then 1 token
         chunk = llm.engine.config.max_num_batched_tokens
         full, rest = divmod(lens[0], chunk)
-        steps = ([chunk] if full else []) + ([rest] if rest else []) + [1]
+        steps = ([chunk] if full else []) + ([rest] if rest else [])
+        if not llm.engine.compiles_in_background:  # (else decoding runs in the prompt's bucket
+            steps.append(1)  # while its own compiles: the first token sooner, the same bits)
         warmup(llm, args, logprobs=bool(args.logprobs), step_tokens=steps)
     else:
         warmup(llm, args, logprobs=bool(args.logprobs), max_step_tokens=max(work, s))

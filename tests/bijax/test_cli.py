@@ -433,7 +433,7 @@ def test_bench_warms_up_again_on_tiered_programs(capsys, monkeypatch):
     r = json.loads(capsys.readouterr().out)
     for x in r["rows"]:
         assert x["warmup_runs"] == 2 and x["compiles_in_timed_runs"] == 0
-        assert x["chain_steps_in_timed_runs"] == 0
+        assert x["chain_steps_in_timed_runs"] == 0 and x["larger_bucket_steps_in_timed_runs"] == 0
 
 
 def test_bench_counts_compiles_and_fails_on_them(capsys, monkeypatch):

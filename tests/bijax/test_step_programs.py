@@ -199,25 +199,31 @@ def test_warmup_reports_each_bucket_once_when_its_programs_are_ready(monkeypatch
 
 def test_tiered_runs_the_chain_then_the_whole_forward_with_the_same_bits(runs, monkeypatch):
     """``BIJAX_STEP_PROGRAMS=tiered``: each bucket's first step runs the chain and queues the
-    bucket's whole forward, compiled in the background; once it is ready the same requests run
-    whole forwards only - the chain's bits throughout. A later engine whose whole forwards an
-    earlier start exported (the step cache) warms them up directly, no chain and nothing left
-    for the background."""
+    bucket's whole forward, compiled in the background; a step whose bucket has no compiled
+    forward yet runs in a larger bucket that has one (here: decoding in the prefill's 32-token
+    bucket) while its own chain compiles in another background thread. Once all are ready the
+    same requests run whole forwards of their own buckets only - the chain's bits throughout,
+    in any bucket. A later engine whose whole forwards an earlier start exported (the step
+    cache) warms them up directly, no chain and nothing left for the background."""
     from bijax import model_runner
 
     monkeypatch.setattr(model_runner, "_shared", {})  # compiled here, not taken from the other engines
     first, llm = _run(monkeypatch, "tiered")
     before = llm.engine.stats()
     assert before.num_chain_steps > 0  # no whole forward was ready for a bucket's first step
+    assert before.num_larger_bucket_steps > 0  # decode steps ran in the 32-token bucket meanwhile
     llm.wait_for_upgrades()
     runner = llm.engine.runner
     queued = {k for k in runner._upgrading}
-    assert queued and all(k[0] == "forward" and k in runner._aot for k in queued)
+    assert all(k in runner._aot for k in queued)
+    wholes = {k for k in queued if k[0] == "forward"}
+    assert wholes and ("embed", 16) in queued  # whole forwards, and the decode bucket's chain
     assert runner.programs_upgraded == len(queued) == llm.engine.stats().num_upgraded_programs
     llm.reset_prefix_cache()  # the same steps, so the same buckets, again
     again = [o.outputs[0] for o in llm.generate(PROMPTS, SPS, use_tqdm=False)]
     after = llm.engine.stats()
     assert after.num_chain_steps == before.num_chain_steps  # every step of the second run: whole
+    assert after.num_larger_bucket_steps == before.num_larger_bucket_steps  # ... in its own bucket
     assert after.num_whole_steps > before.num_whole_steps
     assert _same(first, runs["layers"][0]) and _same(again, runs["layers"][0])
 
@@ -225,14 +231,14 @@ def test_tiered_runs_the_chain_then_the_whole_forward_with_the_same_bits(runs, m
     other = bijax.LLM(
         _model(), max_model_len=128, max_num_seqs=2, max_num_batched_tokens=32, num_kv_blocks=24
     )
-    pairs = sorted({(k[1], k[2]) for k in queued})
+    pairs = sorted({(k[1], k[2]) for k in wholes})
     hits, misses = compile_cache.counts()
     other.engine.runner.warmup(pairs)
     kinds = {k[0] for k in other.engine.runner._aot}
     assert kinds == {"forward", "sample"} and not other.engine.runner._upgrading
     # ... and loads them from the persistent cache: the whole forwards lowered after steps (the
     # KV cache committed to its device by then) have the text of ones lowered before any step.
-    assert compile_cache.counts()[1] == misses and compile_cache.counts()[0] >= hits + len(queued)
+    assert compile_cache.counts()[1] == misses and compile_cache.counts()[0] >= hits + len(wholes)
     # (Control: lowered for the arrays themselves, the two caches give different texts.)
     fresh, used = other.engine.runner.cache[0][0], llm.engine.runner.cache[0][0]
     texts = [jax.jit(lambda c: c + 1).lower(*leaves).as_text() for leaves in ([fresh], [used])]
