@@ -281,6 +281,11 @@ STEPS = {
         200,
         "weights sharing x in one launch; 64 < M < 512: Triton vs Mosaic GPU",
     ),
+    "swiglu-bits": (
+        _py("swiglu_bits.py"),
+        90,
+        "SwiGLU in a Pallas Triton kernel vs the XLA fusion, every bf16 gate value: can a matmul kernel fuse it with the same bits?",
+    ),
     # several GPUs (nvidia-h200-x2 / -x4 / -x8): issue 24's runs
     "collectives": (
         _py("collectives.py"),
