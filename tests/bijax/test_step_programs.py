@@ -247,6 +247,46 @@ def test_tiered_runs_the_chain_then_the_whole_forward_with_the_same_bits(runs, m
     assert specs[0] == specs[1]
 
 
+def test_a_bucket_whose_background_compile_failed_compiles_when_its_steps_come(runs, monkeypatch):
+    """Tiered, only the prompt's bucket warmed up (as ``bijax generate`` does): decoding runs in
+    it while the decode bucket's chain (and whole forward) compile in the background. Where
+    those compiles fail (a warning; ``wait_for_upgrades`` raises it), the bucket's later steps
+    compile its chain themselves - not stuck in the larger bucket - with the same bits either
+    way."""
+    import threading
+
+    from bijax import model_runner
+
+    monkeypatch.setattr(model_runner, "_shared", {})  # (the other engines' decode programs: not here)
+    monkeypatch.setenv("BIJAX_STEP_PROGRAMS", "tiered")
+    monkeypatch.setenv("BIJAX_LAYERS_PER_PROGRAM", "1")
+    llm = bijax.LLM(_model(), max_model_len=128, max_num_seqs=2, max_num_batched_tokens=32, num_kv_blocks=24)
+    runner = llm.engine.runner
+    llm.warmup(progress=False, step_tokens=[32])
+    make = runner._make
+
+    def failing(*a, **k):
+        if threading.current_thread().name.startswith(("bijax-fill", "bijax-upgrade")):
+            raise RuntimeError("no memory for this compile")
+        return make(*a, **k)
+
+    monkeypatch.setattr(runner, "_make", failing)
+    prompts, sps = PROMPTS[:1], SPS[:1]
+    with pytest.warns(RuntimeWarning, match="in the background failed .*no memory for this compile"):
+        first = [o.outputs[0] for o in llm.generate(prompts, sps, use_tqdm=False)]
+        with pytest.raises(RuntimeError, match="no memory for this compile"):
+            llm.wait_for_upgrades()
+    assert llm.engine.stats().num_larger_bucket_steps > 0
+    before = llm.engine.stats().num_larger_bucket_steps
+    llm.reset_prefix_cache()
+    again = [o.outputs[0] for o in llm.generate(prompts, sps, use_tqdm=False)]
+    # every step in its own bucket now: the decode bucket's chain compiled here, in this thread
+    # (in the first run already, once the failure was seen, or in this one)
+    assert llm.engine.stats().num_larger_bucket_steps == before and ("embed", 16) in runner._aot
+    assert ("forward", 2, 16, 2) not in runner._aot  # (its background compile failed too)
+    assert _same(first, runs["layers"][0][:1]) and _same(again, runs["layers"][0][:1])
+
+
 def test_no_upgrade_traced_under_settings_the_background_thread_lacks(runs):
     """A whole forward queued inside a ``with jax.default_matmul_precision(...)`` block (a
     setting of that thread only) is not compiled in the background thread, which would trace it
