@@ -73,6 +73,7 @@ def test_a_step_never_builds_a_whole_token_list(monkeypatch):
 
     class Runner:
         config = cfg
+        _tiered = False  # (the step's own bucket: nothing compiled to pick a larger one from)
 
     batch = ModelRunner._batch(Runner(), chunks)
     assert batch.block_tables[1, : len(seqs[1].block_table)].tolist() == list(seqs[1].block_table)
