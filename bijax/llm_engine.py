@@ -262,8 +262,9 @@ class Engine:
         step programs, the GPUs' default): a step whose bucket is not compiled yet runs in a
         larger one that is (the same bits) while its own compiles in the background - so a
         warm-up can leave out the buckets of later steps (``bijax generate`` warms up only the
-        prompt's: the first token sooner)."""
-        return self.runner._tiered
+        prompt's: the first token sooner). Not for ``invariant=False``, whose bits follow the
+        bucket."""
+        return self.runner._tiered and self.config.invariant
 
     @property
     def num_compiled_buckets(self) -> int:

@@ -206,6 +206,7 @@ class ModelRunner:
         """What every runner starts with: its configs and no programs yet."""
         self.config = config
         self.model_config = model_config
+        self._layout, self._layout_lock = None, threading.Lock()  # (``layout``)
         # token buckets from this one run the forward as a chain of programs, the others as one
         # (None: all as one; step_programs)
         self.chain_from = chain_from()
@@ -283,11 +284,12 @@ class ModelRunner:
         ):  # shards of an earlier tensor-parallel engine, or another device: to the one the steps run on
             params = jax.device_put(params, jax.devices()[0])
             nnx.update(model, params)
-        self.params = params
-        # Flattened once (an nnx State flattens in Python: ~1 ms per step for llama3-8b's 291
-        # arrays): ``check_params`` and the warmed-up steps' flat calls use these.
-        self._param_leaves, self._param_tree = jax.tree_util.tree_flatten(params)
-        self._layout = None  # made again from these weights when the chain needs it
+        with self._layout_lock:  # (a background compile's ``layout`` keeps no Layout of the old weights)
+            self.params = params
+            # Flattened once (an nnx State flattens in Python: ~1 ms per step for llama3-8b's 291
+            # arrays): ``check_params`` and the warmed-up steps' flat calls use these.
+            self._param_leaves, self._param_tree = jax.tree_util.tree_flatten(params)
+            self._layout = None  # made again from these weights when the chain needs it
 
     def _inputs(self, tree):
         """Host inputs as arrays every rank of the mesh sees whole (needed across processes);
@@ -344,7 +346,7 @@ class ModelRunner:
         total = int(lens.sum())
         rows = int(nrows.sum())
         s, t = cfg.step_bucket(len(chunks), total)
-        if logit_rows and self._tiered:
+        if logit_rows and self._tiered and self.config.invariant:  # (the baseline's bits follow its bucket)
             s, t = self._ready_bucket(s, t, rows, len(chunks))
         bs = cfg.block_size
         b = PagedBatch.padding(s, t, cfg.max_blocks_per_seq, logit_rows=logit_rows)
@@ -609,9 +611,16 @@ class ModelRunner:
         """The weights as the chain's arguments (None where no bucket runs the chain)."""
         if self.chain_from is None:
             return None
-        if getattr(self, "_layout", None) is None:
-            self._layout = Layout.of(self.graphdef, self.params, self.cache, self._per_program)
-        return self._layout
+        lay = self._layout
+        if lay is None:
+            params = self.params
+            lay = Layout.of(self.graphdef, params, self.cache, self._per_program)
+            with self._layout_lock:
+                # kept only if the weights are still those (a background thread lowering a
+                # chain while ``set_model`` swapped them: its Layout serves that lowering only)
+                if self.params is params:
+                    self._layout = lay
+        return lay
 
     def switches(self) -> tuple:
         """The measurement switches this runner was made with (``step_programs``): which token
@@ -785,7 +794,8 @@ class ModelRunner:
             except Exception as e:
                 if _stopping.is_set():
                     return 0.0  # the interpreter is exiting: nothing more is compiled
-                self._kept_chain.update(todo)  # (a bucket filled in: its steps compile it now)
+                # (a bucket filled in: its steps compile what is missing now)
+                self._kept_chain.update(k for k in todo if k not in self._aot)
                 warnings.warn(
                     f"bijax: compiling step programs in the background failed "
                     f"({type(e).__name__}: {e}); "
@@ -824,9 +834,11 @@ class ModelRunner:
         input buffers now (not whenever the collector gets to them) and drops this runner's
         references to its programs. The runner runs nothing afterwards (``Engine.close``)."""
         try:
-            for pool in (self._upgrader, self._filler):
-                if pool is not None:
-                    pool.shutdown(wait=True, cancel_futures=True)
+            pools = [p for p in (self._upgrader, self._filler) if p is not None]
+            for pool in pools:  # none starts another batch ...
+                pool.shutdown(wait=False, cancel_futures=True)
+            for pool in pools:  # ... then the ones running end
+                pool.shutdown(wait=True)
         finally:
             buffers = jax.tree_util.tree_leaves(self.cache) + [
                 a for leaves in self._staging.values() for a in leaves

@@ -260,9 +260,16 @@ def test_a_bucket_whose_background_compile_failed_compiles_when_its_steps_come(r
     monkeypatch.setattr(model_runner, "_shared", {})  # (the other engines' decode programs: not here)
     monkeypatch.setenv("BIJAX_STEP_PROGRAMS", "tiered")
     monkeypatch.setenv("BIJAX_LAYERS_PER_PROGRAM", "1")
-    llm = bijax.LLM(_model(), max_model_len=128, max_num_seqs=2, max_num_batched_tokens=32, num_kv_blocks=24)
+    kw = dict(max_model_len=128, max_num_seqs=2, max_num_batched_tokens=32, num_kv_blocks=24)
+    llm = bijax.LLM(_model(), **kw)
+    # (not the baseline's: its bits follow its bucket, so its steps wait for their own)
+    assert (
+        llm.engine.compiles_in_background
+        and not bijax.LLM(_model(), invariant=False, **kw).engine.compiles_in_background
+    )
     runner = llm.engine.runner
     llm.warmup(progress=False, step_tokens=[32])
+    llm.wait_for_upgrades()  # (the prompt's whole forward, compiled before the failures begin)
     make = runner._make
 
     def failing(*a, **k):
@@ -285,6 +292,7 @@ def test_a_bucket_whose_background_compile_failed_compiles_when_its_steps_come(r
     assert llm.engine.stats().num_larger_bucket_steps == before and ("embed", 16) in runner._aot
     assert ("forward", 2, 16, 2) not in runner._aot  # (its background compile failed too)
     assert _same(first, runs["layers"][0][:1]) and _same(again, runs["layers"][0][:1])
+    llm.close()  # (no compile of this engine's outlives the test)
 
 
 def test_no_upgrade_traced_under_settings_the_background_thread_lacks(runs):
