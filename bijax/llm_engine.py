@@ -258,12 +258,13 @@ class Engine:
 
     @property
     def compiles_in_background(self) -> bool:
-        """Whether this engine's steps never wait on a compile once one bucket is ready (tiered
-        step programs, the GPUs' default): a step whose bucket is not compiled yet runs in a
-        larger one that is (the same bits) while its own compiles in the background - so a
-        warm-up can leave out the buckets of later steps (``bijax generate`` warms up only the
-        prompt's: the first token sooner). Not for ``invariant=False``, whose bits follow the
-        bucket."""
+        """Whether this engine's steps do not wait on their forward's compile once a larger
+        bucket is ready (tiered step programs, the GPUs' default): a step whose bucket's forward
+        is not compiled yet runs in the smallest larger bucket whose forward is (the same bits)
+        while its own compiles in the background - so a warm-up can leave out the buckets of
+        later steps (``bijax generate`` warms up only the prompt's: the first token sooner). A
+        sampling program for a row count not seen yet still compiles when its step comes. Not
+        for ``invariant=False``, whose bits follow the bucket."""
         return self.runner._tiered and self.config.invariant
 
     @property
