@@ -171,6 +171,13 @@ def ctrl_c_held():
             signal.raise_signal(signal.SIGINT)
 
 
+def _sampled_rows(config: EngineConfig, s: int, rows: int, num_chunks: int) -> int:
+    """The sampled (logit) rows of a step of sequence bucket ``s`` whose ``num_chunks`` chunks
+    sample ``rows`` rows: one per sequence row when each chunk samples one, else bucketed like
+    tokens (speculative verify steps)."""
+    return bucket(rows, config.token_buckets) if rows > num_chunks else s
+
+
 class ModelRunner:
     """Runs the jitted steps of one model. With ``config.tensor_parallel_size`` > 1 the model's
     weights are moved onto a mesh of that many devices (the model then holds the shards)."""
@@ -351,7 +358,7 @@ class ModelRunner:
         bs = cfg.block_size
         b = PagedBatch.padding(s, t, cfg.max_blocks_per_seq, logit_rows=logit_rows)
         if logit_rows and rows > len(chunks):
-            b = b.replace(logit_rows=np.zeros(bucket(rows, cfg.token_buckets), np.int32))
+            b = b.replace(logit_rows=np.zeros(_sampled_rows(cfg, s, rows, len(chunks)), np.int32))
         # Whole arrays at once (no per-chunk slices): token r's sequence row, position and slot.
         first = np.cumsum(lens) - lens  # each chunk's first flat token
         seq = np.repeat(np.arange(len(chunks), dtype=np.int32), lens)
@@ -380,14 +387,16 @@ class ModelRunner:
         depend on its bucket (the extra rows are padding). Its own where none is ready, or
         where its chain cannot be compiled in the background (``_kept_chain``): compiled now."""
 
-        def rows_of(s):  # sampled rows: one per sequence row, or bucketed like tokens
-            return bucket(rows, self.config.token_buckets) if rows > num_chunks else s
+        def rows_of(s):
+            return _sampled_rows(self.config, s, rows, num_chunks)
 
         def ready(s, t) -> bool:
             r = rows_of(s)
-            return self._reuse(("forward", s, t, r)) or all(
-                self._reuse(k) for k in self.forward_keys(s, t, r)
-            )
+            whole = ("forward", s, t, r)
+            if whole in self._aot:  # (every step: this first, no program names hashed)
+                return True
+            chain = self.forward_keys(s, t, r)
+            return all(k in self._aot for k in chain) or self._reuse(whole) or all(map(self._reuse, chain))
 
         if ready(s, t):
             return s, t
@@ -778,13 +787,9 @@ class ModelRunner:
                 self._kept_chain.update(todo)
                 warnings.warn(
                     "bijax: JAX settings made in this thread only (a `with jax...` block) are "
-                    "not the background thread's, so these buckets keep running the chain of "
-                    "programs (the same bits, slower steps) instead of compiling whole forwards "
-                    "there"
-                    if not fill
-                    else "bijax: JAX settings made in this thread only (a `with jax...` block) are "
-                    "not the background thread's, so these buckets' programs compile when a step "
-                    "needs them (the same bits)",
+                    "not the background thread's, so these step programs are not compiled there: "
+                    "their buckets keep running the chain of programs, or compile what they miss "
+                    "when a step needs it (the same bits, slower steps)",
                     RuntimeWarning,
                     stacklevel=1,
                 )
@@ -797,13 +802,9 @@ class ModelRunner:
                 # (a bucket filled in: its steps compile what is missing now)
                 self._kept_chain.update(k for k in todo if k not in self._aot)
                 warnings.warn(
-                    f"bijax: compiling step programs in the background failed "
-                    f"({type(e).__name__}: {e}); "
-                    + (
-                        "those buckets' steps compile them when they come"
-                        if fill
-                        else "those buckets keep running the chain of programs (the same bits, slower steps)"
-                    ),
+                    f"bijax: compiling step programs in the background failed ({type(e).__name__}: "
+                    f"{e}); their buckets keep running the chain of programs, or compile what they "
+                    "miss when a step needs it (the same bits, slower steps)",
                     RuntimeWarning,
                     stacklevel=1,
                 )
