@@ -37,6 +37,8 @@ combined by XLA before the norm kernel; RoPE and the KV write as XLA's five kern
 (``on``: the norm kernel combines the leaves; one RoPE + KV-write kernel a layer; the default).
 ``qkv-combine``: ``rope.QKV_COMBINE_IN_KERNEL`` off (``xla``: q, k, v's leaf partials combined
 by XLA before the RoPE kernel) or on (``kernel``: the RoPE kernel combines them; the default).
+``swiglu``: ``matmul_swiglu.FUSED`` off (``xla``: SiLU(gate) * up an XLA fusion; the default) or
+on (``fused``: the up projection's launch applies it at decode rows).
 ``--script NAME args``: runs ``benchmarks/NAME`` with ``args`` under the switch instead (e.g.
 ``profile_step.py --cases decode1 --paths invariant``).
 Default arguments: llama3-8b, 1 and 64 sequences x (64 + 128) tokens, 3 timed runs; for a
@@ -127,6 +129,10 @@ SWITCHES = {
     "fusions": {
         "off": (("matmul_norm", "FUSED", False), ("rope", "FUSED", False)),
         "on": (),
+    },
+    "swiglu": {  # SiLU(gate) * up in the up projection's epilogue at decode rows, or an XLA fusion
+        "xla": (("matmul_swiglu", "FUSED", False),),
+        "fused": (("matmul_swiglu", "FUSED", True),),
     },
     "qkv-combine": {
         "xla": (("rope", "QKV_COMBINE_IN_KERNEL", False),),

@@ -124,6 +124,8 @@ _AB = {
         ("shared-on", "matmul-shared", "shared", _LONG),
         ("fusions-off", "fusions", "off", _LONG),
         ("fusions-on", "fusions", "on", _LONG),
+        ("swiglu-xla", "swiglu", "xla", ()),
+        ("swiglu-fused", "swiglu", "fused", ()),
         ("qkv-xla", "qkv-combine", "xla", _LONG),
         ("qkv-kernel", "qkv-combine", "kernel", _LONG),
         ("shared-mid-old", "shared-mid", "old", ()),
@@ -144,6 +146,7 @@ _AB.update(
             ("fusions", "fusions", ("off", "on")),
             ("qkv", "qkv-combine", ("xla", "kernel")),
             ("shared-mid", "shared-mid", ("old", "new")),
+            ("swiglu", "swiglu", ("xla", "fused")),
         )
         for side in sides
     }
@@ -280,6 +283,16 @@ STEPS = {
         _py("kernels.py", "--shared", "--mid-m"),
         200,
         "weights sharing x in one launch; 64 < M < 512: Triton vs Mosaic GPU",
+    ),
+    "swiglu-fusion": (
+        _py("kernels.py", "--swiglu"),
+        200,
+        "matmul_swiglu (SwiGLU in the up launch's epilogue): bits vs matmul + XLA formula, time at decode rows",
+    ),
+    "digests-swiglu": (
+        _py("ab.py", "swiglu", "fused", "--script", "gpu_digests.py"),
+        300,
+        "engine bits vs the records with matmul_swiglu.FUSED on",
     ),
     "swiglu-bits": (
         _py("swiglu_bits.py"),

@@ -663,6 +663,77 @@ def fusions():
     print_fusion_rows(qkv_fusion(rows))
 
 
+UP_WEIGHTS = {  # name: (K, N) of a dense MLP's up (and gate) weight
+    "llama3-8b": (4096, 14336),
+    "qwen2.5-7b": (3584, 18944),
+    "smollm2": (576, 1536),
+}
+
+
+def swiglu_fusion():
+    """``pk.matmul_swiglu`` with ``matmul_swiglu.FUSED`` (SiLU(gate) * up in the up launch's
+    epilogue) against the up matmul then XLA's formula: bits at every row count (the epilogue
+    runs at decode rows; the Triton launches above 16 rows and the Mosaic GPU ones must be
+    unchanged) for three models' up weights, bf16, with gate values over the sigmoid's whole
+    range; then CUPTI kernel time at decode rows (llama3-8b, weights rotated past L2): the
+    unfused side is the up launch and the XLA SwiGLU fusion, the fused side one launch. The
+    engine's bits with it: ``ab.py swiglu fused --script gpu_digests.py``."""
+    ms = importlib.import_module("pallas_kernels.matmul_swiglu")
+
+    def unfused(x, w, g):
+        return pk.swiglu(g.astype(jnp.float32), pk.matmul(x, w).astype(jnp.float32)).astype(x.dtype)
+
+    def fused_op(on):
+        ms.FUSED = on
+        jax.clear_caches()
+        return jax.jit(pk.matmul_swiglu)
+
+    rows = []
+    try:
+        for name, (k, n) in UP_WEIGHTS.items():
+            w = rand(90, (k, n), jnp.bfloat16, 1 / math.sqrt(k))
+            bad = []
+            for m in (1, 5, 16, 17, 64, 300):
+                x = rand(91 + m, (m, k), jnp.bfloat16)
+                g = rand(92 + m, (m, n), jnp.bfloat16, 8.0)  # the sigmoid's tails too
+                want = bits(jax.jit(unfused)(x, w, g))
+                if not np.array_equal(bits(fused_op(True)(x, w, g)), want):
+                    bad.append(m)
+            check(f"matmul_swiglu (fused) == matmul + swiglu, {name} up, bf16", not bad, str(bad))
+        # Control: the check sees the kernel's own sigmoid (Triton's div.full.f32) where it differs
+        k, n = UP_WEIGHTS["llama3-8b"]
+        w = rand(93, (k, n), jnp.bfloat16, 1 / math.sqrt(k))
+        x, g = rand(94, (16, k), jnp.bfloat16), rand(95, (16, n), jnp.bfloat16, 8.0)
+        div_rn = ms._div_rn
+        ms._div_rn = lambda a, b: a / b
+        try:
+            approx = bits(fused_op(True)(x, w, g))
+        finally:
+            ms._div_rn = div_rn
+        print(
+            "INFO negative control: the epilogue with Triton's own divide differs in "
+            f"{int((approx != bits(jax.jit(unfused)(x, w, g))).sum())} of {approx.size} elements"
+        )
+        ws = [rand(96 + i, (k, n), jnp.bfloat16, 1 / math.sqrt(k)) for i in range(copies_for(k * n * 2))]
+        for m in (1, 16):
+            x, g = rand(97, (m, k), jnp.bfloat16), rand(98, (m, n), jnp.bfloat16)
+            t_xla = rotated_us(
+                lambda x, w, g=g: pk.swiglu(g.astype(jnp.float32), (x @ w).astype(jnp.float32)).astype(
+                    x.dtype
+                ),
+                x,
+                ws,
+            )
+            t_un = rotated_us(lambda x, w, g=g: unfused(x, w, g), x, ws)
+            fused_op(True)
+            t_fu = rotated_us(lambda x, w, g=g: pk.matmul_swiglu(x, w, g), x, ws)
+            rows.append(("llama3-8b up + SwiGLU", m, t_xla, t_un, t_fu))
+    finally:
+        ms.FUSED = False
+        jax.clear_caches()
+    return rows
+
+
 def time_rows():
     rows = []
     for t in (1, 64, 1024, 8192):
@@ -700,14 +771,27 @@ def main():
         help="only matmul_norm, rope_write_kv and qkv_rope_write_kv: bits and time",
     )
     ap.add_argument("--qkv", action="store_true", help="only qkv_rope_write_kv: bits and time")
+    ap.add_argument(
+        "--swiglu", action="store_true", help="only matmul_swiglu fused vs unfused: bits and time"
+    )
     args = ap.parse_args()
     dev = jax.devices()[0]
     print(f"# {datetime.date.today()} {dev.device_kind} jax {jax.__version__}")
-    if args.shared or args.mid_m or args.mid_tiles or args.bits_sweep or args.fusions or args.qkv:
+    if (
+        args.shared
+        or args.mid_m
+        or args.mid_tiles
+        or args.bits_sweep
+        or args.fusions
+        or args.qkv
+        or args.swiglu
+    ):
         if args.fusions:
             fusions()
         elif args.qkv:
             print_fusion_rows(qkv_fusion())
+        if args.swiglu:
+            print_fusion_rows(swiglu_fusion())
         if args.bits_sweep:
             bits_sweep()
         if args.mid_tiles:

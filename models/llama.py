@@ -60,7 +60,16 @@ from jax import lax
 
 import pallas_kernels as pk
 from models.configs import LlamaConfig
-from models.ops import TensorParallel, col_mm, col_mm_shared, moe, norm, qkv_rope_write_kv, row_mm_norm
+from models.ops import (
+    TensorParallel,
+    col_mm,
+    col_mm_shared,
+    col_mm_swiglu,
+    moe,
+    norm,
+    qkv_rope_write_kv,
+    row_mm_norm,
+)
 from models.paged import KVCache, PackedLayout, PagedBatch, init_kv_cache
 from pallas_kernels import K_SHARDS
 from pallas_kernels.checks import check_positive_int
@@ -298,15 +307,17 @@ class Decoder:
         """A dense MLP's hidden activation SiLU(x @ gate) * (x @ up), before down."""
         cb = self.k_shards
         ws = (mlp.w_gate[...], mlp.w_up[...])
-        # gate and up a launch each at decode rows (one launch of both was slower there), one
-        # launch from GATE_UP_SHARED_MIN_ROWS rows on (matmul_triton's measurements); the same
-        # bits either way
+        # gate and up a launch each at decode rows (one launch of both was slower there; up's
+        # launch applies SwiGLU itself where matmul_swiglu.FUSED), one launch from
+        # GATE_UP_SHARED_MIN_ROWS rows on (matmul_triton's measurements); the same bits each way
         if x.shape[0] >= pk.matmul_triton.GATE_UP_SHARED_MIN_ROWS:
             g, u = col_mm_shared(x, ws, invariant=invariant, col_blocks=cb, tp=tp)
         else:
-            g, u = (col_mm(x, w, invariant=invariant, col_blocks=cb, tp=tp) for w in ws)
-        g, u = g.astype(jnp.float32), u.astype(jnp.float32)
-        return (g * jax.nn.sigmoid(g) * u).astype(x.dtype)  # SwiGLU in float32, rounded once
+            g = col_mm(x, ws[0], invariant=invariant, col_blocks=cb, tp=tp)
+            if invariant:
+                return col_mm_swiglu(x, ws[1], g, col_blocks=cb, tp=tp)
+            u = col_mm(x, ws[1], invariant=invariant, col_blocks=cb, tp=tp)
+        return pk.swiglu(g.astype(jnp.float32), u.astype(jnp.float32)).astype(x.dtype)  # rounded once
 
 
 # --------------------------------------------------------------------------- the paged forward's pieces

@@ -41,6 +41,13 @@ def col_mm_shared(x, ws, *, invariant: bool, col_blocks: int, tp: TensorParallel
     return list(pk.matmul_shared(x, ws, out_dtype=out_dtype, col_blocks=col_blocks, full_ns=_full_ns(ws, tp)))
 
 
+def col_mm_swiglu(x, w_up, g, *, col_blocks: int, tp: TensorParallel | None):
+    """The invariant path's ``swiglu(g, col_mm(x, w_up, ...))`` rounded to x's dtype, with the
+    same bits (``pk.matmul_swiglu``: on the GPU in the up projection's launch); ``g`` is the gate
+    projection's result (under ``tp``: this rank's columns)."""
+    return pk.matmul_swiglu(x, w_up, g, col_blocks=col_blocks, full_n=_full_ns([w_up], tp)[0])
+
+
 def _full_ns(ws, tp: TensorParallel | None):
     """Each column-parallel weight's full N: ``ws`` are whole weights, or under ``tp`` this
     rank's 1/P of their columns."""
@@ -139,7 +146,7 @@ def moe(x, router, w_gate, w_up, w_down, *, top_k: int, norm_topk_prob: bool, in
     xs = x[order // top_k]  # [T*k, H]: the pairs, sorted by expert
     g = mm(xs, w_gate, sizes).astype(f32)
     u = mm(xs, w_up, sizes).astype(f32)
-    h = (g * jax.nn.sigmoid(g) * u).astype(x.dtype)  # SwiGLU in float32, rounded once
+    h = pk.swiglu(g, u).astype(x.dtype)  # SwiGLU in float32, rounded once
     d = mm(h, w_down, sizes, k_shards=k_shards)  # [T*k, H]
     y = jnp.zeros_like(d).at[order].set(d).reshape(t, top_k, -1).astype(f32)  # back to (token, rank)
     if not invariant:

@@ -30,6 +30,7 @@ from pallas_kernels.collectives import gather_last, tree_psum
 from pallas_kernels.grouped_matmul import group_rows, grouped_matmul, grouped_matmul_reference
 from pallas_kernels.matmul import matmul, matmul_partial, matmul_reference, matmul_shared
 from pallas_kernels.matmul_norm import matmul_norm
+from pallas_kernels.matmul_swiglu import matmul_swiglu, swiglu
 from pallas_kernels.plan import K_SHARDS, MatmulPlan, plan_matmul, tree_sum
 from pallas_kernels.rms_norm import rms_norm, rms_norm_reference
 from pallas_kernels.rope import qkv_rope_write_kv, rope, rope_write_kv
@@ -77,6 +78,7 @@ __all__ = [
     "matmul_partial",
     "matmul_reference",
     "matmul_shared",
+    "matmul_swiglu",
     "plan_matmul",
     "rms_norm",
     "rms_norm_reference",
@@ -84,6 +86,7 @@ __all__ = [
     "rope",
     "rope_write_kv",
     "sample",
+    "swiglu",
     "tempered",
     "tempered_log_softmax",
     "top_n",

@@ -309,7 +309,7 @@ def gpu_shared(x, ws, *, out_dtype, cols, backend, interpret, combine: bool = Tr
     plans = [_planned(w, 1, c, "gpu") for w, c in zip(ws, cols, strict=True)]
     m, auto = x.shape[0], backend == "auto"
     if interpret:
-        tiles = GpuTiles(16, plans[0].tile_n, 4, 3)  # matmul's interpret tile (see triton_partial)
+        tiles = matmul_triton.default_tiles(plans[0], m, interpret=True)
     elif matmul_triton.SHARED_LAUNCH and not (
         auto and m > matmul_triton.SHARED_OVER_MGPU_ROWS and any(_runs_mgpu(p, m) for p in plans)
     ):

@@ -103,15 +103,21 @@ def k_loop(load_x, load_w, num_chunks: int, shape) -> jax.Array:
     return lax.fori_loop(0, num_chunks, body, jnp.zeros(shape, jnp.float32))
 
 
-def _matmul_kernel(x_ref, w_ref, o_ref, *, tile_k: int, leaf_k: int):
-    """One (leaf, row tile, column tile): fp32 sum over the leaf in tile_k chunks, in ascending order."""
+def _matmul_kernel(x_ref, w_ref, *refs, tile_k: int, leaf_k: int, epilogue=None):
+    """One (leaf, row tile, column tile): fp32 sum over the leaf in tile_k chunks, in ascending
+    order. ``epilogue`` (one leaf only): ``refs`` are (e_ref, o_ref) and the program stores
+    ``epilogue(e_ref's tile, acc, o_ref.dtype)`` instead of the sum (``matmul_swiglu``)."""
+    e_ref, o_ref = refs if epilogue is not None else (None, *refs)
     acc = k_loop(
         lambda c: x_ref[:, pl.ds(c * tile_k, tile_k)],
         lambda c: w_ref[pl.ds(c * tile_k, tile_k), :],
         leaf_k // tile_k,
         o_ref.shape[-2:],
     )
-    o_ref[...] = acc.astype(o_ref.dtype)
+    if epilogue is None:
+        o_ref[...] = acc.astype(o_ref.dtype)
+    else:
+        o_ref[...] = epilogue(e_ref[...], acc, o_ref.dtype).astype(o_ref.dtype)
 
 
 def swizzle(pid, row_tiles: int, col_tiles: int):
@@ -149,10 +155,12 @@ def _matmul_pallas(
     tiles: GpuTiles,
     interpret: bool,
     combine: bool = True,
+    epilogue=None,
 ):
     """x[M, L*leaf_k], w[L*leaf_k, N] (leaf layout) -> combined result in out_dtype; with
     ``combine`` False the kernel's own output (``leaf_result``'s input), rows and columns
-    padded to whole tiles."""
+    padded to whole tiles. ``epilogue`` = (fn, e) with e [M, N] (one leaf only): each program
+    stores ``fn(e's tile, its float32 sum, out_dtype)`` (``_matmul_kernel``)."""
     m, n = x.shape[0], w.shape[1]
     tm, tn = tiles.tile_m, tiles.tile_n
     mp, np_ = -(-m // tm) * tm, -(-n // tn) * tn
@@ -160,6 +168,12 @@ def _matmul_pallas(
         x = jnp.pad(x, ((0, mp - m), (0, 0)))
     if np_ != n:
         w = jnp.pad(w, ((0, 0), (0, np_ - n)))
+    extra, fn = [], None
+    if epilogue is not None:
+        if num_leaves != 1:
+            raise ValueError(f"an epilogue needs a one-leaf plan, this one has {num_leaves} leaves")
+        fn, e = epilogue
+        extra = [jnp.pad(e, ((0, mp - m), (0, np_ - n))) if (mp, np_) != (m, n) else e]
     lk = plan.leaf_k
     rt, ct = mp // tm, np_ // tn
     ids = functools.partial(swizzle, row_tiles=rt, col_tiles=ct)
@@ -173,29 +187,32 @@ def _matmul_pallas(
         return leaf, j
 
     out_spec, out_shape = leaf_output(ids, num_leaves, (mp, np_), (tm, tn), out_dtype)
+    in_specs = [pl.BlockSpec((tm, lk), x_map), pl.BlockSpec((lk, tn), w_map)]
+    if extra:
+        in_specs.append(out_spec)  # the epilogue's operand: the output's tile of it
     out = pl.pallas_call(
-        functools.partial(_matmul_kernel, tile_k=plan.tile_k, leaf_k=lk),
+        functools.partial(_matmul_kernel, tile_k=plan.tile_k, leaf_k=lk, epilogue=fn),
         grid=(num_leaves * rt * ct,),
-        in_specs=[pl.BlockSpec((tm, lk), x_map), pl.BlockSpec((lk, tn), w_map)],
+        in_specs=in_specs,
         out_specs=out_spec,
         out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
-        name="bijax_matmul",
-    )(x, w)
+        name="bijax_matmul" if fn is None else "bijax_matmul_swiglu",
+    )(x, w, *extra)
     if not combine:
         return out
     out = out[..., :m, :n]
     return leaf_result(out, num_leaves, plan.split_k, out_dtype)
 
 
-def triton_partial(x, w, *, plan, num_shards, out_dtype, tiles, interpret, combine: bool = True):
+def triton_partial(
+    x, w, *, plan, num_shards, out_dtype, tiles, interpret, combine: bool = True, epilogue=None
+):
     xl = to_leaves(x, plan, num_shards, axis=1)
     wl = to_leaves(w, plan, num_shards, axis=0)
     if tiles is None:
-        # Interpret mode computes each block with the CPU's dot, whose bits depend on
-        # the block shape: keep one fixed tile there.
-        tiles = GpuTiles(16, plan.tile_n, 4, 3) if interpret else gpu_tiles(plan, x.shape[0])
+        tiles = default_tiles(plan, x.shape[0], interpret)
     return _matmul_pallas(
         xl,
         wl,
@@ -205,7 +222,15 @@ def triton_partial(x, w, *, plan, num_shards, out_dtype, tiles, interpret, combi
         tiles=tiles,
         interpret=interpret,
         combine=combine,
+        epilogue=epilogue,
     )
+
+
+def default_tiles(plan: MatmulPlan, m: int, interpret: bool) -> GpuTiles:
+    """The Triton launch ``triton_partial`` takes by default at M rows: ``gpu_tiles``, or in
+    interpret mode one fixed tile (it computes each block with the CPU's dot, whose bits depend
+    on the block shape)."""
+    return GpuTiles(16, plan.tile_n, 4, 3) if interpret else gpu_tiles(plan, m)
 
 
 # --------------------------------------------------------------------------- weights sharing x
