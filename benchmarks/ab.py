@@ -37,6 +37,10 @@ combined by XLA before the norm kernel; RoPE and the KV write as XLA's five kern
 (``on``: the norm kernel combines the leaves; one RoPE + KV-write kernel a layer; the default).
 ``qkv-combine``: ``rope.QKV_COMBINE_IN_KERNEL`` off (``xla``: q, k, v's leaf partials combined
 by XLA before the RoPE kernel) or on (``kernel``: the RoPE kernel combines them; the default).
+``decode-stages``: ``attention_triton.DECODE_FEW_TOKENS`` 0 (``two``: the decode kernel at 2
+pipeline stages everywhere, as before 2026-12-06 session 50) or 16 (``few``: 5 stages up to 16
+tokens; the default).
+``s50``: ``decode-stages`` and ``swiglu`` together, both off (``old``) or both on (``new``).
 ``swiglu``: ``matmul_swiglu.FUSED`` off (``xla``: SiLU(gate) * up an XLA fusion; the default) or
 on (``fused``: the up projection's launch applies it at decode rows).
 ``--script NAME args``: runs ``benchmarks/NAME`` with ``args`` under the switch instead (e.g.
@@ -129,6 +133,15 @@ SWITCHES = {
     "fusions": {
         "off": (("matmul_norm", "FUSED", False), ("rope", "FUSED", False)),
         "on": (),
+    },
+    "decode-stages": {  # the decode kernel's stages: 2 everywhere, or 5 up to 16 tokens
+        "two": (("attention_triton", "DECODE_FEW_TOKENS", 0),),
+        "few": (("attention_triton", "DECODE_FEW_TOKENS", 16),),
+    },
+    # session 50's two decode-step changes together: both off (``old``) or both on (``new``)
+    "s50": {
+        "old": (("attention_triton", "DECODE_FEW_TOKENS", 0), ("matmul_swiglu", "FUSED", False)),
+        "new": (("attention_triton", "DECODE_FEW_TOKENS", 16), ("matmul_swiglu", "FUSED", True)),
     },
     "swiglu": {  # SiLU(gate) * up in the up projection's epilogue at decode rows, or an XLA fusion
         "xla": (("matmul_swiglu", "FUSED", False),),

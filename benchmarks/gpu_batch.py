@@ -124,6 +124,10 @@ _AB = {
         ("shared-on", "matmul-shared", "shared", _LONG),
         ("fusions-off", "fusions", "off", _LONG),
         ("fusions-on", "fusions", "on", _LONG),
+        ("decode-stages-two", "decode-stages", "two", ()),
+        ("decode-stages-few", "decode-stages", "few", ()),
+        ("s50-old", "s50", "old", ()),
+        ("s50-new", "s50", "new", ()),
         ("swiglu-xla", "swiglu", "xla", ()),
         ("swiglu-fused", "swiglu", "fused", ()),
         ("qkv-xla", "qkv-combine", "xla", _LONG),
@@ -147,6 +151,8 @@ _AB.update(
             ("qkv", "qkv-combine", ("xla", "kernel")),
             ("shared-mid", "shared-mid", ("old", "new")),
             ("swiglu", "swiglu", ("xla", "fused")),
+            ("decode-stages", "decode-stages", ("two", "few")),
+            ("s50", "s50", ("old", "new")),
         )
         for side in sides
     }

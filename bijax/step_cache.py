@@ -85,6 +85,8 @@ _SETTINGS = (
     ("matmul_norm", "FUSED"),
     ("rope", "FUSED"),
     ("rope", "QKV_COMBINE_IN_KERNEL"),
+    ("attention_triton", "DECODE_FEW_TOKENS"),
+    ("matmul_swiglu", "FUSED"),
 )
 
 

@@ -119,6 +119,15 @@ DECODE_ROWS_IN_REGISTERS = True
 # four variants' outputs are bit-identical, session 28). The A/B switch of benchmarks/ab.py
 # decode-lanes / decode-kernel.
 DECODE_PROGRAMS = 1024
+# A decode launch of few tokens is latency-bound (each program walks its splits' KV tiles one
+# after another): 5 pipeline stages took the H200's tokens + combine time 11-21% down at 1-4
+# tokens x 4-8 KV heads, and cost the bandwidth-bound batches 2-7% (32 x 3000 at 28 / 4 heads:
+# 1.7%; 64 tokens: 7%) (RESULTS.md session 39; every launch the default's bits). So a launch of
+# up to this many tokens - the engine's smallest decode bucket, one to 16 streams - takes
+# DECODE_FEW_STAGES, a larger one 2. A launch choice: the same bits. 0: 2 stages everywhere
+# (benchmarks/ab.py decode-stages).
+DECODE_FEW_TOKENS = 16
+DECODE_FEW_STAGES = 5
 _BIG = 2**30
 
 
@@ -164,6 +173,12 @@ def decode_lanes(num_tokens: int, hkv: int, num_splits: int, programs: int | Non
     if programs is None:
         return num_splits
     return max(1, min(num_splits, -(-programs // (num_tokens * hkv))))
+
+
+def decode_stages(num_tokens: int) -> int:
+    """The tokens kernel's pipeline stages for a launch of ``num_tokens`` tokens
+    (``DECODE_FEW_TOKENS``)."""
+    return DECODE_FEW_STAGES if num_tokens <= DECODE_FEW_TOKENS else 2
 
 
 def _exp2(interpret: bool):
@@ -590,7 +605,8 @@ def attend(
     whose bits depend on the row count, so the two kernels agree only to rounding.
     The rest are launch choices, never the bits (benchmarks/attention.py checks each on the
     H200 and times them, RESULTS.md 2026-12-01):
-    ``num_warps`` (tokens: 2, tiles: 4), ``num_stages`` (tokens: 2, tiles: 3), ``tile_rows``;
+    ``num_warps`` (tokens: 2, tiles: 4), ``num_stages`` (tokens: ``decode_stages``, tiles: 3),
+    ``tile_rows``;
     ``bulk``: walk the tiles whose keys every row sees without building their mask
     (``full_tiles``; prefill 11-28% faster; decode 1-5% faster with row loads, but 26% slower
     with page loads); ``row_loads``: gather a KV tile's keys row by row into the tile instead
@@ -626,7 +642,7 @@ def attend(
             spec=spec,
             interpret=interpret,
             num_warps=num_warps or 2,
-            num_stages=num_stages or 2,
+            num_stages=num_stages or decode_stages(qg.shape[0]),
             bulk=bulk,
             row_loads=row_loads,
         )

@@ -630,6 +630,43 @@ def test_decode_lanes_walking_their_splits_keep_the_bits(kw, monkeypatch):
             assert cuda_export(gpu, bf(q), bf(paged.kc), bf(paged.vc)).count('name = "bijax_attention') == 2
 
 
+def test_decode_stages_follow_the_launchs_token_count(monkeypatch):
+    """The decode kernel takes ``DECODE_FEW_STAGES`` pipeline stages up to ``DECODE_FEW_TOKENS``
+    tokens (the engine's smallest decode bucket) and 2 above; an explicit ``num_stages`` wins.
+    Control: with the rule off (0 tokens) every launch takes 2. (A launch choice: the H200
+    checked 5 stages give the 2-stage launch's bits, RESULTS.md session 39.)"""
+    from pallas_kernels import attention_triton
+    from pallas_kernels.attention_math import AttentionSpec
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def spy(*args, num_stages, **kw):
+        seen.append(num_stages)
+        raise Stop
+
+    monkeypatch.setattr(attention_triton, "token_states", spy)
+    spec = AttentionSpec.create(64)
+
+    def stages(t, hkv=8, **kw):
+        q = jnp.zeros((t, hkv, 2, 64), jnp.float32)
+        kc = jnp.zeros((4, 16, hkv, 64), jnp.float32)
+        i32 = jnp.zeros((t,), jnp.int32)
+        index = (jnp.zeros((t, 4), jnp.int32), jnp.ones((t,), jnp.int32), i32, i32)
+        with pytest.raises(Stop):
+            attention_triton.attend(q, kc, kc, index, spec=spec, interpret=True, kernel="tokens", **kw)
+        return seen.pop()
+
+    few = attention_triton.DECODE_FEW_STAGES
+    assert few > 2 and attention_triton.DECODE_FEW_TOKENS == 16
+    assert [stages(16), stages(17), stages(1), stages(16, hkv=2), stages(32, hkv=4)] == [few, 2, few, few, 2]
+    assert stages(1, num_stages=3) == 3
+    monkeypatch.setattr(attention_triton, "DECODE_FEW_TOKENS", 0)
+    assert [stages(16), stages(1)] == [2, 2]
+
+
 @pytest.mark.parametrize("gpu_kernel", ["tokens", "tiles"])
 @pytest.mark.parametrize("kw", [{}, {"sliding_window": 100}])
 def test_unmasked_full_tiles_and_row_loads_keep_the_bits(gpu_kernel, kw):
