@@ -41,8 +41,9 @@ by XLA before the RoPE kernel) or on (``kernel``: the RoPE kernel combines them;
 pipeline stages everywhere, as before 2026-12-06 session 50) or 16 (``few``: 5 stages up to 16
 tokens; the default).
 ``s50``: ``decode-stages`` and ``swiglu`` together, both off (``old``) or both on (``new``).
-``swiglu``: ``matmul_swiglu.FUSED`` off (``xla``: SiLU(gate) * up an XLA fusion; the default) or
-on (``fused``: the up projection's launch applies it at decode rows).
+``swiglu``: ``mlp.FUSED`` off (``xla``: gate and up a launch each, SiLU(gate) * up an XLA
+fusion; the default) or on (``fused``: one launch of both with SwiGLU in its epilogue at decode
+rows).
 ``--script NAME args``: runs ``benchmarks/NAME`` with ``args`` under the switch instead (e.g.
 ``profile_step.py --cases decode1 --paths invariant``).
 Default arguments: llama3-8b, 1 and 64 sequences x (64 + 128) tokens, 3 timed runs; for a
@@ -140,12 +141,12 @@ SWITCHES = {
     },
     # session 50's two decode-step changes together: both off (``old``) or both on (``new``)
     "s50": {
-        "old": (("attention_triton", "DECODE_FEW_TOKENS", 0), ("matmul_swiglu", "FUSED", False)),
-        "new": (("attention_triton", "DECODE_FEW_TOKENS", 16), ("matmul_swiglu", "FUSED", True)),
+        "old": (("attention_triton", "DECODE_FEW_TOKENS", 0), ("mlp", "FUSED", False)),
+        "new": (("attention_triton", "DECODE_FEW_TOKENS", 16), ("mlp", "FUSED", True)),
     },
-    "swiglu": {  # SiLU(gate) * up in the up projection's epilogue at decode rows, or an XLA fusion
-        "xla": (("matmul_swiglu", "FUSED", False),),
-        "fused": (("matmul_swiglu", "FUSED", True),),
+    "swiglu": {  # gate, up and SiLU(gate) * up in one launch at decode rows, or 2 launches + XLA
+        "xla": (("mlp", "FUSED", False),),
+        "fused": (("mlp", "FUSED", True),),
     },
     "qkv-combine": {
         "xla": (("rope", "QKV_COMBINE_IN_KERNEL", False),),

@@ -290,15 +290,15 @@ STEPS = {
         200,
         "weights sharing x in one launch; 64 < M < 512: Triton vs Mosaic GPU",
     ),
-    "swiglu-fusion": (
-        _py("kernels.py", "--swiglu"),
-        200,
-        "matmul_swiglu (SwiGLU in the up launch's epilogue): bits vs matmul + XLA formula, time at decode rows",
+    "gate-up": (
+        _py("kernels.py", "--gate-up"),
+        240,
+        "gate_up_swiglu (gate, up and SwiGLU in one launch): bits vs the unfused ops, launches' time at decode rows",
     ),
     "digests-swiglu": (
         _py("ab.py", "swiglu", "fused", "--script", "gpu_digests.py"),
         300,
-        "engine bits vs the records with matmul_swiglu.FUSED on",
+        "engine bits vs the records with mlp.FUSED on",
     ),
     "swiglu-bits": (
         _py("swiglu_bits.py"),

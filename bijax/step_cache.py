@@ -86,7 +86,8 @@ _SETTINGS = (
     ("rope", "FUSED"),
     ("rope", "QKV_COMBINE_IN_KERNEL"),
     ("attention_triton", "DECODE_FEW_TOKENS"),
-    ("matmul_swiglu", "FUSED"),
+    ("mlp", "FUSED"),
+    ("mlp", "PAIR_TILES"),
 )
 
 

@@ -41,11 +41,11 @@ def col_mm_shared(x, ws, *, invariant: bool, col_blocks: int, tp: TensorParallel
     return list(pk.matmul_shared(x, ws, out_dtype=out_dtype, col_blocks=col_blocks, full_ns=_full_ns(ws, tp)))
 
 
-def col_mm_swiglu(x, w_up, g, *, col_blocks: int, tp: TensorParallel | None):
-    """The invariant path's ``swiglu(g, col_mm(x, w_up, ...))`` rounded to x's dtype, with the
-    same bits (``pk.matmul_swiglu``: on the GPU in the up projection's launch); ``g`` is the gate
-    projection's result (under ``tp``: this rank's columns)."""
-    return pk.matmul_swiglu(x, w_up, g, col_blocks=col_blocks, full_n=_full_ns([w_up], tp)[0])
+def col_mm_swiglu(x, w_gate, w_up, *, col_blocks: int, tp: TensorParallel | None):
+    """The invariant path's ``swiglu(col_mm(x, w_gate, ...), col_mm(x, w_up, ...))`` rounded to
+    x's dtype, with the same bits (``pk.gate_up_swiglu``: on the GPU one launch at decode rows);
+    under ``tp`` the weights are this rank's columns."""
+    return pk.gate_up_swiglu(x, w_gate, w_up, col_blocks=col_blocks, full_n=_full_ns([w_up], tp)[0])
 
 
 def _full_ns(ws, tp: TensorParallel | None):

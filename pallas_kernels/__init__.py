@@ -30,7 +30,7 @@ from pallas_kernels.collectives import gather_last, tree_psum
 from pallas_kernels.grouped_matmul import group_rows, grouped_matmul, grouped_matmul_reference
 from pallas_kernels.matmul import matmul, matmul_partial, matmul_reference, matmul_shared
 from pallas_kernels.matmul_norm import matmul_norm
-from pallas_kernels.matmul_swiglu import matmul_swiglu, swiglu
+from pallas_kernels.mlp import gate_up_swiglu, swiglu
 from pallas_kernels.plan import K_SHARDS, MatmulPlan, plan_matmul, tree_sum
 from pallas_kernels.rms_norm import rms_norm, rms_norm_reference
 from pallas_kernels.rope import qkv_rope_write_kv, rope, rope_write_kv
@@ -66,6 +66,7 @@ __all__ = [
     "argmax",
     "greedy_rows",
     "group_rows",
+    "gate_up_swiglu",
     "grouped_matmul",
     "grouped_matmul_reference",
     "gather_last",
@@ -78,7 +79,6 @@ __all__ = [
     "matmul_partial",
     "matmul_reference",
     "matmul_shared",
-    "matmul_swiglu",
     "plan_matmul",
     "rms_norm",
     "rms_norm_reference",

@@ -89,35 +89,41 @@ def gpu_tiles(plan: MatmulPlan, m: int) -> GpuTiles:
     return GpuTiles(tile_m, tile_n, 8 if tile_m * tile_n >= 128 * 128 else 4, 3)
 
 
-def k_loop(load_x, load_w, num_chunks: int, shape) -> jax.Array:
+def k_loop(load_x, load_w, num_chunks: int, shape):
     """The K reduction every GPU matmul kernel runs: an fp32 accumulator over ``num_chunks``
     chunks in ascending order, ``acc + dot(load_x(c), load_w(c))``. The one home of that chain
-    (``matmul`` and ``grouped_matmul`` both run it, so their rows have the same bits)."""
+    (``matmul``, ``grouped_matmul`` and ``gate_up_swiglu`` run it, so their rows have the same
+    bits). ``load_w`` a tuple of loaders (weights sharing x): an accumulator each, each that
+    chain over the same x chunk, returned as a tuple."""
+
+    def dot(x, w):
+        # HIGHEST: float32 inputs use full-precision IEEE products, never TF32.
+        return jnp.dot(x, w, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+    if isinstance(load_w, tuple):
+
+        def body_many(c, accs):
+            x = load_x(c)
+            return tuple(acc + dot(x, load(c)) for acc, load in zip(accs, load_w, strict=True))
+
+        zeros = tuple(jnp.zeros(shape, jnp.float32) for _ in load_w)
+        return lax.fori_loop(0, num_chunks, body_many, zeros)
 
     def body(c, acc):
-        # HIGHEST: float32 inputs use full-precision IEEE products, never TF32.
-        return acc + jnp.dot(
-            load_x(c), load_w(c), precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32
-        )
+        return acc + dot(load_x(c), load_w(c))
 
     return lax.fori_loop(0, num_chunks, body, jnp.zeros(shape, jnp.float32))
 
 
-def _matmul_kernel(x_ref, w_ref, *refs, tile_k: int, leaf_k: int, epilogue=None):
-    """One (leaf, row tile, column tile): fp32 sum over the leaf in tile_k chunks, in ascending
-    order. ``epilogue`` (one leaf only): ``refs`` are (e_ref, o_ref) and the program stores
-    ``epilogue(e_ref's tile, acc, o_ref.dtype)`` instead of the sum (``matmul_swiglu``)."""
-    e_ref, o_ref = refs if epilogue is not None else (None, *refs)
+def _matmul_kernel(x_ref, w_ref, o_ref, *, tile_k: int, leaf_k: int):
+    """One (leaf, row tile, column tile): fp32 sum over the leaf in tile_k chunks, in ascending order."""
     acc = k_loop(
         lambda c: x_ref[:, pl.ds(c * tile_k, tile_k)],
         lambda c: w_ref[pl.ds(c * tile_k, tile_k), :],
         leaf_k // tile_k,
         o_ref.shape[-2:],
     )
-    if epilogue is None:
-        o_ref[...] = acc.astype(o_ref.dtype)
-    else:
-        o_ref[...] = epilogue(e_ref[...], acc, o_ref.dtype).astype(o_ref.dtype)
+    o_ref[...] = acc.astype(o_ref.dtype)
 
 
 def swizzle(pid, row_tiles: int, col_tiles: int):
@@ -155,12 +161,10 @@ def _matmul_pallas(
     tiles: GpuTiles,
     interpret: bool,
     combine: bool = True,
-    epilogue=None,
 ):
     """x[M, L*leaf_k], w[L*leaf_k, N] (leaf layout) -> combined result in out_dtype; with
     ``combine`` False the kernel's own output (``leaf_result``'s input), rows and columns
-    padded to whole tiles. ``epilogue`` = (fn, e) with e [M, N] (one leaf only): each program
-    stores ``fn(e's tile, its float32 sum, out_dtype)`` (``_matmul_kernel``)."""
+    padded to whole tiles."""
     m, n = x.shape[0], w.shape[1]
     tm, tn = tiles.tile_m, tiles.tile_n
     mp, np_ = -(-m // tm) * tm, -(-n // tn) * tn
@@ -168,12 +172,6 @@ def _matmul_pallas(
         x = jnp.pad(x, ((0, mp - m), (0, 0)))
     if np_ != n:
         w = jnp.pad(w, ((0, 0), (0, np_ - n)))
-    extra, fn = [], None
-    if epilogue is not None:
-        if num_leaves != 1:
-            raise ValueError(f"an epilogue needs a one-leaf plan, this one has {num_leaves} leaves")
-        fn, e = epilogue
-        extra = [jnp.pad(e, ((0, mp - m), (0, np_ - n))) if (mp, np_) != (m, n) else e]
     lk = plan.leaf_k
     rt, ct = mp // tm, np_ // tn
     ids = functools.partial(swizzle, row_tiles=rt, col_tiles=ct)
@@ -187,28 +185,23 @@ def _matmul_pallas(
         return leaf, j
 
     out_spec, out_shape = leaf_output(ids, num_leaves, (mp, np_), (tm, tn), out_dtype)
-    in_specs = [pl.BlockSpec((tm, lk), x_map), pl.BlockSpec((lk, tn), w_map)]
-    if extra:
-        in_specs.append(out_spec)  # the epilogue's operand: the output's tile of it
     out = pl.pallas_call(
-        functools.partial(_matmul_kernel, tile_k=plan.tile_k, leaf_k=lk, epilogue=fn),
+        functools.partial(_matmul_kernel, tile_k=plan.tile_k, leaf_k=lk),
         grid=(num_leaves * rt * ct,),
-        in_specs=in_specs,
+        in_specs=[pl.BlockSpec((tm, lk), x_map), pl.BlockSpec((lk, tn), w_map)],
         out_specs=out_spec,
         out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
-        name="bijax_matmul" if fn is None else "bijax_matmul_swiglu",
-    )(x, w, *extra)
+        name="bijax_matmul",
+    )(x, w)
     if not combine:
         return out
     out = out[..., :m, :n]
     return leaf_result(out, num_leaves, plan.split_k, out_dtype)
 
 
-def triton_partial(
-    x, w, *, plan, num_shards, out_dtype, tiles, interpret, combine: bool = True, epilogue=None
-):
+def triton_partial(x, w, *, plan, num_shards, out_dtype, tiles, interpret, combine: bool = True):
     xl = to_leaves(x, plan, num_shards, axis=1)
     wl = to_leaves(w, plan, num_shards, axis=0)
     if tiles is None:
@@ -222,7 +215,6 @@ def triton_partial(
         tiles=tiles,
         interpret=interpret,
         combine=combine,
-        epilogue=epilogue,
     )
 
 
@@ -231,6 +223,51 @@ def default_tiles(plan: MatmulPlan, m: int, interpret: bool) -> GpuTiles:
     interpret mode one fixed tile (it computes each block with the CPU's dot, whose bits depend
     on the block shape)."""
     return GpuTiles(16, plan.tile_n, 4, 3) if interpret else gpu_tiles(plan, m)
+
+
+def _pair_kernel(x_ref, a_ref, b_ref, o_ref, *, tile_k: int, leaf_k: int, epilogue):
+    """One (row tile, column tile) of two one-leaf weights sharing x (a SwiGLU MLP's gate and
+    up): each weight's fp32 sum is ``_matmul_kernel``'s chain (``k_loop``, one accumulator a
+    weight over the same x chunks); the program stores ``epilogue(sum_a, sum_b, dtype)``."""
+    acc_a, acc_b = k_loop(
+        lambda c: x_ref[:, pl.ds(c * tile_k, tile_k)],
+        (lambda c: a_ref[pl.ds(c * tile_k, tile_k), :], lambda c: b_ref[pl.ds(c * tile_k, tile_k), :]),
+        leaf_k // tile_k,
+        o_ref.shape,
+    )
+    o_ref[...] = epilogue(acc_a, acc_b, o_ref.dtype).astype(o_ref.dtype)
+
+
+def pair_epilogue(x, a, b, *, plan: MatmulPlan, out_dtype, tiles: GpuTiles, interpret: bool, epilogue):
+    """``epilogue(x @ a, x @ b)`` for two [K, N] weights of one one-leaf plan, in one launch: a
+    program per (row tile, column tile) computes both weights' tiles (each with ``matmul``'s
+    chain, so each sum has ``matmul``'s bits before the epilogue) and stores the epilogue's
+    [tile_m, tile_n] -> [M, N] in out_dtype."""
+    if plan.num_leaves != 1:
+        raise ValueError(f"pair_epilogue: the weights' plan must have one leaf, it has {plan.num_leaves}")
+    m, n = x.shape[0], a.shape[1]
+    tm, tn = tiles.tile_m, tiles.tile_n
+    mp, np_ = -(-m // tm) * tm, -(-n // tn) * tn
+    xl = to_leaves(x, plan, 1, axis=1)
+    al, bl = (to_leaves(w, plan, 1, axis=0) for w in (a, b))
+    if mp != m:
+        xl = jnp.pad(xl, ((0, mp - m), (0, 0)))
+    if np_ != n:
+        al, bl = (jnp.pad(w, ((0, 0), (0, np_ - n))) for w in (al, bl))
+    lk = plan.leaf_k
+    ids = functools.partial(swizzle, row_tiles=mp // tm, col_tiles=np_ // tn)
+    w_spec = pl.BlockSpec((lk, tn), lambda pid: (0, ids(pid)[2]))
+    out = pl.pallas_call(
+        functools.partial(_pair_kernel, tile_k=plan.tile_k, leaf_k=lk, epilogue=epilogue),
+        grid=((mp // tm) * (np_ // tn),),
+        in_specs=[pl.BlockSpec((tm, lk), lambda pid: (ids(pid)[1], 0)), w_spec, w_spec],
+        out_specs=pl.BlockSpec((tm, tn), lambda pid: ids(pid)[1:]),
+        out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
+        interpret=interpret,
+        name="bijax_matmul_pair",
+    )(xl, al, bl)
+    return out[:m, :n]
 
 
 # --------------------------------------------------------------------------- weights sharing x

@@ -1,0 +1,176 @@
+"""A SwiGLU MLP's hidden activation: ``swiglu`` (the formula's one home) and
+``gate_up_swiglu(x, w_gate, w_up)`` = ``swiglu(x @ w_gate, x @ w_up)`` rounded to x's dtype,
+with the bits of the two matmuls and then the formula - on the GPU at decode rows in one
+launch (``FUSED``): each program computes a column tile of both projections (``matmul``'s K
+chain for each, ``matmul_triton.pair_epilogue``) and applies SiLU(g) * u to them in its
+epilogue, so a layer runs one kernel where it ran three (gate, up, an XLA fusion) and writes
+and reads no g and u.
+
+XLA computes the sigmoid as ``1 / (1 + exp(-g))`` (JAX's lowering of ``logistic``) with an IEEE
+divide; Pallas Triton's float32 ``/`` is ``div.full.f32`` (approximate), so the kernel's formula
+(``_swiglu_triton``) divides with an inline ``div.rn.f32``. Whether the kernel then has XLA's
+bits on every bfloat16 g is measured on the GPU (``benchmarks/swiglu_bits.py``; the op against
+the unfused one: ``benchmarks/kernels.py --gate-up``); until then ``FUSED`` is off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels import runtime
+from pallas_kernels.matmul import _check_cols, _check_operands, _dot_bwd, _planned, _runs_mgpu, formulations
+from pallas_kernels.matmul_triton import GpuTiles, gpu_tiles, pair_epilogue
+from pallas_kernels.plan import MatmulPlan, round_like
+
+F32 = jnp.float32
+
+# True: on the GPU, gate and up of one-leaf plans (every dense model's) at rows where their
+# launches are Triton ones run as one launch with SwiGLU in its epilogue. False: the two
+# matmuls' results, then ``swiglu`` in an XLA fusion - the same bits (the switch of
+# benchmarks/ab.py swiglu). Read when a program is traced.
+FUSED = False
+# The fused launch's shape (None: ``pair_tiles``); a launch choice, never the bits.
+PAIR_TILES: GpuTiles | None = None
+
+
+def swiglu(g: jax.Array, u: jax.Array) -> jax.Array:
+    """SiLU(g) * u = g * sigmoid(g) * u on float32 g, u (the projections' results, each rounded
+    to the model's dtype first), float32 out: the one formula of a SwiGLU MLP's activation."""
+    return g * jax.nn.sigmoid(g) * u
+
+
+def _div_rn(a, b):
+    """a / b rounded to nearest (IEEE), as XLA divides; Triton's ``/`` is ``div.full.f32``."""
+    [out] = pltriton.elementwise_inline_asm(
+        "div.rn.f32 $0, $1, $2;",
+        args=[a, b],
+        constraints="=f,f,f",
+        pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, F32)],
+    )
+    return out
+
+
+def _swiglu_triton(g, u):
+    """``swiglu`` inside a Triton kernel: XLA's sigmoid, ``1 / (1 + exp(-g))``, with its divide."""
+    return g * _div_rn(jnp.ones_like(g), 1 + jnp.exp(-g)) * u
+
+
+def _epilogue(interpret: bool):
+    """The fused launch's epilogue: each float32 sum rounded to the output dtype (the matmuls'
+    results g and u), then SwiGLU. Interpret mode (CPU) runs XLA's formula: it cannot run
+    inline PTX."""
+    formula = swiglu if interpret else _swiglu_triton
+
+    def epilogue(acc_g, acc_u, out_dtype):
+        return formula(round_like(acc_g, out_dtype), round_like(acc_u, out_dtype))
+
+    return epilogue
+
+
+def pair_tiles(plan: MatmulPlan, m: int, interpret: bool = False) -> GpuTiles:
+    """The fused launch's shape at M rows (``PAIR_TILES`` if set): the gate weight's own launch
+    (``gpu_tiles``) with half its pipeline stages (each stage holds both weights' tiles); in
+    interpret mode matmul's fixed interpret tile."""
+    if interpret:
+        return GpuTiles(16, plan.tile_n, 4, 3)
+    if PAIR_TILES is not None:
+        return PAIR_TILES
+    t = gpu_tiles(plan, m)
+    return dataclasses.replace(t, num_stages=max(2, t.num_stages // 2))
+
+
+def _unfused(g, u, dtype):
+    return swiglu(g.astype(F32), u.astype(F32)).astype(dtype)
+
+
+def _impl(x, wg, wu, cols, backend, interpret):
+    mm_cpu, mm_gpu = formulations(x.dtype, 1, cols, backend, interpret)
+
+    def cpu(x, wg, wu):
+        return _unfused(mm_cpu(x, wg), mm_cpu(x, wu), x.dtype)
+
+    def gpu(x, wg, wu):
+        plan = _planned(wg, 1, cols, "gpu")
+        mgpu = backend == "auto" and not interpret and _runs_mgpu(plan, x.shape[0])
+        if FUSED and plan.num_leaves == 1 and not mgpu:
+            tiles = pair_tiles(plan, x.shape[0], interpret)
+            kw = dict(plan=plan, out_dtype=x.dtype, tiles=tiles, interpret=interpret)
+            return pair_epilogue(x, wg, wu, epilogue=_epilogue(interpret), **kw)
+        return _unfused(mm_gpu(x, wg)[0], mm_gpu(x, wu)[0], x.dtype)
+
+    return runtime.dispatch(backend, cpu, gpu, x, wg, wu)
+
+
+# Differentiable: the forward under differentiation runs the matmuls and the formula unfused
+# (the same bits) and keeps g and u; the backward is the formula's VJP, then each matmul's
+# float32 dots - what autodiff of ``swiglu(matmul(x, w_gate), matmul(x, w_up))`` gives.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _vjp(x, wg, wu, cols, backend, interpret):
+    return _impl(x, wg, wu, cols, backend, interpret)
+
+
+def _vjp_fwd(x, wg, wu, cols, backend, interpret):
+    mm_cpu, mm_gpu = formulations(x.dtype, 1, cols, backend, interpret)
+    mm = lambda x, w: runtime.dispatch(backend, mm_cpu, lambda x, w: mm_gpu(x, w)[0], x, w)  # noqa: E731
+    g, u = mm(x, wg), mm(x, wu)
+    return _unfused(g, u, x.dtype), (x, wg, wu, g, u)
+
+
+def _vjp_bwd(cols, backend, interpret, res, dh):
+    x, wg, wu, g, u = res
+    _, vjp = jax.vjp(lambda g, u: _unfused(g, u, x.dtype), g, u)
+    dg, du = vjp(dh)
+    dxg, dwg = _dot_bwd(x, wg, dg)
+    dxu, dwu = _dot_bwd(x, wu, du)
+    return dxg + dxu, dwg, dwu
+
+
+_vjp.defvjp(_vjp_fwd, _vjp_bwd)
+
+
+@runtime.kernel_op("gate_up_swiglu", static_argnames=("cols", "backend", "interpret"))
+def _gate_up_swiglu(x, wg, wu, *, cols, backend, interpret):
+    return _vjp(x, wg, wu, cols, backend, interpret)
+
+
+def gate_up_swiglu(
+    x: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    *,
+    col_blocks: int = 1,
+    full_n: int | None = None,
+    backend: str = "auto",
+    interpret: bool = False,
+) -> jax.Array:
+    """``swiglu(matmul(x, w_gate), matmul(x, w_up))`` rounded to x's dtype (``matmul`` with
+    ``col_blocks`` and ``full_n``) - a SwiGLU MLP's hidden activation - with the same bits; on
+    the GPU (``FUSED``) at decode rows in one kernel launch.
+
+    Args:
+      x: [M, K]; w_gate, w_up: [K, N] each (or a column-parallel rank's columns of them, with
+        ``full_n``); all of one float dtype.
+      col_blocks, full_n, backend, interpret: as ``matmul``'s.
+    Differentiable (``jax.custom_vjp``: the formula's VJP, then ``matmul``'s backward).
+    """
+    for name, w in (("w_gate", w_gate), ("w_up", w_up)):
+        try:
+            _check_operands(x, w, None)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"gate_up_swiglu: {name}: {str(e).removeprefix('matmul: ')}") from None
+    if tuple(w_gate.shape) != tuple(w_up.shape):
+        raise ValueError(f"gate_up_swiglu: w_gate is {tuple(w_gate.shape)} but w_up is {tuple(w_up.shape)}")
+    n = w_gate.shape[1]
+    full_n = n if full_n is None else full_n
+    _check_cols("gate_up_swiglu", "w_gate", n, col_blocks, full_n)
+    runtime.check_backend(backend, interpret)
+    return _gate_up_swiglu(x, w_gate, w_up, cols=(col_blocks, full_n), backend=backend, interpret=interpret)
+
+
+__all__ = ["gate_up_swiglu", "swiglu"]
