@@ -672,14 +672,15 @@ UP_WEIGHTS = {  # name: (K, N) of a dense MLP's gate and up weights
 
 def gate_up_fusion():
     """``pk.gate_up_swiglu`` with ``mlp.FUSED`` (gate and up in one launch, SwiGLU in its
-    epilogue) against gate and up then XLA's formula: bits at decode rows (1-16; and 17-64,
-    where the engine shares one launch instead but the op is checked too; 300: Mosaic, unfused)
+    epilogue) against gate and up then XLA's formula: bits at every M where the op fuses (its
+    Triton rows: 1-64 here - the model calls it below 17 only) and at 300 (Mosaic, unfused)
     for three models' gate/up weights, bf16, gate values over the sigmoid's whole range. A
     negative control (the epilogue with Triton's own divide). Then CUPTI kernel time at decode
     rows for llama3-8b (weights rotated past L2): XLA, a launch each + the XLA formula (the
     engine now), and the fused launch under each of PAIR_LAUNCHES (each checked bit for bit).
     The engine's bits with it: ``ab.py swiglu fused --script gpu_digests.py``."""
     mlp = importlib.import_module("pallas_kernels.mlp")
+    saved = mlp.FUSED, mlp.PAIR_TILES
 
     def unfused(x, wg, wu):
         g, u = pk.matmul(x, wg), pk.matmul(x, wu)
@@ -716,10 +717,11 @@ def gate_up_fusion():
             approx = bits(fused()(x, wg, wu))
         finally:
             mlp._div_rn = div_rn
-        print(
-            "INFO negative control: the epilogue with Triton's own divide differs in "
-            f"{int((approx != want).sum())} of {approx.size} elements",
-            flush=True,
+        differ = int((approx != want).sum())
+        check(
+            "negative control: the epilogue with Triton's own divide (div.full) differs",
+            differ > 0,
+            f"{differ} of {approx.size} elements",
         )
         copies = copies_for(2 * k * n * 2)
         wgs = [rand(96 + i, (k, n), jnp.bfloat16, 1 / math.sqrt(k)) for i in range(copies)]
@@ -769,7 +771,7 @@ def gate_up_fusion():
                 )
             )
     finally:
-        mlp.FUSED, mlp.PAIR_TILES = False, None
+        mlp.FUSED, mlp.PAIR_TILES = saved
         jax.clear_caches()
     return rows
 

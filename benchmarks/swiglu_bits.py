@@ -1,5 +1,6 @@
 """Whether a Pallas Triton kernel's SwiGLU has the bits of the XLA fusion the model runs now
-(``Decoder.swiglu``: SiLU(g) * u in float32 from the bf16 projections, rounded once to bf16).
+(``pk.swiglu``, run by ``Decoder.swiglu``: SiLU(g) * u in float32 from the bf16 projections,
+rounded once to bf16), the fused gate/up kernel's formula (``mlp._swiglu_triton``) among them.
 
 A probe for issue 19's "SiLU(gate) * up" fusion into a matmul kernel (gate/up's epilogue or
 down's prologue): such a fusion is a launch change - the same bits, no NUMERICS_VERSION - only
@@ -23,13 +24,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from pallas_kernels import mlp
+
 F32 = jnp.float32
 
 
 def swiglu(g, u):
-    """The model's formula (``models.llama.Decoder.swiglu``), float32 result."""
-    g, u = g.astype(F32), u.astype(F32)
-    return g * jax.nn.sigmoid(g) * u
+    """The model's formula (``pk.swiglu``, what ``Decoder.swiglu`` runs), float32 result."""
+    return mlp.swiglu(g.astype(F32), u.astype(F32))
 
 
 def sigmoid(g, u):
@@ -51,13 +53,13 @@ def _asm(op, *args):
 
 
 def sigmoid_div_rn(g):
-    """1 / (1 + exp(-g)) (XLA's LogisticExpander) with an IEEE divide (``div.rn``)."""
+    """1 / (1 + exp(-g)) (XLA's) with an IEEE divide (``div.rn``)."""
     return _asm("div.rn", jnp.ones_like(g), 1 + jnp.exp(-g))
 
 
 def swiglu_div_rn(g, u):
-    g, u = g.astype(F32), u.astype(F32)
-    return g * sigmoid_div_rn(g) * u
+    """The fused kernel's own formula (``mlp._swiglu_triton``)."""
+    return mlp._swiglu_triton(g.astype(F32), u.astype(F32))
 
 
 def swiglu_div_mul_rn(g, u):

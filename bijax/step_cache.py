@@ -86,6 +86,7 @@ _SETTINGS = (
     ("rope", "FUSED"),
     ("rope", "QKV_COMBINE_IN_KERNEL"),
     ("attention_triton", "DECODE_FEW_TOKENS"),
+    ("attention_triton", "DECODE_FEW_STAGES"),
     ("mlp", "FUSED"),
     ("mlp", "PAIR_TILES"),
 )

@@ -123,8 +123,9 @@ DECODE_PROGRAMS = 1024
 # after another): 5 pipeline stages took the H200's tokens + combine time 11-21% down at 1-4
 # tokens x 4-8 KV heads, and cost the bandwidth-bound batches 2-7% (32 x 3000 at 28 / 4 heads:
 # 1.7%; 64 tokens: 7%) (RESULTS.md session 39; every launch the default's bits). So a launch of
-# up to this many tokens - the engine's smallest decode bucket, one to 16 streams - takes
-# DECODE_FEW_STAGES, a larger one 2. A launch choice: the same bits. 0: 2 stages everywhere
+# up to this many tokens - the engine's smallest decode bucket, one to 16 streams - over a 2-byte
+# cache (what was measured; a float32 cache's tiles are twice the shared memory a stage) takes
+# DECODE_FEW_STAGES, any other 2. A launch choice: the same bits. 0: 2 stages everywhere
 # (benchmarks/ab.py decode-stages).
 DECODE_FEW_TOKENS = 16
 DECODE_FEW_STAGES = 5
@@ -175,10 +176,11 @@ def decode_lanes(num_tokens: int, hkv: int, num_splits: int, programs: int | Non
     return max(1, min(num_splits, -(-programs // (num_tokens * hkv))))
 
 
-def decode_stages(num_tokens: int) -> int:
-    """The tokens kernel's pipeline stages for a launch of ``num_tokens`` tokens
-    (``DECODE_FEW_TOKENS``)."""
-    return DECODE_FEW_STAGES if num_tokens <= DECODE_FEW_TOKENS else 2
+def decode_stages(num_tokens: int, cache_dtype) -> int:
+    """The tokens kernel's pipeline stages for a launch of ``num_tokens`` tokens over a cache of
+    ``cache_dtype`` (``DECODE_FEW_TOKENS``)."""
+    few = num_tokens <= DECODE_FEW_TOKENS and jnp.dtype(cache_dtype).itemsize == 2
+    return DECODE_FEW_STAGES if few else 2
 
 
 def _exp2(interpret: bool):
@@ -642,7 +644,7 @@ def attend(
             spec=spec,
             interpret=interpret,
             num_warps=num_warps or 2,
-            num_stages=num_stages or decode_stages(qg.shape[0]),
+            num_stages=num_stages or decode_stages(qg.shape[0], k_cache.dtype),
             bulk=bulk,
             row_loads=row_loads,
         )

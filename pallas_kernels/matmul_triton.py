@@ -245,6 +245,8 @@ def pair_epilogue(x, a, b, *, plan: MatmulPlan, out_dtype, tiles: GpuTiles, inte
     [tile_m, tile_n] -> [M, N] in out_dtype."""
     if plan.num_leaves != 1:
         raise ValueError(f"pair_epilogue: the weights' plan must have one leaf, it has {plan.num_leaves}")
+    if not callable(epilogue):
+        raise TypeError(f"pair_epilogue: epilogue must be a function (sum_a, sum_b, dtype), got {epilogue!r}")
     m, n = x.shape[0], a.shape[1]
     tm, tn = tiles.tile_m, tiles.tile_n
     mp, np_ = -(-m // tm) * tm, -(-n // tn) * tn

@@ -29,10 +29,12 @@ from pallas_kernels.plan import MatmulPlan, round_like
 
 F32 = jnp.float32
 
-# True: on the GPU, gate and up of one-leaf plans (every dense model's) at rows where their
-# launches are Triton ones run as one launch with SwiGLU in its epilogue. False: the two
-# matmuls' results, then ``swiglu`` in an XLA fusion - the same bits (the switch of
-# benchmarks/ab.py swiglu). Read when a program is traced.
+# True: on the GPU, gate and up of one-leaf plans (every dense model's) at any M where their
+# launches are Triton ones (the model calls the op below GATE_UP_SHARED_MIN_ROWS rows) run as
+# one launch with SwiGLU in its epilogue. False: the two matmuls' results, then ``swiglu`` in an
+# XLA fusion - the same bits (the switch of benchmarks/ab.py swiglu). Read when a program is
+# traced and not part of jit's cache key (clear the caches after setting it; the engine's step
+# cache keys on it).
 FUSED = False
 # The fused launch's shape (None: ``pair_tiles``); a launch choice, never the bits.
 PAIR_TILES: GpuTiles | None = None

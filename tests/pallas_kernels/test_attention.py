@@ -632,7 +632,8 @@ def test_decode_lanes_walking_their_splits_keep_the_bits(kw, monkeypatch):
 
 def test_decode_stages_follow_the_launchs_token_count(monkeypatch):
     """The decode kernel takes ``DECODE_FEW_STAGES`` pipeline stages up to ``DECODE_FEW_TOKENS``
-    tokens (the engine's smallest decode bucket) and 2 above; an explicit ``num_stages`` wins.
+    tokens (the engine's smallest decode bucket) over a 2-byte cache, and 2 otherwise; an
+    explicit ``num_stages`` wins.
     Control: with the rule off (0 tokens) every launch takes 2. (A launch choice: the H200
     checked 5 stages give the 2-stage launch's bits, RESULTS.md session 39.)"""
     from pallas_kernels import attention_triton
@@ -650,9 +651,9 @@ def test_decode_stages_follow_the_launchs_token_count(monkeypatch):
     monkeypatch.setattr(attention_triton, "token_states", spy)
     spec = AttentionSpec.create(64)
 
-    def stages(t, hkv=8, **kw):
-        q = jnp.zeros((t, hkv, 2, 64), jnp.float32)
-        kc = jnp.zeros((4, 16, hkv, 64), jnp.float32)
+    def stages(t, hkv=8, dtype=jnp.bfloat16, **kw):
+        q = jnp.zeros((t, hkv, 2, 64), dtype)
+        kc = jnp.zeros((4, 16, hkv, 64), dtype)
         i32 = jnp.zeros((t,), jnp.int32)
         index = (jnp.zeros((t, 4), jnp.int32), jnp.ones((t,), jnp.int32), i32, i32)
         with pytest.raises(Stop):
@@ -663,6 +664,7 @@ def test_decode_stages_follow_the_launchs_token_count(monkeypatch):
     assert few > 2 and attention_triton.DECODE_FEW_TOKENS == 16
     assert [stages(16), stages(17), stages(1), stages(16, hkv=2), stages(32, hkv=4)] == [few, 2, few, few, 2]
     assert stages(1, num_stages=3) == 3
+    assert stages(1, dtype=jnp.float32) == 2  # a float32 cache's stages are twice the memory
     monkeypatch.setattr(attention_triton, "DECODE_FEW_TOKENS", 0)
     assert [stages(16), stages(1)] == [2, 2]
 

@@ -50,6 +50,9 @@ def operands(m, k, n, dtype=BF16):
 def test_same_bits_as_gate_up_then_swiglu(fused, m, k, n, leaves, dtype):
     assert plan_matmul(k, n, dtype, platform="gpu").num_leaves == leaves
     x, wg, wu = operands(m, k, n, dtype)
+    # the fused launch runs where the plan has one leaf (and only there)
+    jaxpr = str(jax.make_jaxpr(lambda *a: pk.gate_up_swiglu(*a, backend="triton", interpret=True))(x, wg, wu))
+    assert ("bijax_matmul_pair" in jaxpr) == (leaves == 1)
     for backend, interpret in (("auto", False), ("triton", True)):
         got = pk.gate_up_swiglu(x, wg, wu, backend=backend, interpret=interpret)
         want = unfused(x, wg, wu, backend=backend, interpret=interpret)
