@@ -247,12 +247,12 @@ def test_paged_kv_cache_layer_count_checked(tiny):
 # --------------------------------------------------------------------------- GPU lowering
 
 
-def _export_paged(invariant: bool) -> str:
+def _export_paged(invariant: bool, t: int = 24, s: int = 4) -> str:
     from pallas_kernels.runtime import cuda_export
 
     model = Llama(preset("tiny"), dtype=jnp.bfloat16, seed=0)
     graphdef, state = nnx.split(model)
-    cfg, t, s = model.config, 24, 4
+    cfg = model.config
     cache = init_kv_cache(cfg, 16, 16, jnp.bfloat16)
 
     def step(state, cache, tok, seq, pos, slot, tables, lens):
@@ -283,6 +283,25 @@ def test_paged_forward_lowers_to_the_bijax_kernels_on_cuda():
     # Negative control: the XLA path has none of them.
     text = _export_paged(invariant=False)
     assert not any(f'name = "{k}"' in text for k in kernels)
+
+
+def test_decode_step_runs_gate_up_and_swiglu_in_one_launch_where_switched_on():
+    """A decode step (16 tokens of 16 sequences) with ``mlp.FUSED`` lowers gate, up and SwiGLU
+    to one ``bijax_matmul_pair`` launch; a 24-token step (gate and up in the shared launch from
+    17 rows) and a decode step without the switch lower to none (controls)."""
+    import importlib
+
+    mlp = importlib.import_module("pallas_kernels.mlp")
+    counts = {}
+    try:
+        for on, t, s in ((True, 16, 16), (True, 24, 4), (False, 16, 16)):
+            mlp.FUSED = on
+            jax.clear_caches()
+            counts[on, t] = _export_paged(invariant=True, t=t, s=s).count('name = "bijax_matmul_pair"')
+    finally:
+        mlp.FUSED = False
+        jax.clear_caches()
+    assert counts[True, 16] >= 1 and counts[True, 24] == 0 and counts[False, 16] == 0, counts
 
 
 def test_one_positive_int_rule_names_the_setting_everywhere():
