@@ -1,6 +1,6 @@
 """Whether a Pallas Triton kernel's SwiGLU has the bits of the XLA fusion the model runs now
 (``pk.swiglu``, run by ``Decoder.swiglu``: SiLU(g) * u in float32 from the bf16 projections,
-rounded once to bf16), the fused gate/up kernel's formula (``mlp._swiglu_triton``) among them.
+rounded once to bf16) - the formula the fused gate/up kernel runs (``pallas_kernels.mlp``).
 
 A probe for issue 19's "SiLU(gate) * up" fusion into a matmul kernel (gate/up's epilogue or
 down's prologue): such a fusion is a launch change - the same bits, no NUMERICS_VERSION - only
@@ -58,8 +58,8 @@ def sigmoid_div_rn(g):
 
 
 def swiglu_div_rn(g, u):
-    """The fused kernel's own formula (``mlp._swiglu_triton``)."""
-    return mlp._swiglu_triton(g.astype(F32), u.astype(F32))
+    g, u = g.astype(F32), u.astype(F32)
+    return g * sigmoid_div_rn(g) * u
 
 
 def swiglu_div_mul_rn(g, u):

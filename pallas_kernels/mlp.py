@@ -6,11 +6,10 @@ chain for each, ``matmul_triton.pair_epilogue``) and applies SiLU(g) * u to them
 epilogue, so a layer runs one kernel where it ran three (gate, up, an XLA fusion) and writes
 and reads no g and u.
 
-XLA computes the sigmoid as ``1 / (1 + exp(-g))`` (JAX's lowering of ``logistic``) with an IEEE
-divide; Pallas Triton's float32 ``/`` is ``div.full.f32`` (approximate), so the kernel's formula
-(``_swiglu_triton``) divides with an inline ``div.rn.f32``. Whether the kernel then has XLA's
-bits on every bfloat16 g is measured on the GPU (``benchmarks/swiglu_bits.py``; the op against
-the unfused one: ``benchmarks/kernels.py --gate-up``); until then ``FUSED`` is off.
+The kernel's epilogue is ``swiglu`` itself: Pallas Triton's sigmoid (``1 / (1 + exp(-g))``)
+gives the XLA fusion's bits on every bfloat16 g with four sets of u, in float32 and rounded
+to bfloat16 (H100, ``benchmarks/swiglu_bits.py``, session 50); the op against the unfused one:
+``benchmarks/kernels.py --gate-up``. ``FUSED`` stays off until the H200 has timed it.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import runtime
 from pallas_kernels.matmul import _check_cols, _check_operands, _dot_bwd, _planned, _runs_mgpu, formulations
@@ -46,33 +44,12 @@ def swiglu(g: jax.Array, u: jax.Array) -> jax.Array:
     return g * jax.nn.sigmoid(g) * u
 
 
-def _div_rn(a, b):
-    """a / b rounded to nearest (IEEE), as XLA divides; Triton's ``/`` is ``div.full.f32``."""
-    [out] = pltriton.elementwise_inline_asm(
-        "div.rn.f32 $0, $1, $2;",
-        args=[a, b],
-        constraints="=f,f,f",
-        pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, F32)],
-    )
-    return out
-
-
-def _swiglu_triton(g, u):
-    """``swiglu`` inside a Triton kernel: XLA's sigmoid, ``1 / (1 + exp(-g))``, with its divide."""
-    return g * _div_rn(jnp.ones_like(g), 1 + jnp.exp(-g)) * u
-
-
-def _epilogue(interpret: bool):
+def _epilogue(acc_g, acc_u, out_dtype):
     """The fused launch's epilogue: each float32 sum rounded to the output dtype (the matmuls'
-    results g and u), then SwiGLU. Interpret mode (CPU) runs XLA's formula: it cannot run
-    inline PTX."""
-    formula = swiglu if interpret else _swiglu_triton
-
-    def epilogue(acc_g, acc_u, out_dtype):
-        return formula(round_like(acc_g, out_dtype), round_like(acc_u, out_dtype))
-
-    return epilogue
+    results g and u), then ``swiglu`` - the same formula in the kernel: Pallas Triton's sigmoid
+    gives XLA's fusion's bits on every bfloat16 g (H100, ``benchmarks/swiglu_bits.py``, session
+    50; an IEEE ``div.rn`` in its place did not)."""
+    return swiglu(round_like(acc_g, out_dtype), round_like(acc_u, out_dtype))
 
 
 def pair_tiles(plan: MatmulPlan, m: int, interpret: bool = False) -> GpuTiles:
@@ -103,7 +80,7 @@ def _impl(x, wg, wu, cols, backend, interpret):
         if FUSED and plan.num_leaves == 1 and not mgpu:
             tiles = pair_tiles(plan, x.shape[0], interpret)
             kw = dict(plan=plan, out_dtype=x.dtype, tiles=tiles, interpret=interpret)
-            return pair_epilogue(x, wg, wu, epilogue=_epilogue(interpret), **kw)
+            return pair_epilogue(x, wg, wu, epilogue=_epilogue, **kw)
         return _unfused(mm_gpu(x, wg)[0], mm_gpu(x, wu)[0], x.dtype)
 
     return runtime.dispatch(backend, cpu, gpu, x, wg, wu)
