@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import runtime
 from pallas_kernels.matmul import _check_cols, _check_operands, _dot_bwd, _planned, _runs_mgpu, formulations
-from pallas_kernels.matmul_triton import GpuTiles, gpu_tiles, pair_epilogue
+from pallas_kernels.matmul_triton import GpuTiles, default_tiles, gpu_tiles, pair_epilogue
 from pallas_kernels.plan import MatmulPlan, round_like
 
 F32 = jnp.float32
@@ -57,7 +57,7 @@ def pair_tiles(plan: MatmulPlan, m: int, interpret: bool = False) -> GpuTiles:
     (``gpu_tiles``) with half its pipeline stages (each stage holds both weights' tiles); in
     interpret mode matmul's fixed interpret tile."""
     if interpret:
-        return GpuTiles(16, plan.tile_n, 4, 3)
+        return default_tiles(plan, m, interpret=True)
     if PAIR_TILES is not None:
         return PAIR_TILES
     t = gpu_tiles(plan, m)
