@@ -42,8 +42,8 @@ pipeline stages everywhere, as before 2026-12-06 session 50) or 16 (``few``: 5 s
 tokens; the default).
 ``s50``: ``decode-stages`` and ``swiglu`` together, both off (``old``) or both on (``new``).
 ``swiglu``: ``mlp.FUSED`` off (``xla``: gate and up a launch each, SiLU(gate) * up an XLA
-fusion; the default) or on (``fused``: one launch of both with SwiGLU in its epilogue at decode
-rows).
+fusion) or on (``fused``: one launch of both with SwiGLU in its epilogue at decode rows; the
+default since 2026-12-06 session 50).
 ``--script NAME args``: runs ``benchmarks/NAME`` with ``args`` under the switch instead (e.g.
 ``profile_step.py --cases decode1 --paths invariant``).
 Default arguments: llama3-8b, 1 and 64 sequences x (64 + 128) tokens, 3 timed runs; for a

@@ -746,6 +746,7 @@ def gate_up_fusion():
             want = bits(jax.jit(unfused)(x, wgs[0], wus[0]))
             best = None
             for tiles in (None, *PAIR_LAUNCHES):
+                mlp.PAIR_TILES = None  # (the default launch's label: pair_tiles' own rule)
                 label = (
                     f"{tiles}"
                     if tiles

@@ -9,7 +9,8 @@ and reads no g and u.
 The kernel's epilogue is ``swiglu`` itself: Pallas Triton's sigmoid (``1 / (1 + exp(-g))``)
 gives the XLA fusion's bits on every bfloat16 g with four sets of u, in float32 and rounded
 to bfloat16 (H100, ``benchmarks/swiglu_bits.py``, session 50); the op against the unfused one:
-``benchmarks/kernels.py --gate-up``. ``FUSED`` stays off until the H200 has timed it.
+``benchmarks/kernels.py --gate-up`` (H100: bits PASS for three models' weights at M 1-300,
+0.87-0.88x the unfused ops' kernel time; the engine's digests MATCH with it).
 """
 
 from __future__ import annotations
@@ -27,15 +28,21 @@ from pallas_kernels.plan import MatmulPlan, round_like
 
 F32 = jnp.float32
 
-# True: on the GPU, gate and up of one-leaf plans (every dense model's) at any M where their
+# True (the default): on the GPU, gate and up of one-leaf plans (every dense model's) at any M where their
 # launches are Triton ones (the model calls the op below GATE_UP_SHARED_MIN_ROWS rows) run as
 # one launch with SwiGLU in its epilogue. False: the two matmuls' results, then ``swiglu`` in an
 # XLA fusion - the same bits (the switch of benchmarks/ab.py swiglu). Read when a program is
 # traced and not part of jit's cache key (clear the caches after setting it; the engine's step
 # cache keys on it).
-FUSED = False
+FUSED = True
 # The fused launch's shape (None: ``pair_tiles``); a launch choice, never the bits.
 PAIR_TILES: GpuTiles | None = None
+# Decode rows of 2-byte weights with at least this many 128-column tiles take 128 columns, 8 warps
+# and 3 stages: llama3-8b's gate and up at M = 1 / 16 in 77.6 / 77.1 us, against 82.3 / 82.2
+# for the gate's own launch shape with half its stages (16 x 64, 4 warps, 4 stages), 88.4 /
+# 88.5 for gate and up a launch each plus the XLA fusion, and XLA's 80.3 / 89.4 (H100, CUPTI,
+# weights rotated past L2, every launch checked bit for bit; RESULTS.md session 50).
+PAIR_WIDE_TILES = 64
 
 
 def swiglu(g: jax.Array, u: jax.Array) -> jax.Array:
@@ -53,14 +60,18 @@ def _epilogue(acc_g, acc_u, out_dtype):
 
 
 def pair_tiles(plan: MatmulPlan, m: int, interpret: bool = False) -> GpuTiles:
-    """The fused launch's shape at M rows (``PAIR_TILES`` if set): the gate weight's own launch
-    (``gpu_tiles``) with half its pipeline stages (each stage holds both weights' tiles); in
-    interpret mode matmul's fixed interpret tile."""
+    """The fused launch's shape at M rows (``PAIR_TILES`` if set): at decode rows of wide 2-byte
+    weights 16 x 128 tiles, 8 warps, 3 stages (``PAIR_WIDE_TILES``), else the gate weight's own
+    launch (``gpu_tiles``) with half its pipeline stages (each stage holds both weights'
+    tiles); in interpret mode matmul's fixed interpret tile."""
     if interpret:
         return default_tiles(plan, m, interpret=True)
     if PAIR_TILES is not None:
         return PAIR_TILES
     t = gpu_tiles(plan, m)
+    wide = plan.n % 128 == 0 and plan.n // 128 >= PAIR_WIDE_TILES and jnp.dtype(plan.dtype).itemsize == 2
+    if t.tile_m == 16 and wide:
+        return GpuTiles(16, 128, 8, 3)
     return dataclasses.replace(t, num_stages=max(2, t.num_stages // 2))
 
 

@@ -292,14 +292,14 @@ def test_decode_step_runs_gate_up_and_swiglu_in_one_launch_where_switched_on():
     import importlib
 
     mlp = importlib.import_module("pallas_kernels.mlp")
-    counts = {}
+    counts, old = {}, mlp.FUSED
     try:
         for on, t, s in ((True, 16, 16), (True, 24, 4), (False, 16, 16)):
             mlp.FUSED = on
             jax.clear_caches()
             counts[on, t] = _export_paged(invariant=True, t=t, s=s).count('name = "bijax_matmul_pair"')
     finally:
-        mlp.FUSED = False
+        mlp.FUSED = old
         jax.clear_caches()
     assert counts[True, 16] >= 1 and counts[True, 24] == 0 and counts[False, 16] == 0, counts
 
