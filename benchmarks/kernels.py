@@ -676,14 +676,20 @@ def gate_up_fusion():
     Triton rows: 1-64 here - the model calls it below 17 only) and at 300 (Mosaic, unfused)
     for three models' gate/up weights, bf16, gate values over the sigmoid's whole range. A
     negative control (the epilogue's products grouped the other way). Then CUPTI kernel time at decode
-    rows for llama3-8b (weights rotated past L2): XLA, a launch each + the XLA formula (the
-    engine now), and the fused launch under each of PAIR_LAUNCHES (each checked bit for bit).
+    rows for llama3-8b (weights rotated past L2): XLA, the engine's route without the switch (a
+    launch each, or from 17 rows one shared launch, + the XLA formula), and the fused launch
+    under each of PAIR_LAUNCHES (M 1, 16) / PAIR_MID_LAUNCHES (M 32, 64; where the model does not
+    fuse yet), each checked bit for bit.
     The engine's bits with it: ``ab.py swiglu fused --script gpu_digests.py``."""
     mlp = importlib.import_module("pallas_kernels.mlp")
     saved = mlp.FUSED, mlp.PAIR_TILES
 
     def unfused(x, wg, wu):
         g, u = pk.matmul(x, wg), pk.matmul(x, wu)
+        return pk.swiglu(g.astype(jnp.float32), u.astype(jnp.float32)).astype(x.dtype)
+
+    def unfused_shared(x, wg, wu):
+        g, u = pk.matmul_shared(x, (wg, wu))
         return pk.swiglu(g.astype(jnp.float32), u.astype(jnp.float32)).astype(x.dtype)
 
     def fused(tiles=None):
@@ -726,7 +732,7 @@ def gate_up_fusion():
         copies = copies_for(2 * k * n * 2)
         wgs = [rand(96 + i, (k, n), jnp.bfloat16, 1 / math.sqrt(k)) for i in range(copies)]
         wus = [rand(196 + i, (k, n), jnp.bfloat16, 1 / math.sqrt(k)) for i in range(copies)]
-        for m in (1, 16):
+        for m in (1, 16, 32, 64):
             x = rand(97, (m, k), jnp.bfloat16)
 
             def per_copy(op, x=x):
@@ -742,10 +748,15 @@ def gate_up_fusion():
                     x.dtype
                 )
             )
-            t_un = per_copy(unfused)
+            # the engine's route without the switch: a launch each at decode rows, one shared
+            # launch of both from GATE_UP_SHARED_MIN_ROWS rows (where the model does not call the
+            # fused op: timed to decide whether it should)
+            shared = m >= pk.matmul_triton.GATE_UP_SHARED_MIN_ROWS
+            t_un = per_copy(unfused_shared if shared else unfused)
             want = bits(jax.jit(unfused)(x, wgs[0], wus[0]))
             best = None
-            for tiles in (None, *PAIR_LAUNCHES):
+            launches = PAIR_LAUNCHES if m <= 16 else [T(m, tn, w, st) for tn, w, st in PAIR_MID_LAUNCHES]
+            for tiles in (None, *launches):
                 mlp.PAIR_TILES = None  # (the default launch's label: pair_tiles' own rule)
                 label = (
                     f"{tiles}"
@@ -777,6 +788,9 @@ def gate_up_fusion():
     return rows
 
 
+# The fused gate/up launches timed by ``gate_up_fusion`` at 32 and 64 rows (tile_m = M):
+# (tile_n, warps, stages).
+PAIR_MID_LAUNCHES = [(64, 4, 3), (128, 4, 3), (128, 8, 3), (64, 8, 4)]
 # The fused gate/up launches timed by ``gate_up_fusion`` (decode rows: 16-row tiles).
 PAIR_LAUNCHES = [
     T(16, 32, 4, 4),
