@@ -679,8 +679,8 @@ def gate_up_fusion():
     rows for llama3-8b (weights rotated past L2): XLA, the engine's route without the switch (a
     launch each, or from 17 rows one shared launch, + the XLA formula), and the fused launch
     under each of PAIR_LAUNCHES (M 1, 16) / PAIR_MID_LAUNCHES (M 32, 64; where the model does not
-    fuse yet), each checked bit for bit.
-    The engine's bits with it: ``ab.py swiglu fused --script gpu_digests.py``."""
+    fuse yet), each checked bit for bit. The engine's bits with it: ``gpu_digests.py`` (the
+    switch is on by default; ``ab.py swiglu xla --script gpu_digests.py`` without it)."""
     mlp = importlib.import_module("pallas_kernels.mlp")
     saved = mlp.FUSED, mlp.PAIR_TILES
 

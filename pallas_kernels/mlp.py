@@ -22,7 +22,15 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import runtime
-from pallas_kernels.matmul import _check_cols, _check_operands, _dot_bwd, _planned, _runs_mgpu, formulations
+from pallas_kernels.matmul import (
+    _check_cols,
+    _check_operands,
+    _dot_bwd,
+    _matmul_impl,
+    _planned,
+    _runs_mgpu,
+    formulations,
+)
 from pallas_kernels.matmul_triton import GpuTiles, default_tiles, gpu_tiles, pair_epilogue
 from pallas_kernels.plan import MatmulPlan, round_like
 
@@ -106,9 +114,7 @@ def _vjp(x, wg, wu, cols, backend, interpret):
 
 
 def _vjp_fwd(x, wg, wu, cols, backend, interpret):
-    mm_cpu, mm_gpu = formulations(x.dtype, 1, cols, backend, interpret)
-    mm = lambda x, w: runtime.dispatch(backend, mm_cpu, lambda x, w: mm_gpu(x, w)[0], x, w)  # noqa: E731
-    g, u = mm(x, wg), mm(x, wu)
+    g, u = (_matmul_impl(x, w, x.dtype, 1, cols, backend, interpret, None) for w in (wg, wu))
     return _unfused(g, u, x.dtype), (x, wg, wu, g, u)
 
 
