@@ -148,6 +148,12 @@ SWITCHES = {
         "xla": (("mlp", "FUSED", False),),
         "fused": (("mlp", "FUSED", True),),
     },
+    # the fused gate/up launch up to 16 rows (``old``, the default) or 64 (``new``: over the shared
+    # launch + XLA fusion at 17-32 rows and the Mosaic launches at 33-64)
+    "swiglu-mid": {
+        "old": (("mlp", "FUSED_MAX_ROWS", 16),),
+        "new": (("mlp", "FUSED_MAX_ROWS", 64),),
+    },
     "qkv-combine": {
         "xla": (("rope", "QKV_COMBINE_IN_KERNEL", False),),
         "kernel": (),

@@ -130,6 +130,8 @@ _AB = {
         ("s50-new", "s50", "new", ()),
         ("swiglu-xla", "swiglu", "xla", ()),
         ("swiglu-fused", "swiglu", "fused", ()),
+        ("swiglu-mid-old", "swiglu-mid", "old", ()),
+        ("swiglu-mid-new", "swiglu-mid", "new", ()),
         ("qkv-xla", "qkv-combine", "xla", _LONG),
         ("qkv-kernel", "qkv-combine", "kernel", _LONG),
         ("shared-mid-old", "shared-mid", "old", ()),
@@ -153,6 +155,7 @@ _AB.update(
             ("swiglu", "swiglu", ("xla", "fused")),
             ("decode-stages", "decode-stages", ("two", "few")),
             ("s50", "s50", ("old", "new")),
+            ("swiglu-mid", "swiglu-mid", ("old", "new")),
         )
         for side in sides
     }
@@ -299,6 +302,11 @@ STEPS = {
         _py("ab.py", "swiglu", "fused", "--script", "gpu_digests.py"),
         300,
         "engine bits vs the records with mlp.FUSED on",
+    ),
+    "digests-swiglu-mid": (
+        _py("ab.py", "swiglu-mid", "new", "--script", "gpu_digests.py"),
+        300,
+        "engine bits vs the records with the fused gate/up launch up to 64 rows",
     ),
     "swiglu-bits": (
         _py("swiglu_bits.py"),

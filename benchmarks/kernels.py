@@ -678,11 +678,13 @@ def gate_up_fusion():
     negative control (the epilogue's products grouped the other way). Then CUPTI kernel time at decode
     rows for llama3-8b (weights rotated past L2): XLA, the engine's route without the switch (a
     launch each, or from 17 rows one shared launch, + the XLA formula), and the fused launch
-    under each of PAIR_LAUNCHES (M 1, 16) / PAIR_MID_LAUNCHES (M 32, 64; where the model does not
-    fuse yet), each checked bit for bit. The engine's bits with it: ``gpu_digests.py`` (the
+    under each of PAIR_LAUNCHES (M 1, 16) / PAIR_MID_LAUNCHES (M 32, 64: ``mlp.FUSED_MAX_ROWS``
+    raised to 64 here, so 64 rows run the fused launch rather than Mosaic's; the model fuses
+    above 16 rows only where ``FUSED_MAX_ROWS`` says), each checked bit for bit. The engine's bits with it: ``gpu_digests.py`` (the
     switch is on by default; ``ab.py swiglu xla --script gpu_digests.py`` without it)."""
     mlp = importlib.import_module("pallas_kernels.mlp")
-    saved = mlp.FUSED, mlp.PAIR_TILES
+    saved = mlp.FUSED, mlp.PAIR_TILES, mlp.FUSED_MAX_ROWS
+    mlp.FUSED_MAX_ROWS = 64  # the fused launch timed at 32 and 64 rows too (over Mosaic at 64)
 
     def unfused(x, wg, wu):
         g, u = pk.matmul(x, wg), pk.matmul(x, wu)
@@ -783,7 +785,7 @@ def gate_up_fusion():
                 )
             )
     finally:
-        mlp.FUSED, mlp.PAIR_TILES = saved
+        mlp.FUSED, mlp.PAIR_TILES, mlp.FUSED_MAX_ROWS = saved
         jax.clear_caches()
     return rows
 

@@ -89,6 +89,7 @@ _SETTINGS = (
     ("attention_triton", "DECODE_FEW_STAGES"),
     ("mlp", "FUSED"),
     ("mlp", "PAIR_TILES"),
+    ("mlp", "FUSED_MAX_ROWS"),
 )
 
 

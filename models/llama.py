@@ -307,14 +307,15 @@ class Decoder:
         """A dense MLP's hidden activation SiLU(x @ gate) * (x @ up), before down."""
         cb = self.k_shards
         ws = (mlp.w_gate[...], mlp.w_up[...])
-        # gate and up a launch each at decode rows (one shared launch of both was slower there),
-        # or one launch with SwiGLU in its epilogue (gate_up_swiglu, where mlp.FUSED); one
-        # shared launch from GATE_UP_SHARED_MIN_ROWS rows on (matmul_triton's measurements); the
+        # up to mlp.FUSED_MAX_ROWS rows one launch with SwiGLU in its epilogue (gate_up_swiglu,
+        # on the GPU where mlp.FUSED); above, one shared launch of gate and up from
+        # GATE_UP_SHARED_MIN_ROWS rows on (matmul_triton's measurements), else a launch each; the
         # same bits every way
-        if x.shape[0] >= pk.matmul_triton.GATE_UP_SHARED_MIN_ROWS:
-            g, u = col_mm_shared(x, ws, invariant=invariant, col_blocks=cb, tp=tp)
-        elif invariant:
+        m = x.shape[0]
+        if invariant and (m <= pk.mlp.FUSED_MAX_ROWS or m < pk.matmul_triton.GATE_UP_SHARED_MIN_ROWS):
             return col_mm_swiglu(x, *ws, col_blocks=cb, tp=tp)
+        if m >= pk.matmul_triton.GATE_UP_SHARED_MIN_ROWS:
+            g, u = col_mm_shared(x, ws, invariant=invariant, col_blocks=cb, tp=tp)
         else:
             g, u = (col_mm(x, w, invariant=False, col_blocks=cb, tp=tp) for w in ws)
         return pk.swiglu(g.astype(jnp.float32), u.astype(jnp.float32)).astype(x.dtype)  # rounded once

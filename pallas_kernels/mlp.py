@@ -51,6 +51,13 @@ PAIR_TILES: GpuTiles | None = None
 # 88.5 for gate and up a launch each plus the XLA fusion, and XLA's 80.3 / 89.4 (H100, CUPTI,
 # weights rotated past L2, every launch checked bit for bit; RESULTS.md session 50).
 PAIR_WIDE_TILES = 64
+# The model takes the fused launch up to this many rows (``models.llama``), and here it replaces
+# the Mosaic GPU kernel where that would run (32 < M <= 64 on K >= 4096 weights: ``matmul``'s
+# rule for one weight). Above it, gate and up go ``matmul_shared``'s way and SwiGLU is an XLA
+# fusion. 16: decode rows only (measured, session 50); 32 and 64 rows are timed by
+# ``benchmarks/kernels.py --gate-up`` and in the engine by ``benchmarks/ab.py swiglu-mid``. A
+# launch choice: the same bits either way.
+FUSED_MAX_ROWS = 16
 
 
 def swiglu(g: jax.Array, u: jax.Array) -> jax.Array:
@@ -95,7 +102,8 @@ def _impl(x, wg, wu, cols, backend, interpret):
 
     def gpu(x, wg, wu):
         plan = _planned(wg, 1, cols, "gpu")
-        mgpu = backend == "auto" and not interpret and _runs_mgpu(plan, x.shape[0])
+        m = x.shape[0]
+        mgpu = backend == "auto" and not interpret and _runs_mgpu(plan, m) and m > FUSED_MAX_ROWS
         if FUSED and plan.num_leaves == 1 and not mgpu:
             tiles = pair_tiles(plan, x.shape[0], interpret)
             kw = dict(plan=plan, out_dtype=x.dtype, tiles=tiles, interpret=interpret)

@@ -287,21 +287,23 @@ def test_paged_forward_lowers_to_the_bijax_kernels_on_cuda():
 
 def test_decode_step_runs_gate_up_and_swiglu_in_one_launch_where_switched_on():
     """A decode step (16 tokens of 16 sequences) with ``mlp.FUSED`` lowers gate, up and SwiGLU
-    to one ``bijax_matmul_pair`` launch; a 24-token step (gate and up in the shared launch from
-    17 rows) and a decode step without the switch lower to none (controls)."""
+    to one ``bijax_matmul_pair`` launch, and so does a 24-token step once ``mlp.FUSED_MAX_ROWS``
+    reaches it; a 24-token step under the default (gate and up in the shared launch from 17
+    rows) and a decode step without the switch lower to none (controls)."""
     import importlib
 
     mlp = importlib.import_module("pallas_kernels.mlp")
-    counts, old = {}, mlp.FUSED
+    counts, old = {}, (mlp.FUSED, mlp.FUSED_MAX_ROWS)
     try:
-        for on, t, s in ((True, 16, 16), (True, 24, 4), (False, 16, 16)):
-            mlp.FUSED = on
+        for on, t, s, rows in ((True, 16, 16, 16), (True, 24, 4, 16), (True, 24, 4, 64), (False, 16, 16, 16)):
+            mlp.FUSED, mlp.FUSED_MAX_ROWS = on, rows
             jax.clear_caches()
-            counts[on, t] = _export_paged(invariant=True, t=t, s=s).count('name = "bijax_matmul_pair"')
+            counts[on, t, rows] = _export_paged(invariant=True, t=t, s=s).count('name = "bijax_matmul_pair"')
     finally:
-        mlp.FUSED = old
+        mlp.FUSED, mlp.FUSED_MAX_ROWS = old
         jax.clear_caches()
-    assert counts[True, 16] >= 1 and counts[True, 24] == 0 and counts[False, 16] == 0, counts
+    assert counts[True, 16, 16] >= 1 and counts[True, 24, 64] >= 1, counts
+    assert counts[True, 24, 16] == 0 and counts[False, 16, 16] == 0, counts
 
 
 def test_one_positive_int_rule_names_the_setting_everywhere():
