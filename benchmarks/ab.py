@@ -97,6 +97,10 @@ SWITCHES = {
                 "pair-all-dense-fold-persistent-prefetch-q",
                 {**PAIR3, "fold_in_smem": True, "persistent": True, "prefetch_q": True},
             ),
+            (  # the engine's launch with the consumers taking turns (session 51)
+                "pingpong",
+                {**PAIR3, "fold_in_smem": True, "persistent": True, "prefetch_q": True, "pingpong": True},
+            ),
         )
     },
     "decode-splits": {

@@ -265,6 +265,15 @@ LAUNCHES = {
         "persistent": True,
         "prefetch_q": True,
     },
+    # session 51: the consumers take turns on the tensor cores (FlashAttention-3's ping-pong: one
+    # warpgroup's softmax under the other's wgmmas)
+    "pair, 3 stages, heaviest, one drain, dense rows, fold in SMEM, persistent, prefetch q, ping-pong": {
+        **_PAIR3,
+        "fold_in_smem": True,
+        "persistent": True,
+        "prefetch_q": True,
+        "pingpong": True,
+    },
 }
 DEFAULT_VARIANT = ("into", "two")
 # Measurement probes: timed next to the launches, never bit-checked (they give other bits).

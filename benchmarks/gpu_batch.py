@@ -51,6 +51,12 @@ _PERSIST_NAMES = (
     f"probe: 128-key tiles (128-token pages), {_PAGES}",
 )
 _PERSIST = "'BIJAX_MGPU_LAUNCHES=" + "|".join("=" + n for n in _PERSIST_NAMES) + "'"
+# the engine's launch (session 48) and the same with the consumers' turns (session 51)
+_PINGPONG = (
+    "'BIJAX_MGPU_LAUNCHES="
+    + "|".join(("=" + f"{_P42}, persistent, prefetch q", "=" + f"{_P42}, persistent, prefetch q, ping-pong"))
+    + "'"
+)
 _PREFILL_CASES = ("--cases", "prefill,prefill64", "--paths", "invariant")
 _CHECK_LIMITS = ("--max-num-seqs", "2", "--max-num-batched-tokens", "32", "--requests", "4", "--max-tokens", "6",
                  "--max-model-len", "512")  # fmt: skip
@@ -88,6 +94,7 @@ _AB = {
         ("launch-heaviest-dense", "prefill-launch", "heaviest-dense", _PREFILL),
         ("launch-heaviest-dense-fold", "prefill-launch", "heaviest-dense-fold", _PREFILL),
         ("launch-pair-all-dense-fold", "prefill-launch", "pair-all-dense-fold", _PREFILL),
+        ("launch-pingpong", "prefill-launch", "pingpong", _PREFILL),
         ("launch-pair-all-dense-fold-q", "prefill-launch", "pair-all-dense-fold-q", _PREFILL),
         (
             "launch-pair-all-dense-fold-persistent",
@@ -218,6 +225,7 @@ STEPS = {
             "pair-all-dense-fold-q",
             "pair-all-dense-fold-persistent",
             "pair-all-dense-fold-persistent-prefetch-q",
+            "pingpong",
         )
     },
     "mgpu-bits": (_py("attention_mgpu.py", "--child", "bits"), 270, "Mosaic attention == Triton bits"),
@@ -244,6 +252,12 @@ STEPS = {
         _PERSIST,
         (240, 260),
         "the session-42 prefill launch, its persistent form (the engine's) and prefetch q",
+    ),
+    **_launch_steps(
+        "pingpong",
+        _PINGPONG,
+        (200, 200),
+        "the engine's prefill launch and the same with the consumers taking turns (ping-pong)",
     ),
     "mgpu-fold-ptxas": (
         _with(_FOLD, "attention_mgpu.py", "--child", "ptxas"),

@@ -287,7 +287,7 @@ def _kernel(
     segs_ref, nseg_ref, order_ref, rpos_ref, rseq_ref, bt_ref, q_ref, k_ref, v_ref, ones_ref, o_ref,
     *, spec: AttentionSpec, block_size: int, max_blocks: int, stages: int, max_segs: int, pv: str,
     a_in_smem: bool, overlap: bool, rounding: str, consumers: int, one_drain: bool, q_from_smem: bool,
-    fold_in_smem: bool, work: tuple[int, int, int] | None, prefetch_q: bool,
+    fold_in_smem: bool, work: tuple[int, int, int] | None, prefetch_q: bool, pingpong: bool,
     probe_unmasked: bool, inline_ex2: bool, probe_exact_exp: bool, probe_log2_scores: bool,
 ):  # fmt: skip
     if work is None:  # a program per (tile, head)
@@ -364,6 +364,7 @@ def _kernel(
         fold_smem,
         c0=0,
         after_walk=None,
+        schedule=None,
     ):
         """The walk's compute side for one warpgroup's 64 rows: (the folded output [ROWS, D],
         the tile count after its walk). Its first tile is the ring's tile ``c0`` (slot c0 %
@@ -374,7 +375,9 @@ def _kernel(
         none) runs at the start of tile c; ``tile_done(slot)`` once tile c's wgmmas are done
         with its slot; ``zero_v_sync(zero)`` runs the zeroing of a slot's unseen V rows.
         ``fold_smem``: an fp32 [ROWS, D] SMEM buffer that holds the split fold's accumulator
-        between folds (None: it stays in registers, 64 a thread live through every tile)."""
+        between folds (None: it stays in registers, 64 a thread live through every tile).
+        ``schedule`` (``pingpong``): (arrive, wait) on the barrier the two consumers take turns
+        through - after a tile's q @ k.T is issued, and around the wait for its V."""
         nseg = walk.nseg
 
         def fold_split(fold, state, use):
@@ -396,6 +399,9 @@ def _kernel(
         def qk(slot):
             def dot(acc_ref):
                 plgpu.wgmma(acc_ref, q, k_smem.at[slot].transpose((1, 0)))
+                if schedule is not None:  # the other warpgroup's softmax is done: its dots go
+                    schedule[0]()
+                    schedule[1]()
                 return acc_ref[...]
 
             return pl.run_scoped(dot, plgpu.ACC((ROWS, tile), jnp.float32))
@@ -427,9 +433,13 @@ def _kernel(
             return new, s
 
         def tile_math(slot, s, state, ok, zero_v):
-            plgpu.barrier_wait(v_bar.at[slot])
-            if zero_v is not None:
-                zero_v(slot)
+            def v_ready():  # the tile's V has landed (and its unseen rows are zeroed)
+                plgpu.barrier_wait(v_bar.at[slot])
+                if zero_v is not None:
+                    zero_v(slot)
+
+            if schedule is None:
+                v_ready()
 
             def operand(p):
                 if not a_in_smem:
@@ -466,6 +476,12 @@ def _kernel(
 
             def sum_and_update(acc, alpha, p):
                 """p @ ones and the new acc with one wait for both wgmmas (``one_drain``)."""
+                if schedule is not None:  # this softmax is done; the dots wait for the turn
+                    # (V's wait and zeroing between the two: the zeroing's barrier pairs the
+                    # consumers at the same tile, and each reaches it here, half a turn apart)
+                    schedule[0]()
+                    v_ready()
+                    schedule[1]()
                 alpha = lax.broadcast_in_dim(alpha, acc.shape, (0,))
                 p = operand(p)
                 if pv == "into":
@@ -642,7 +658,7 @@ def _kernel(
 
     def body_specialized(
         k_smem, v_smem, ones_smem, qo_smem, rows_smem, segs_smem, a_smem, fold_smem, out_smem,
-        k_bar, v_bar, ones_bar, setup_bar, segs_free, q_bar, consumed_bar, zero_bar,
+        k_bar, v_bar, ones_bar, setup_bar, segs_free, q_bar, consumed_bar, zero_bar, sched_bar,
     ):  # fmt: skip
         """``consumers`` warpgroups compute (one 64-row tile each: tiles ``consumers * i + wg``)
         on the walk of their tiles' union; one more loads the KV tiles (FlashAttention-3's
@@ -740,6 +756,14 @@ def _kernel(
                 plgpu.copy_gmem_to_smem(rpos_ref.at[row_tile], rows_smem.at[wg, 0], q_bar.at[wg])
                 plgpu.copy_gmem_to_smem(rseq_ref.at[row_tile], rows_smem.at[wg, 1], q_bar.at[wg])
 
+            schedule = None
+            if pingpong:  # the consumers take turns on the tensor cores (FlashAttention-3)
+                schedule = (lambda: plgpu.barrier_arrive(sched_bar), lambda: plgpu.barrier_wait(sched_bar))
+
+            def turn():
+                plgpu.barrier_arrive(sched_bar)
+                plgpu.barrier_wait(sched_bar)
+
             def after_walk(b):
                 """The walk is over: its segments' buffer is free (for the producer's next item)."""
                 if work is not None:
@@ -768,7 +792,7 @@ def _kernel(
                     walk, q, rpos, rseq, k_smem, v_smem, ones_smem, k_bar, v_bar, scratch,
                     lambda pf, c: pf, (), lambda slot: plgpu.barrier_arrive(consumed_bar.at[slot]),
                     zero_v_sync, None if fold_smem is None else fold_smem.at[wg], c,
-                    functools.partial(after_walk, b),
+                    functools.partial(after_walk, b), schedule,
                 )  # fmt: skip
                 if prefetch_q:  # staged in its own buffer, stored while the next item starts
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # (the last store has read it)
@@ -784,7 +808,11 @@ def _kernel(
 
             if prefetch_q:
                 pl.when(count > 0)(lambda: load_q(*item_of(0)))
+            if schedule is not None:  # consumer 1 starts a turn behind ...
+                pl.when(wg == 1)(turn)
             items(run, jnp.int32(0))
+            if schedule is not None:  # ... so consumer 0 ends with one turn more
+                pl.when(wg == 0)(turn)
             plgpu.wait_smem_to_gmem(0)
 
     def a_operands(*lead):
@@ -830,6 +858,7 @@ def _kernel(
         plgpu.Barrier(num_arrivals=3, num_barriers=consumers),
         plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),
         plgpu.Barrier(num_arrivals=consumers),
+        plgpu.Barrier(num_arrivals=consumers),  # the consumers' turns (pingpong)
         collective_axes="wg",
     )
 
@@ -869,6 +898,7 @@ def tiles_mgpu(
     fold_in_smem: bool = False,
     persistent: int | bool = False,
     prefetch_q: bool = False,
+    pingpong: bool = False,
     probe_exact_exp: bool = False,
     probe_unmasked: bool = False,
     probe_log2_scores: bool = False,
@@ -906,6 +936,13 @@ def tiles_mgpu(
     buffers, and interpret mode's race detector cannot tell their halves apart. ``early_q``,
     which loaded the next q only after a walk and stored the output from registers, was
     measured in session 44 - 0.97x on 4096-token prompts, 1.03x elsewhere - and removed.)
+
+    ``pingpong`` (with ``consumers=2`` and ``one_drain``): the two consumers take turns on the
+    tensor cores, as FlashAttention-3's ping-pong schedule does - one's dots run while the other
+    does its softmax, through a barrier each passes twice a tile (after issuing q @ k.T, and
+    before p @ ones and p @ v; consumer 1 starts a turn behind). Without it both wait on the
+    same slot and tend to issue their wgmmas together, leaving the tensor cores idle through
+    both softmaxes. Only when the warpgroups run changes.
 
     ``probe_exact_exp`` is a measurement probe, not a launch choice: 2**y as the exact ``exp`` of
     y * ln 2 (libdevice's ``expf``, the exponential of NUMERICS_VERSION 5, with two multiplies
@@ -948,6 +985,10 @@ def tiles_mgpu(
         raise ValueError(
             "attention (Mosaic GPU tiles): prefetch_q needs persistent programs and fold_in_smem, "
             "and goes without q_from_smem"
+        )
+    if pingpong and (consumers == 1 or not one_drain or overlap):
+        raise ValueError(
+            "attention (Mosaic GPU tiles): pingpong needs consumers=2 and one_drain, and goes without overlap"
         )
     if q_from_smem and consumers == 1:
         raise ValueError(
@@ -1011,6 +1052,7 @@ def tiles_mgpu(
         fold_in_smem=bool(fold_in_smem),
         work=work,
         prefetch_q=bool(prefetch_q),
+        pingpong=bool(pingpong),
         probe_unmasked=bool(probe_unmasked),
         inline_ex2=interpret is None,
         probe_exact_exp=bool(probe_exact_exp),

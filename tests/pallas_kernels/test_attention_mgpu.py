@@ -97,6 +97,7 @@ def test_segments_are_each_tiles_sequences_ascending():
         ("into", "two", False, dict(attention_triton.MGPU_PREFILL_LAUNCH)),  # the engine's
         ("into", "two", False, {**dict(attention_triton.MGPU_PREFILL_LAUNCH), "persistent": 5}),
         ("into", "two", False, {**dict(attention_triton.MGPU_PREFILL_LAUNCH), "prefetch_q": False}),
+        ("into", "two", False, {**dict(attention_triton.MGPU_PREFILL_LAUNCH), "pingpong": True}),
     ],
 )
 def test_cuda_lowering_is_one_mosaic_gpu_kernel(pv, rounding, overlap, launch):
@@ -166,6 +167,9 @@ def test_unsupported_calls_are_refused_by_name():
         tiles_mgpu(q, kc, kc, idx, spec=spec, persistent=True)
     with pytest.raises(ValueError, match="prefetch_q needs persistent programs and fold_in_smem"):
         tiles_mgpu(q, kc, kc, idx, spec=spec, consumers=2, persistent=True, prefetch_q=True)
+    for bad in ({}, {"consumers": 2}, {"consumers": 2, "one_drain": True, "overlap": True}):
+        with pytest.raises(ValueError, match="pingpong needs consumers=2 and one_drain"):
+            tiles_mgpu(q, kc, kc, idx, spec=spec, pingpong=True, **bad)
     with pytest.raises(ValueError, match="q_from_smem needs consumers=2"):
         tiles_mgpu(q, kc, kc, idx, spec=spec, q_from_smem=True)
     big = jnp.ones((2, 256, 1, 128), BF16)
@@ -184,7 +188,8 @@ def test_launch_choices_keep_the_bits():
     """``overlap`` (the next tile's q @ k.T issued before this tile's softmax), the number of
     stages, warp specialization (two consumer warpgroups walking the union of their tiles'
     walks, a producer warpgroup loading), the heaviest-first order, one wait for a tile's
-    p @ ones and p @ v, and the split fold's accumulator kept in SMEM change when or where things
+    p @ ones and p @ v, the split fold's accumulator kept in SMEM and the consumers' turns on the
+    tensor cores (``pingpong``: a misplaced turn deadlocks here) change when or where things
     run,
     never what: the same bits on a walk through several sequences, splits and a window, tile
     pairs whose sequences differ, stale NaN cache rows - and interpret mode's race detector
@@ -229,6 +234,8 @@ def test_launch_choices_keep_the_bits():
             "one_drain": True,
             "prefetch_q": True,
         },
+        # the consumers take turns (one persistent program: the turns go on across its items)
+        {"consumers": 2, "persistent": 1, "one_drain": True, "fold_in_smem": True, "pingpong": True},
     ]
     for launch in launches:
         np.testing.assert_array_equal(run(**launch), base, err_msg=str(launch))
