@@ -97,9 +97,15 @@ SWITCHES = {
                 "pair-all-dense-fold-persistent-prefetch-q",
                 {**PAIR3, "fold_in_smem": True, "persistent": True, "prefetch_q": True},
             ),
-            (  # the engine's launch with the consumers taking turns (session 51)
-                "pingpong",
-                {**PAIR3, "fold_in_smem": True, "persistent": True, "prefetch_q": True, "pingpong": True},
+            # the engine's launch with the consumers taking turns, with q / the output copied a
+            # token at a time (no XLA transposes), with both (session 51)
+            *(
+                (name, {**PAIR3, "fold_in_smem": True, "persistent": True, "prefetch_q": True, **extra})
+                for name, extra in (
+                    ("pingpong", {"pingpong": True}),
+                    ("direct-io", {"direct_io": True}),
+                    ("pingpong-direct-io", {"pingpong": True, "direct_io": True}),
+                )
             ),
         )
     },

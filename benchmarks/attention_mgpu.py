@@ -274,6 +274,22 @@ LAUNCHES = {
         "prefetch_q": True,
         "pingpong": True,
     },
+    # ... and q read / the output written by a TMA copy a token, without XLA's transposes
+    "pair, 3 stages, heaviest, one drain, dense rows, fold in SMEM, persistent, prefetch q, direct io": {
+        **_PAIR3,
+        "fold_in_smem": True,
+        "persistent": True,
+        "prefetch_q": True,
+        "direct_io": True,
+    },
+    "pair, 3 stages, heaviest, one drain, dense rows, fold in SMEM, persistent, prefetch q, ping-pong, direct io": {
+        **_PAIR3,
+        "fold_in_smem": True,
+        "persistent": True,
+        "prefetch_q": True,
+        "pingpong": True,
+        "direct_io": True,
+    },
 }
 DEFAULT_VARIANT = ("into", "two")
 # Measurement probes: timed next to the launches, never bit-checked (they give other bits).

@@ -323,6 +323,16 @@ def fold_splits(m, l, acc, pos, spec: AttentionSpec):
 PACKINGS = ("pow2", "dense")  # how a tile's rows hold tokens x query heads (``row_tiles``)
 
 
+def tile_tokens(group: int, tile_rows: int, packing: str) -> tuple[int, int]:
+    """(tokens a tile, rows a token) of ``row_tiles``' ``packing`` for a query-head group of
+    ``group``: rows a token is the group padded to a power of two ("pow2"), or the group itself
+    ("dense", where that is no power of two)."""
+    gp = 1 << (group - 1).bit_length()
+    if packing == "dense" and group != gp and group <= tile_rows:
+        return tile_rows // group, group  # (``_dense_row_tiles``)
+    return max(1, tile_rows // gp), gp
+
+
 def row_tiles(qg, token_seq, token_pos, tile_rows: int, packing: str = "pow2"):
     """The ``tiles`` kernels' rows: q [T, Hkv, G, D] -> q [tiles, Hkv, rows, D], and each row's
     position and sequence [tiles, rows] (position -1: a padding token, padded head or padding
@@ -338,10 +348,9 @@ def row_tiles(qg, token_seq, token_pos, tile_rows: int, packing: str = "pow2"):
     if packing not in PACKINGS:
         raise ValueError(f"attention tiles: packing must be one of {PACKINGS}, got {packing!r}")
     t, hkv, group, d = qg.shape
-    gp = 1 << (group - 1).bit_length()
-    if packing == "dense" and group != gp and group <= tile_rows:
+    tq, gp = tile_tokens(group, tile_rows, packing)  # tokens a tile, rows a token
+    if gp == group != 1 << (group - 1).bit_length():  # dense packing of a group of 3, 7, ...
         return _dense_row_tiles(qg, token_seq, token_pos, tile_rows)
-    tq = max(1, tile_rows // gp)  # tokens per tile
     rows = tq * gp
     nt = -(-t // tq)
     pad_t = nt * tq - t
@@ -363,7 +372,7 @@ def _dense_row_tiles(qg, token_seq, token_pos, tile_rows: int):
     """``row_tiles``' "dense" packing: ``tile_rows // G`` tokens x G heads a tile, then padding
     rows (position -1, sequence 0, q zero)."""
     t, hkv, group, d = qg.shape
-    tq = tile_rows // group
+    tq = tile_tokens(group, tile_rows, "dense")[0]
     used = tq * group
     nt = -(-t // tq)
     pad_t = nt * tq - t

@@ -88,6 +88,7 @@ from pallas_kernels.attention_math import (
     row_tiles,
     softmax_step,
     split_used,
+    tile_tokens,
 )
 from pallas_kernels.checks import is_int
 from pallas_kernels.plan import H200_SMS
@@ -288,7 +289,7 @@ def _kernel(
     *, spec: AttentionSpec, block_size: int, max_blocks: int, stages: int, max_segs: int, pv: str,
     a_in_smem: bool, overlap: bool, rounding: str, consumers: int, one_drain: bool, q_from_smem: bool,
     fold_in_smem: bool, work: tuple[int, int, int] | None, prefetch_q: bool, pingpong: bool,
-    probe_unmasked: bool, inline_ex2: bool, probe_exact_exp: bool, probe_log2_scores: bool,
+    direct: tuple[int, int] | None, probe_unmasked: bool, inline_ex2: bool, probe_exact_exp: bool, probe_log2_scores: bool,
 ):  # fmt: skip
     if work is None:  # a program per (tile, head)
         i = lax.axis_index("tile") if order_ref is None else order_ref[lax.axis_index("tile")]
@@ -752,7 +753,15 @@ def _kernel(
                 """TMA item (ik, hk)'s q and row positions / sequences into this warpgroup's
                 buffers (``q_bar``)."""
                 row_tile = consumers * ik + wg
-                plgpu.copy_gmem_to_smem(q_ref.at[row_tile, hk], q_smem, q_bar.at[wg])
+                if direct is None:
+                    plgpu.copy_gmem_to_smem(q_ref.at[row_tile, hk], q_smem, q_bar.at[wg])
+                else:  # token by token from q [T, Hkv, G, D] (a tile's rows: tq tokens x G)
+                    tq, group = direct
+                    last = q_ref.shape[0] - 1
+                    for j in range(tq):  # (a token past the last: a copy of the last, padding rows)
+                        t = jnp.minimum(row_tile * tq + j, last)
+                        dst = q_smem.at[pl.ds(j * group, group)]
+                        plgpu.copy_gmem_to_smem(q_ref.at[t, hk], dst, q_bar.at[wg])
                 plgpu.copy_gmem_to_smem(rpos_ref.at[row_tile], rows_smem.at[wg, 0], q_bar.at[wg])
                 plgpu.copy_gmem_to_smem(rseq_ref.at[row_tile], rows_smem.at[wg, 1], q_bar.at[wg])
 
@@ -798,7 +807,16 @@ def _kernel(
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # (the last store has read it)
                     out_smem.at[wg][...] = out
                     plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(out_smem.at[wg], o_ref.at[row_tile, hk])
+                    if direct is None:
+                        plgpu.copy_smem_to_gmem(out_smem.at[wg], o_ref.at[row_tile, hk])
+                        return c
+                    tq, group = direct
+                    for j in range(tq):  # token by token into the output [T, Hkv, G, D]
+                        t = row_tile * tq + j
+                        src = out_smem.at[wg, pl.ds(j * group, group)]
+                        pl.when(t < o_ref.shape[0])(
+                            lambda t=t, src=src: plgpu.copy_smem_to_gmem(src, o_ref.at[t, hk])
+                        )
                     return c
                 q_smem[...] = out  # every wgmma reading q is done (each result was waited for)
                 plgpu.commit_smem()
@@ -844,18 +862,22 @@ def _kernel(
         plgpu.SMEM((stages, tile, d), dtype, transforms=transforms),
         plgpu.SMEM((stages, tile, d), dtype, transforms=transforms),
         plgpu.SMEM((tile, _SUM_N), dtype, transforms=sum_transforms),
-        plgpu.SMEM((consumers, ROWS, d), dtype, transforms=transforms),
+        # q (and with ``direct`` the output's staging buffer) row-major: a token's G rows at any
+        # row, where the swizzled layout's 8-row tiles would not take them
+        plgpu.SMEM((consumers, ROWS, d), dtype, transforms=transforms if direct is None else ()),
         plgpu.SMEM((consumers, 2, ROWS), jnp.int32),
         plgpu.SMEM((1 if work is None else 2, 4, max_segs), jnp.int32),
         a_operands(consumers),
         plgpu.SMEM((consumers, ROWS, d), jnp.float32) if fold_in_smem else None,
-        plgpu.SMEM((consumers, ROWS, d), dtype, transforms=transforms) if prefetch_q else None,
+        plgpu.SMEM((consumers, ROWS, d), dtype, transforms=transforms if direct is None else ())
+        if prefetch_q
+        else None,
         plgpu.Barrier(num_arrivals=pages, num_barriers=stages),
         plgpu.Barrier(num_arrivals=pages, num_barriers=stages),
         plgpu.Barrier(num_arrivals=1),  # the ones matrix
         plgpu.Barrier(num_arrivals=1, num_barriers=1 if work is None else 2),  # segments
         plgpu.Barrier(num_arrivals=consumers, num_barriers=1 if work is None else 2),  # segs_free
-        plgpu.Barrier(num_arrivals=3, num_barriers=consumers),
+        plgpu.Barrier(num_arrivals=2 + (1 if direct is None else direct[0]), num_barriers=consumers),
         plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),
         plgpu.Barrier(num_arrivals=consumers),
         plgpu.Barrier(num_arrivals=consumers),  # the consumers' turns (pingpong)
@@ -899,6 +921,7 @@ def tiles_mgpu(
     persistent: int | bool = False,
     prefetch_q: bool = False,
     pingpong: bool = False,
+    direct_io: bool = False,
     probe_exact_exp: bool = False,
     probe_unmasked: bool = False,
     probe_log2_scores: bool = False,
@@ -944,6 +967,14 @@ def tiles_mgpu(
     same slot and tend to issue their wgmmas together, leaving the tensor cores idle through
     both softmaxes. Only when the warpgroups run changes.
 
+    ``direct_io`` (with ``prefetch_q``): a consumer reads its tile's q straight from q [T, Hkv,
+    G, D] and writes its output straight into the result, a TMA copy a token (a token's G query
+    heads are G consecutive rows of a tile), where a tile's rows are whole query-head groups
+    (``packing`` "dense", or a group that is a power of two). Without it q goes through an XLA
+    transpose into tiles before the kernel and the output through another after it (at 8 x 1024
+    tokens, 28 / 4 heads, ~235 MB of memory traffic next to the kernel's). Only where the
+    rows come from and go changes.
+
     ``probe_exact_exp`` is a measurement probe, not a launch choice: 2**y as the exact ``exp`` of
     y * ln 2 (libdevice's ``expf``, the exponential of NUMERICS_VERSION 5, with two multiplies
     more), other bits - about what the one-instruction ``EX2_PTX`` saved. ``probe_unmasked``,
@@ -986,6 +1017,8 @@ def tiles_mgpu(
             "attention (Mosaic GPU tiles): prefetch_q needs persistent programs and fold_in_smem, "
             "and goes without q_from_smem"
         )
+    if direct_io and not prefetch_q:
+        raise ValueError("attention (Mosaic GPU tiles): direct_io needs prefetch_q (its output buffer)")
     if pingpong and (consumers == 1 or not one_drain or overlap):
         raise ValueError(
             "attention (Mosaic GPU tiles): pingpong needs consumers=2 and one_drain, and goes without overlap"
@@ -1002,6 +1035,10 @@ def tiles_mgpu(
     if why is not None:
         raise ValueError(f"attention (Mosaic GPU tiles): {why}")
     q, rpos, rseq, unpack = row_tiles(qg, token_seq, token_pos, ROWS, packing)
+    tokens_a_tile, rows_a_token = tile_tokens(qg.shape[2], ROWS, packing)
+    direct = None
+    if direct_io and rows_a_token == qg.shape[2]:  # (else the tiles' padded heads: copied by XLA)
+        direct = (tokens_a_tile, rows_a_token)
     nt = rpos.shape[0]
     programs = -(-nt // consumers)
     if programs * consumers != nt:  # a last program's second tile: padding rows
@@ -1053,23 +1090,27 @@ def tiles_mgpu(
         work=work,
         prefetch_q=bool(prefetch_q),
         pingpong=bool(pingpong),
+        direct=direct,
         probe_unmasked=bool(probe_unmasked),
         inline_ex2=interpret is None,
         probe_exact_exp=bool(probe_exact_exp),
         probe_log2_scores=bool(probe_log2_scores),
     )
-    args = [segs, nseg, program_order, rpos, rseq, block_tables, q]
+    args = [segs, nseg, program_order, rpos, rseq, block_tables, q if direct is None else qg]
     if program_order is None:  # the program index is the tile's
         args.pop(2)
         kernel = functools.partial(_without_order, kernel)
+    out_shape = (programs * consumers, hkv, ROWS, d) if direct is None else qg.shape
     out = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((programs * consumers, hkv, ROWS, d), qg.dtype),
+        out_type=jax.ShapeDtypeStruct(out_shape, qg.dtype),
         grid=grid,
         grid_names=grid_names,
         kernel_name="bijax_attention_tiles_mgpu",
         **kwargs,
     )(*args, k_cache.reshape(rows_view), v_cache.reshape(rows_view), ones)
+    if direct is not None:
+        return out
     return unpack(out if programs * consumers == nt else out[:nt])
 
 

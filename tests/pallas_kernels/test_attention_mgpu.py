@@ -98,6 +98,7 @@ def test_segments_are_each_tiles_sequences_ascending():
         ("into", "two", False, {**dict(attention_triton.MGPU_PREFILL_LAUNCH), "persistent": 5}),
         ("into", "two", False, {**dict(attention_triton.MGPU_PREFILL_LAUNCH), "prefetch_q": False}),
         ("into", "two", False, {**dict(attention_triton.MGPU_PREFILL_LAUNCH), "pingpong": True}),
+        ("into", "two", False, {**dict(attention_triton.MGPU_PREFILL_LAUNCH), "direct_io": True}),
     ],
 )
 def test_cuda_lowering_is_one_mosaic_gpu_kernel(pv, rounding, overlap, launch):
@@ -119,6 +120,8 @@ def test_cuda_lowering_is_one_mosaic_gpu_kernel(pv, rounding, overlap, launch):
     )
     assert MOSAIC_GPU_CUSTOM_CALL in text and "bijax_attention_tiles_mgpu" in text
     assert "xla.gpu.triton" not in text
+    # q into tiles and the output back: XLA transposes, but for direct_io (the others: control)
+    assert ("stablehlo.transpose" in text) != bool(launch.get("direct_io")), launch
     # the one exponential of every GPU kernel (the Triton kernels' inline assembly): ex2.approx.ftz,
     # and no math-dialect exp / exp2 (what a missed exp2 hook would lower to)
     assert EX2_PTX in text and "math.exp" not in text
@@ -167,6 +170,8 @@ def test_unsupported_calls_are_refused_by_name():
         tiles_mgpu(q, kc, kc, idx, spec=spec, persistent=True)
     with pytest.raises(ValueError, match="prefetch_q needs persistent programs and fold_in_smem"):
         tiles_mgpu(q, kc, kc, idx, spec=spec, consumers=2, persistent=True, prefetch_q=True)
+    with pytest.raises(ValueError, match="direct_io needs prefetch_q"):
+        tiles_mgpu(q, kc, kc, idx, spec=spec, consumers=2, direct_io=True)
     for bad in ({}, {"consumers": 2}, {"consumers": 2, "one_drain": True, "overlap": True}):
         with pytest.raises(ValueError, match="pingpong needs consumers=2 and one_drain"):
             tiles_mgpu(q, kc, kc, idx, spec=spec, pingpong=True, **bad)
@@ -226,6 +231,7 @@ def test_launch_choices_keep_the_bits():
         # staged in its own SMEM buffer
         {"consumers": 2, "persistent": 1},
         {"consumers": 2, "persistent": 1, "fold_in_smem": True, "prefetch_q": True},
+        # ... and q and the output copied a token (4 rows) at a time, no XLA transposes
         {
             "consumers": 2,
             "persistent": 3,
@@ -233,6 +239,7 @@ def test_launch_choices_keep_the_bits():
             "fold_in_smem": True,
             "one_drain": True,
             "prefetch_q": True,
+            "direct_io": True,
         },
         # the consumers take turns (one persistent program: the turns go on across its items)
         {"consumers": 2, "persistent": 1, "one_drain": True, "fold_in_smem": True, "pingpong": True},
@@ -247,12 +254,16 @@ def test_launch_choices_keep_the_bits():
     assert not np.array_equal(run(probe_log2_scores=True), base)
 
 
-@pytest.mark.parametrize("hq,launch", [(6, {}), (14, {"consumers": 2, "order": "heaviest"})])
+_DIRECT = {"consumers": 2, "persistent": 2, "fold_in_smem": True, "prefetch_q": True, "direct_io": True}
+
+
+@pytest.mark.parametrize("hq,launch", [(6, {}), (14, {"consumers": 2, "order": "heaviest"}), (14, _DIRECT)])
 def test_dense_row_packing_keeps_the_bits(hq, launch, monkeypatch):
     """``packing="dense"``: 21 tokens of a 3-head group (9 of 7) in a tile's 64 rows instead of 16
     (8) with the group padded to a power of two - fewer tiles, the same bits, no race (interpret
-    mode), alone and with a pair launch; a padding token's rows stay zero. Control: a different
-    split size changes the bits."""
+    mode), alone and with a pair launch, also with q and the output copied a token (7 rows) at a
+    time (``direct_io``); a padding token's rows stay zero. Control: a different split size
+    changes the bits."""
     from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
