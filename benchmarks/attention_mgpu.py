@@ -40,6 +40,7 @@ from benchmarks.ab import PAIR3 as _PAIR3  # the pair launch at the 3 stages tha
 from benchmarks.attention import FAILURES, PREFILL_CASES, Case, bits, check, kernel_us, prefill_case
 from pallas_kernels import attention_mgpu, attention_triton
 from pallas_kernels.attention import AttentionSpec
+from pallas_kernels.attention_math import row_tiles
 
 
 def _mosaic_elementwise(fn, args, block=16):
@@ -410,6 +411,21 @@ def _time_launches_on(n, length, hq, hkv, d):
 
     tri = kernel_us(triton, q, c.kc, c.vc)
     rows = [(name, "Triton tiles", tri, cud, f"{flops / tri / 1e6:.1f} TFLOP/s")]
+
+    def tables(q):  # the XLA work before the engine's launch: its programs' walks, no q, no kernel
+        _, rpos, rseq, _ = row_tiles(qg(q), idx[2], idx[3], attention_mgpu.ROWS, "dense")
+        launch = dict(attention_triton.MGPU_PREFILL_LAUNCH)
+        return attention_mgpu.walk_tables(
+            rpos,
+            rseq,
+            idx[1],
+            idx[0].shape[0],
+            consumers=launch["consumers"],
+            order=launch["order"],
+            window=None,
+        )
+
+    rows.append((name, "walk tables only (XLA, inside every launch below)", kernel_us(tables, q), cud, "-"))
     launches = {"Mosaic, default launch": {}, **selected(LAUNCHES), **selected(PROBES)}
     runs = [(what, launch, c, q, idx) for what, launch in launches.items()]
     for what, (bs, launch) in selected(PAGE_PROBES).items():  # the same kind of keys, other pages

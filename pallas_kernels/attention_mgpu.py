@@ -1042,23 +1042,11 @@ def tiles_mgpu(
     nt = rpos.shape[0]
     programs = -(-nt // consumers)
     if programs * consumers != nt:  # a last program's second tile: padding rows
-        extra = programs * consumers - nt
-        q = jnp.pad(q, ((0, extra), (0, 0), (0, 0), (0, 0)))
-        rpos = jnp.pad(rpos, ((0, extra), (0, 0)), constant_values=-1)
-        rseq = jnp.pad(rseq, ((0, extra), (0, 0)))
-    # a program's walk: the segments of all its rows (one tile, or the union of its tiles)
-    prog_pos, prog_seq = rpos.reshape(programs, -1), rseq.reshape(programs, -1)
-    seqs, nseg = segments(prog_seq, prog_pos)
-    max_segs = seqs.shape[1]
-    mine = (prog_seq[:, None, :] == seqs[:, :, None]) & (prog_pos >= 0)[:, None, :]
-    lo = jnp.min(jnp.where(mine, prog_pos[:, None, :], 2**30), axis=2)
-    hi = jnp.max(jnp.where(mine, prog_pos[:, None, :], -1), axis=2)
-    safe = jnp.clip(seqs, 0, block_tables.shape[0] - 1)
-    ctx = context_lens[safe]
-    segs = jnp.stack([safe, lo, hi, ctx], axis=1).astype(jnp.int32)
-    program_order = None
-    if order == "heaviest":
-        program_order = heaviest_first(lo, hi, nseg, spec.window)
+        q = jnp.pad(q, ((0, programs * consumers - nt), (0, 0), (0, 0), (0, 0)))
+    rpos, rseq, segs, nseg, program_order = walk_tables(
+        rpos, rseq, context_lens, block_tables.shape[0], consumers=consumers, order=order, window=spec.window
+    )
+    max_segs = segs.shape[2]
     ones = jnp.ones((tile, _SUM_N), qg.dtype)
     rows_view = (num_blocks * block_size, hkv, d)
     stages = _stages(tile, d, qg.dtype.itemsize, stages, consumers, bool(fold_in_smem), bool(prefetch_q))
@@ -1112,6 +1100,30 @@ def tiles_mgpu(
     if direct is not None:
         return out
     return unpack(out if programs * consumers == nt else out[:nt])
+
+
+def walk_tables(rpos, rseq, context_lens, num_seqs: int, *, consumers: int, order: str, window):
+    """The programs' walks from the row tiles' positions and sequences [tiles, 64]: (rpos, rseq
+    padded to whole programs of ``consumers`` tiles, segments [programs, 4, max segments] -
+    each segment's sequence, lowest and highest row position and context length - their
+    number [programs], and the launch order (None unless ``order`` is "heaviest"))."""
+    nt = rpos.shape[0]
+    programs = -(-nt // consumers)
+    if programs * consumers != nt:  # a last program's second tile: padding rows
+        extra = programs * consumers - nt
+        rpos = jnp.pad(rpos, ((0, extra), (0, 0)), constant_values=-1)
+        rseq = jnp.pad(rseq, ((0, extra), (0, 0)))
+    # a program's walk: the segments of all its rows (one tile, or the union of its tiles)
+    prog_pos, prog_seq = rpos.reshape(programs, -1), rseq.reshape(programs, -1)
+    seqs, nseg = segments(prog_seq, prog_pos)
+    mine = (prog_seq[:, None, :] == seqs[:, :, None]) & (prog_pos >= 0)[:, None, :]
+    lo = jnp.min(jnp.where(mine, prog_pos[:, None, :], 2**30), axis=2)
+    hi = jnp.max(jnp.where(mine, prog_pos[:, None, :], -1), axis=2)
+    safe = jnp.clip(seqs, 0, num_seqs - 1)
+    ctx = context_lens[safe]
+    segs = jnp.stack([safe, lo, hi, ctx], axis=1).astype(jnp.int32)
+    program_order = heaviest_first(lo, hi, nseg, window) if order == "heaviest" else None
+    return rpos, rseq, segs, nseg, program_order
 
 
 def _without_order(kernel, segs_ref, nseg_ref, *refs):
