@@ -377,7 +377,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generates for each prompt (a str, a list of token ids, a {"prompt_token_ids": [...]}
         or {"prompt": "..."} dict, or a list of those; a numpy array: 1-D one prompt, 2-D one
-        per row); returns one RequestOutput per prompt, in input order. A bad prompt or parameter raises before
+        per row); returns one RequestOutput per prompt, in input order (no prompts: an empty
+        list). A bad prompt or parameter raises before
         anything runs, naming it. ``on_output(i, out)``, if given, sees every RequestOutput of
         prompt ``i`` as the steps produce them (partial ones too: streaming). One call at a time
         per LLM: a second one (another thread, or ``on_output`` calling back) raises
@@ -418,8 +419,8 @@ class LLM:
         if single:
             prompts = [prompts]
         prompts = list(prompts)
-        if not prompts:
-            raise ValueError("no prompts given")
+        if not prompts:  # an empty batch (an RL step that filtered out every prompt), as score([], [])
+            return []
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         elif isinstance(sampling_params, (dict, str, bytes)) or not isinstance(sampling_params, Iterable):

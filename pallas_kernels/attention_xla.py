@@ -53,6 +53,14 @@ def _on_gpu() -> bool:
     return jax.default_backend() in ("gpu", "cuda")
 
 
+def _dot_operands(*xs):
+    """``xs`` as the dots take them: float16 widened to float32 on the CPU, whose dot has no
+    float16 x float16 -> float32 form (XLA: "precision 'F16_F16_F32' is not supported")."""
+    if _on_gpu():
+        return xs
+    return tuple(x.astype(jnp.float32) if x.dtype == jnp.float16 else x for x in xs)
+
+
 def _own_keys(q, k, v, mask, scale):
     """Attention of the step's tokens over the step's own keys (mask [T, T]); [T, Hq, D]."""
     # cuDNN where the process runs on a GPU (its wrapper cannot even be traced without cuDNN,
@@ -60,10 +68,12 @@ def _own_keys(q, k, v, mask, scale):
     impl = "cudnn" if _on_gpu() and q.shape[0] >= CUDNN_MIN_TOKENS else "xla"
     # is_causal in flat order (tiles above the diagonal skipped) is exact because a sequence's
     # tokens sit in the step in position order; the mask adds the sequence boundaries.
+    dtype = q.dtype
+    q, k, v = _dot_operands(q, k, v)
     out = jax.nn.dot_product_attention(
         q[None], k[None], v[None], mask=mask[None, None], scale=scale, is_causal=True, implementation=impl
     )
-    return out[0]
+    return out[0].astype(dtype)
 
 
 def _paged_decode(q_rows, k_cache, v_cache, block_tables, context_lens, scale):
@@ -110,7 +120,7 @@ def _cached_keys(q, k_cache, v_cache, block_tables, seq, pos, need, scale):
         blocks = jnp.where(need[:, None], cols[seq], 0)  # rows that need nothing read the null block
         kk = k_cache[blocks].reshape(t, width, hkv, d)
         vv = v_cache[blocks].reshape(t, width, hkv, d)
-        s = jnp.einsum("thgd,tkhd->thgk", qg, kk, preferred_element_type=jnp.float32) * scale
+        s = jnp.einsum("thgd,tkhd->thgk", *_dot_operands(qg, kk), preferred_element_type=jnp.float32) * scale
         j = c * width + jnp.arange(width)
         key_ok = j[None, :] < span[:, None]  # [T, width]
         vv = jnp.where(key_ok[:, :, None, None], vv, jnp.zeros_like(vv))  # stale rows may hold NaN
@@ -120,7 +130,9 @@ def _cached_keys(q, k_cache, v_cache, block_tables, seq, pos, need, scale):
         m_ref = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
         p = jnp.where(ok, jnp.exp(s - m_ref[..., None]), 0.0)
         alpha = jnp.exp(m - m_ref)
-        pv = jnp.einsum("thgk,tkhd->thgd", p.astype(vv.dtype), vv, preferred_element_type=jnp.float32)
+        pv = jnp.einsum(
+            "thgk,tkhd->thgd", *_dot_operands(p.astype(vv.dtype), vv), preferred_element_type=jnp.float32
+        )
         return m_new, l * alpha + p.sum(-1), acc * alpha[..., None] + pv
 
     init = (

@@ -115,6 +115,15 @@ def test_bad_requests_are_rejected_alone(llm, prompt, sp, err, match):
     assert len(ok.token_ids) == 2 or ok.finish_reason == "stop"
 
 
+def test_an_empty_batch_gives_an_empty_list(llm):
+    """No prompts (a list, a 0-row array) give no outputs, as ``score([], [])`` does; an empty
+    prompt inside a batch is still refused (above)."""
+    assert llm.generate([], use_tqdm=False) == []
+    assert llm.generate(np.zeros((0, 3), np.int32), use_tqdm=False) == []
+    assert llm.score([], []) == []
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_a_failing_generate_leaves_the_engine_idle_and_usable(llm):
     """A callback that raises (as Ctrl-C would) ends ``generate`` with the error; its requests are
     aborted and released, so the next ``generate`` runs as on a fresh engine (same bits)."""

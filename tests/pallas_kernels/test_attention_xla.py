@@ -74,3 +74,16 @@ def test_batch_variant_control():
     large = run_xla(paged, [(0, 2999)] + [(1, -1)] * 1023)[0]
     np.testing.assert_allclose(np.asarray(small), np.asarray(large), rtol=1e-5, atol=1e-6)
     assert (bits(small) != bits(large)).any()
+
+
+def test_float16_runs_on_the_cpu():
+    """float16 operands on the CPU, whose dot has no float16 x float16 -> float32 form: the
+    own-keys and cached-keys paths widen them (a user-level probe: `bijax check --dtype float16`
+    died in its XLA control). float16 out, close to the float32 run of the same values."""
+    paged = Paged([37, 150], hq=8, hkv=2, d=64, dtype=jnp.float16)
+    tokens = [(0, p) for p in range(37)] + [(1, 149), (0, -1)]
+    out = run_xla(paged, tokens)
+    assert out.dtype == jnp.float16
+    real = [i for i, (_, p) in enumerate(tokens) if p >= 0]
+    ref = np.stack([paged.f64(s, p) for s, p in tokens if p >= 0])
+    assert np.abs(np.asarray(out, np.float64)[real] - ref).max() / np.abs(ref).max() <= 2e-3
