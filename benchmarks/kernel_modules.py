@@ -101,7 +101,7 @@ def main() -> int:
     launch = {}
     for item in filter(None, a.launch.split(",")):
         key, _, value = item.partition("=")
-        launch[key] = int(value) if value.isdigit() else value
+        launch[key] = int(value) if value.isdigit() else {"True": True, "False": False}.get(value, value)
     for name, text in modules(launch).items():
         print(f"{name}: {hashlib.sha256(text.encode()).hexdigest()} ({len(text)} chars)")
         if a.out:

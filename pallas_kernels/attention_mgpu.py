@@ -767,11 +767,14 @@ def _kernel(
 
             schedule = None
             if pingpong:  # the consumers take turns on the tensor cores (FlashAttention-3)
-                schedule = (lambda: plgpu.barrier_arrive(sched_bar), lambda: plgpu.barrier_wait(sched_bar))
+                schedule = (
+                    functools.partial(plgpu.barrier_arrive, sched_bar),
+                    functools.partial(plgpu.barrier_wait, sched_bar),
+                )
 
-            def turn():
-                plgpu.barrier_arrive(sched_bar)
-                plgpu.barrier_wait(sched_bar)
+            def turn():  # one pass through the turns' barrier
+                schedule[0]()
+                schedule[1]()
 
             def after_walk(b):
                 """The walk is over: its segments' buffer is free (for the producer's next item)."""
@@ -880,7 +883,7 @@ def _kernel(
         plgpu.Barrier(num_arrivals=2 + (1 if direct is None else direct[0]), num_barriers=consumers),
         plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),
         plgpu.Barrier(num_arrivals=consumers),
-        plgpu.Barrier(num_arrivals=consumers),  # the consumers' turns (pingpong)
+        plgpu.Barrier(num_arrivals=consumers) if pingpong else None,  # the consumers' turns
         collective_axes="wg",
     )
 
