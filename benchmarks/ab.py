@@ -97,15 +97,9 @@ SWITCHES = {
                 "pair-all-dense-fold-persistent-prefetch-q",
                 {**PAIR3, "fold_in_smem": True, "persistent": True, "prefetch_q": True},
             ),
-            # the engine's launch with the consumers taking turns, with q / the output copied a
-            # token at a time (no XLA transposes), with both (session 51)
-            *(
-                (name, {**PAIR3, "fold_in_smem": True, "persistent": True, "prefetch_q": True, **extra})
-                for name, extra in (
-                    ("pingpong", {"pingpong": True}),
-                    ("direct-io", {"direct_io": True}),
-                    ("pingpong-direct-io", {"pingpong": True, "direct_io": True}),
-                )
+            (  # q / the output copied a token at a time, no XLA transposes (the engine's, session 51)
+                "direct-io",
+                {**PAIR3, "fold_in_smem": True, "persistent": True, "prefetch_q": True, "direct_io": True},
             ),
         )
     },
@@ -158,8 +152,8 @@ SWITCHES = {
         "xla": (("mlp", "FUSED", False),),
         "fused": (("mlp", "FUSED", True),),
     },
-    # the fused gate/up launch up to 16 rows (``old``, the default) or 64 (``new``: over the shared
-    # launch + XLA fusion at 17-32 rows and the Mosaic launches at 33-64)
+    # the fused gate/up launch up to 16 rows (``old``) or 64 (``new``, the default since session
+    # 51: over the shared launch + XLA fusion at 17-32 rows and the Mosaic launches at 33-64)
     "swiglu-mid": {
         "old": (("mlp", "FUSED_MAX_ROWS", 16),),
         "new": (("mlp", "FUSED_MAX_ROWS", 64),),

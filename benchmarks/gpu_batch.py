@@ -51,12 +51,9 @@ _PERSIST_NAMES = (
     f"probe: 128-key tiles (128-token pages), {_PAGES}",
 )
 _PERSIST = "'BIJAX_MGPU_LAUNCHES=" + "|".join("=" + n for n in _PERSIST_NAMES) + "'"
-# the engine's launch (session 48), the same with the consumers' turns, with q and the output
-# copied a token at a time (no XLA transposes) and with both (session 51)
-_S51 = [
-    f"{_P42}, persistent, prefetch q{x}" for x in ("", ", ping-pong", ", direct io", ", ping-pong, direct io")
-]
-_PINGPONG = "'BIJAX_MGPU_LAUNCHES=" + "|".join("=" + n for n in _S51) + "'"
+# the launch of session 48 and the same with q and the output copied a token at a time (session 51)
+_S51 = [f"{_P42}, persistent, prefetch q{x}" for x in ("", ", direct io")]
+_DIRECT = "'BIJAX_MGPU_LAUNCHES=" + "|".join("=" + n for n in _S51) + "'"
 _PREFILL_CASES = ("--cases", "prefill,prefill64", "--paths", "invariant")
 _CHECK_LIMITS = ("--max-num-seqs", "2", "--max-num-batched-tokens", "32", "--requests", "4", "--max-tokens", "6",
                  "--max-model-len", "512")  # fmt: skip
@@ -94,9 +91,7 @@ _AB = {
         ("launch-heaviest-dense", "prefill-launch", "heaviest-dense", _PREFILL),
         ("launch-heaviest-dense-fold", "prefill-launch", "heaviest-dense-fold", _PREFILL),
         ("launch-pair-all-dense-fold", "prefill-launch", "pair-all-dense-fold", _PREFILL),
-        ("launch-pingpong", "prefill-launch", "pingpong", _PREFILL),
         ("launch-direct-io", "prefill-launch", "direct-io", _PREFILL),
-        ("launch-pingpong-direct-io", "prefill-launch", "pingpong-direct-io", _PREFILL),
         ("launch-pair-all-dense-fold-q", "prefill-launch", "pair-all-dense-fold-q", _PREFILL),
         (
             "launch-pair-all-dense-fold-persistent",
@@ -227,9 +222,7 @@ STEPS = {
             "pair-all-dense-fold-q",
             "pair-all-dense-fold-persistent",
             "pair-all-dense-fold-persistent-prefetch-q",
-            "pingpong",
             "direct-io",
-            "pingpong-direct-io",
         )
     },
     "mgpu-bits": (_py("attention_mgpu.py", "--child", "bits"), 270, "Mosaic attention == Triton bits"),
@@ -259,9 +252,9 @@ STEPS = {
     ),
     **_launch_steps(
         "s51",
-        _PINGPONG,
+        _DIRECT,
         (200, 220),
-        "the engine's prefill launch, with the consumers taking turns (ping-pong), with q / output copied a token at a time, with both",
+        "the session-48 prefill launch and with q / the output copied a token at a time (the engine's since session 51)",
     ),
     "mgpu-fold-ptxas": (
         _with(_FOLD, "attention_mgpu.py", "--child", "ptxas"),

@@ -103,6 +103,12 @@ CONSUMERS = (1, 2)  # compute warpgroups of a program (2: plus a producer warpgr
 ORDERS = ("ascending", "heaviest")  # the order programs take the row tiles in
 # registers per thread with warp specialization (2 x 128 x 232 + 128 x 40 <= 65536)
 _CONSUMER_REGISTERS, _PRODUCER_REGISTERS = 232, 40
+# ``direct_io`` copies q and the output a token at a time: only where a tile holds at most this
+# many tokens (query-head groups of 7 or more). H100, same run (RESULTS.md session 51): 9 tokens a
+# tile (28 / 4 heads) 0.81x the transposes' launch's time on 8 x 1024 and 0.92x on 1 x 4096;
+# 16 (32 / 8 heads) 1.11x and 21 (9 / 3) 1.06x - each copy is a TMA issue and a barrier
+# arrival of every thread.
+DIRECT_IO_MAX_TOKENS = 9
 
 
 def supported(dtype, head_dim: int, spec: AttentionSpec) -> str | None:
@@ -288,7 +294,7 @@ def _kernel(
     segs_ref, nseg_ref, order_ref, rpos_ref, rseq_ref, bt_ref, q_ref, k_ref, v_ref, ones_ref, o_ref,
     *, spec: AttentionSpec, block_size: int, max_blocks: int, stages: int, max_segs: int, pv: str,
     a_in_smem: bool, overlap: bool, rounding: str, consumers: int, one_drain: bool, q_from_smem: bool,
-    fold_in_smem: bool, work: tuple[int, int, int] | None, prefetch_q: bool, pingpong: bool,
+    fold_in_smem: bool, work: tuple[int, int, int] | None, prefetch_q: bool,
     direct: tuple[int, int] | None, probe_unmasked: bool, inline_ex2: bool, probe_exact_exp: bool, probe_log2_scores: bool,
 ):  # fmt: skip
     if work is None:  # a program per (tile, head)
@@ -365,7 +371,6 @@ def _kernel(
         fold_smem,
         c0=0,
         after_walk=None,
-        schedule=None,
     ):
         """The walk's compute side for one warpgroup's 64 rows: (the folded output [ROWS, D],
         the tile count after its walk). Its first tile is the ring's tile ``c0`` (slot c0 %
@@ -376,9 +381,7 @@ def _kernel(
         none) runs at the start of tile c; ``tile_done(slot)`` once tile c's wgmmas are done
         with its slot; ``zero_v_sync(zero)`` runs the zeroing of a slot's unseen V rows.
         ``fold_smem``: an fp32 [ROWS, D] SMEM buffer that holds the split fold's accumulator
-        between folds (None: it stays in registers, 64 a thread live through every tile).
-        ``schedule`` (``pingpong``): (arrive, wait) on the barrier the two consumers take turns
-        through - after a tile's q @ k.T is issued, and around the wait for its V."""
+        between folds (None: it stays in registers, 64 a thread live through every tile)."""
         nseg = walk.nseg
 
         def fold_split(fold, state, use):
@@ -400,9 +403,6 @@ def _kernel(
         def qk(slot):
             def dot(acc_ref):
                 plgpu.wgmma(acc_ref, q, k_smem.at[slot].transpose((1, 0)))
-                if schedule is not None:  # the other warpgroup's softmax is done: its dots go
-                    schedule[0]()
-                    schedule[1]()
                 return acc_ref[...]
 
             return pl.run_scoped(dot, plgpu.ACC((ROWS, tile), jnp.float32))
@@ -434,13 +434,9 @@ def _kernel(
             return new, s
 
         def tile_math(slot, s, state, ok, zero_v):
-            def v_ready():  # the tile's V has landed (and its unseen rows are zeroed)
-                plgpu.barrier_wait(v_bar.at[slot])
-                if zero_v is not None:
-                    zero_v(slot)
-
-            if schedule is None:
-                v_ready()
+            plgpu.barrier_wait(v_bar.at[slot])
+            if zero_v is not None:
+                zero_v(slot)
 
             def operand(p):
                 if not a_in_smem:
@@ -477,12 +473,6 @@ def _kernel(
 
             def sum_and_update(acc, alpha, p):
                 """p @ ones and the new acc with one wait for both wgmmas (``one_drain``)."""
-                if schedule is not None:  # this softmax is done; the dots wait for the turn
-                    # (V's wait and zeroing between the two: the zeroing's barrier pairs the
-                    # consumers at the same tile, and each reaches it here, half a turn apart)
-                    schedule[0]()
-                    v_ready()
-                    schedule[1]()
                 alpha = lax.broadcast_in_dim(alpha, acc.shape, (0,))
                 p = operand(p)
                 if pv == "into":
@@ -659,7 +649,7 @@ def _kernel(
 
     def body_specialized(
         k_smem, v_smem, ones_smem, qo_smem, rows_smem, segs_smem, a_smem, fold_smem, out_smem,
-        k_bar, v_bar, ones_bar, setup_bar, segs_free, q_bar, consumed_bar, zero_bar, sched_bar,
+        k_bar, v_bar, ones_bar, setup_bar, segs_free, q_bar, consumed_bar, zero_bar,
     ):  # fmt: skip
         """``consumers`` warpgroups compute (one 64-row tile each: tiles ``consumers * i + wg``)
         on the walk of their tiles' union; one more loads the KV tiles (FlashAttention-3's
@@ -765,17 +755,6 @@ def _kernel(
                 plgpu.copy_gmem_to_smem(rpos_ref.at[row_tile], rows_smem.at[wg, 0], q_bar.at[wg])
                 plgpu.copy_gmem_to_smem(rseq_ref.at[row_tile], rows_smem.at[wg, 1], q_bar.at[wg])
 
-            schedule = None
-            if pingpong:  # the consumers take turns on the tensor cores (FlashAttention-3)
-                schedule = (
-                    functools.partial(plgpu.barrier_arrive, sched_bar),
-                    functools.partial(plgpu.barrier_wait, sched_bar),
-                )
-
-            def turn():  # one pass through the turns' barrier
-                schedule[0]()
-                schedule[1]()
-
             def after_walk(b):
                 """The walk is over: its segments' buffer is free (for the producer's next item)."""
                 if work is not None:
@@ -804,7 +783,7 @@ def _kernel(
                     walk, q, rpos, rseq, k_smem, v_smem, ones_smem, k_bar, v_bar, scratch,
                     lambda pf, c: pf, (), lambda slot: plgpu.barrier_arrive(consumed_bar.at[slot]),
                     zero_v_sync, None if fold_smem is None else fold_smem.at[wg], c,
-                    functools.partial(after_walk, b), schedule,
+                    functools.partial(after_walk, b),
                 )  # fmt: skip
                 if prefetch_q:  # staged in its own buffer, stored while the next item starts
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # (the last store has read it)
@@ -829,11 +808,7 @@ def _kernel(
 
             if prefetch_q:
                 pl.when(count > 0)(lambda: load_q(*item_of(0)))
-            if schedule is not None:  # consumer 1 starts a turn behind ...
-                pl.when(wg == 1)(turn)
             items(run, jnp.int32(0))
-            if schedule is not None:  # ... so consumer 0 ends with one turn more
-                pl.when(wg == 0)(turn)
             plgpu.wait_smem_to_gmem(0)
 
     def a_operands(*lead):
@@ -865,8 +840,8 @@ def _kernel(
         plgpu.SMEM((stages, tile, d), dtype, transforms=transforms),
         plgpu.SMEM((stages, tile, d), dtype, transforms=transforms),
         plgpu.SMEM((tile, _SUM_N), dtype, transforms=sum_transforms),
-        # q (and with ``direct`` the output's staging buffer) row-major: a token's G rows at any
-        # row, where the swizzled layout's 8-row tiles would not take them
+        # q (and with ``direct`` the output's staging buffer) without the 8-row tiles, which would
+        # not take a token's G rows at any row (Mosaic GPU picks 1-row tiles for the copies)
         plgpu.SMEM((consumers, ROWS, d), dtype, transforms=transforms if direct is None else ()),
         plgpu.SMEM((consumers, 2, ROWS), jnp.int32),
         plgpu.SMEM((1 if work is None else 2, 4, max_segs), jnp.int32),
@@ -883,7 +858,6 @@ def _kernel(
         plgpu.Barrier(num_arrivals=2 + (1 if direct is None else direct[0]), num_barriers=consumers),
         plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),
         plgpu.Barrier(num_arrivals=consumers),
-        plgpu.Barrier(num_arrivals=consumers) if pingpong else None,  # the consumers' turns
         collective_axes="wg",
     )
 
@@ -923,7 +897,6 @@ def tiles_mgpu(
     fold_in_smem: bool = False,
     persistent: int | bool = False,
     prefetch_q: bool = False,
-    pingpong: bool = False,
     direct_io: bool = False,
     probe_exact_exp: bool = False,
     probe_unmasked: bool = False,
@@ -963,20 +936,16 @@ def tiles_mgpu(
     which loaded the next q only after a walk and stored the output from registers, was
     measured in session 44 - 0.97x on 4096-token prompts, 1.03x elsewhere - and removed.)
 
-    ``pingpong`` (with ``consumers=2`` and ``one_drain``): the two consumers take turns on the
-    tensor cores, as FlashAttention-3's ping-pong schedule does - one's dots run while the other
-    does its softmax, through a barrier each passes twice a tile (after issuing q @ k.T, and
-    before p @ ones and p @ v; consumer 1 starts a turn behind). Without it both wait on the
-    same slot and tend to issue their wgmmas together, leaving the tensor cores idle through
-    both softmaxes. Only when the warpgroups run changes.
-
     ``direct_io`` (with ``prefetch_q``): a consumer reads its tile's q straight from q [T, Hkv,
     G, D] and writes its output straight into the result, a TMA copy a token (a token's G query
     heads are G consecutive rows of a tile), where a tile's rows are whole query-head groups
-    (``packing`` "dense", or a group that is a power of two). Without it q goes through an XLA
-    transpose into tiles before the kernel and the output through another after it (at 8 x 1024
-    tokens, 28 / 4 heads, ~235 MB of memory traffic next to the kernel's). Only where the
-    rows come from and go changes.
+    (``packing`` "dense", or a group that is a power of two) of at most
+    ``DIRECT_IO_MAX_TOKENS`` tokens. Without it q goes through an XLA transpose into tiles
+    before the kernel and the output through another after it (at 8 x 1024 tokens, 28 / 4
+    heads, ~235 MB of memory traffic next to the kernel's). Only where the rows come from and
+    go changes. (The buffers are declared without transforms; Mosaic GPU picks their layout -
+    1-row x 64-column tiles, 128-byte swizzle - and the copies and the register loads and stores
+    share it.)
 
     ``probe_exact_exp`` is a measurement probe, not a launch choice: 2**y as the exact ``exp`` of
     y * ln 2 (libdevice's ``expf``, the exponential of NUMERICS_VERSION 5, with two multiplies
@@ -1022,10 +991,6 @@ def tiles_mgpu(
         )
     if direct_io and not prefetch_q:
         raise ValueError("attention (Mosaic GPU tiles): direct_io needs prefetch_q (its output buffer)")
-    if pingpong and (consumers == 1 or not one_drain or overlap):
-        raise ValueError(
-            "attention (Mosaic GPU tiles): pingpong needs consumers=2 and one_drain, and goes without overlap"
-        )
     if q_from_smem and consumers == 1:
         raise ValueError(
             "attention (Mosaic GPU tiles): q_from_smem needs consumers=2 (one warpgroup's q shares a KV slot)"
@@ -1040,7 +1005,8 @@ def tiles_mgpu(
     q, rpos, rseq, unpack = row_tiles(qg, token_seq, token_pos, ROWS, packing)
     tokens_a_tile, rows_a_token = tile_tokens(qg.shape[2], ROWS, packing)
     direct = None
-    if direct_io and rows_a_token == qg.shape[2]:  # (else the tiles' padded heads: copied by XLA)
+    # (else the tiles' padded heads, or more copies than the transposes cost: XLA's copies)
+    if direct_io and rows_a_token == qg.shape[2] and tokens_a_tile <= DIRECT_IO_MAX_TOKENS:
         direct = (tokens_a_tile, rows_a_token)
     nt = rpos.shape[0]
     programs = -(-nt // consumers)
@@ -1080,7 +1046,6 @@ def tiles_mgpu(
         fold_in_smem=bool(fold_in_smem),
         work=work,
         prefetch_q=bool(prefetch_q),
-        pingpong=bool(pingpong),
         direct=direct,
         probe_unmasked=bool(probe_unmasked),
         inline_ex2=interpret is None,

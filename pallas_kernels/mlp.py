@@ -54,10 +54,12 @@ PAIR_WIDE_TILES = 64
 # The model takes the fused launch up to this many rows (``models.llama``), and here it replaces
 # the Mosaic GPU kernel where that would run (32 < M <= 64 on K >= 4096 weights: ``matmul``'s
 # rule for one weight). Above it, gate and up go ``matmul_shared``'s way and SwiGLU is an XLA
-# fusion. 16: decode rows only (measured, session 50); 32 and 64 rows are timed by
-# ``benchmarks/kernels.py --gate-up`` and in the engine by ``benchmarks/ab.py swiglu-mid``. A
+# fusion. llama3-8b's gate and up at 32 / 64 rows: 77.8 / 79.2 us fused (M x 64 tiles, 4 warps,
+# 3 stages) against 82.1 / 83.0 for the shared launch + the XLA fusion the model ran there,
+# and XLA's 94.3 / 97.7 (H100, CUPTI, rotated weights, bits checked; RESULTS.md session 51).
+# 16 (decode rows only, session 50's rule): the switch of ``benchmarks/ab.py swiglu-mid``. A
 # launch choice: the same bits either way.
-FUSED_MAX_ROWS = 16
+FUSED_MAX_ROWS = 64
 
 
 def swiglu(g: jax.Array, u: jax.Array) -> jax.Array:
@@ -75,10 +77,11 @@ def _epilogue(acc_g, acc_u, out_dtype):
 
 
 def pair_tiles(plan: MatmulPlan, m: int, interpret: bool = False) -> GpuTiles:
-    """The fused launch's shape at M rows (``PAIR_TILES`` if set): at decode rows of wide 2-byte
-    weights 16 x 128 tiles, 8 warps, 3 stages (``PAIR_WIDE_TILES``), else the gate weight's own
-    launch (``gpu_tiles``) with half its pipeline stages (each stage holds both weights'
-    tiles); in interpret mode matmul's fixed interpret tile."""
+    """The fused launch's shape at M rows (``PAIR_TILES`` if set): for wide 2-byte weights
+    (``PAIR_WIDE_TILES``) at decode rows 16 x 128 tiles, 8 warps, 3 stages, at 17-64 rows
+    M-row tiles (32 or 64) x 64 columns, 4 warps, 3 stages; else the gate weight's own launch
+    (``gpu_tiles``) with half its pipeline stages (each stage holds both weights' tiles); in
+    interpret mode matmul's fixed interpret tile."""
     if interpret:
         return default_tiles(plan, m, interpret=True)
     if PAIR_TILES is not None:
@@ -87,6 +90,8 @@ def pair_tiles(plan: MatmulPlan, m: int, interpret: bool = False) -> GpuTiles:
     wide = plan.n % 128 == 0 and plan.n // 128 >= PAIR_WIDE_TILES and jnp.dtype(plan.dtype).itemsize == 2
     if t.tile_m == 16 and wide:
         return GpuTiles(16, 128, 8, 3)
+    if t.tile_m in (32, 64) and wide:  # 17-64 rows (``FUSED_MAX_ROWS``)
+        return GpuTiles(t.tile_m, 64, 4, 3)
     return dataclasses.replace(t, num_stages=max(2, t.num_stages // 2))
 
 

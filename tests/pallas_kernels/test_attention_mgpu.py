@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import attention_triton
+from pallas_kernels import attention_mgpu, attention_triton
 from pallas_kernels.attention import attention
 from pallas_kernels.attention_math import EX2_PTX, AttentionSpec, kv_tile
 from pallas_kernels.attention_mgpu import heaviest_first, segments, supported, tiles_mgpu
@@ -96,9 +96,13 @@ def test_segments_are_each_tiles_sequences_ascending():
         ("into", "two", False, {"fold_in_smem": True, "order": "heaviest", "packing": "dense"}),
         ("into", "two", False, dict(attention_triton.MGPU_PREFILL_LAUNCH)),  # the engine's
         ("into", "two", False, {**dict(attention_triton.MGPU_PREFILL_LAUNCH), "persistent": 5}),
-        ("into", "two", False, {**dict(attention_triton.MGPU_PREFILL_LAUNCH), "prefetch_q": False}),
-        ("into", "two", False, {**dict(attention_triton.MGPU_PREFILL_LAUNCH), "pingpong": True}),
-        ("into", "two", False, {**dict(attention_triton.MGPU_PREFILL_LAUNCH), "direct_io": True}),
+        (
+            "into",
+            "two",
+            False,
+            {**dict(attention_triton.MGPU_PREFILL_LAUNCH), "prefetch_q": False, "direct_io": False},
+        ),
+        ("into", "two", False, {**dict(attention_triton.MGPU_PREFILL_LAUNCH), "direct_io": False}),
     ],
 )
 def test_cuda_lowering_is_one_mosaic_gpu_kernel(pv, rounding, overlap, launch):
@@ -120,8 +124,9 @@ def test_cuda_lowering_is_one_mosaic_gpu_kernel(pv, rounding, overlap, launch):
     )
     assert MOSAIC_GPU_CUSTOM_CALL in text and "bijax_attention_tiles_mgpu" in text
     assert "xla.gpu.triton" not in text
-    # q into tiles and the output back: XLA transposes, but for direct_io (the others: control)
-    assert ("stablehlo.transpose" in text) != bool(launch.get("direct_io")), launch
+    # q into tiles and the output back: XLA transposes (16 tokens a tile: direct_io does not
+    # take them; test_direct_io_lowers_without_transposes)
+    assert "stablehlo.transpose" in text, launch
     # the one exponential of every GPU kernel (the Triton kernels' inline assembly): ex2.approx.ftz,
     # and no math-dialect exp / exp2 (what a missed exp2 hook would lower to)
     assert EX2_PTX in text and "math.exp" not in text
@@ -141,6 +146,30 @@ def test_cuda_lowering_is_one_mosaic_gpu_kernel(pv, rounding, overlap, launch):
             *args,
         )
         assert MOSAIC_GPU_CUSTOM_CALL in base2 and EX2_PTX in base2 and base2 != text
+
+
+def test_direct_io_lowers_without_transposes_where_tiles_hold_few_tokens(monkeypatch):
+    """The engine's launch (``direct_io``) at 9 tokens a tile (28 / 4 heads) lowers with no XLA
+    transpose of q or the output; at 16 (32 / 8) it keeps them (slower there: measured), unless
+    ``DIRECT_IO_MAX_TOKENS`` takes 16 too (control: the check sees the copies)."""
+    s = jax.ShapeDtypeStruct
+    spec = AttentionSpec.create(128)
+
+    def transposes(hq, hkv):
+        args = (
+            s((200, hkv, hq // hkv, 128), BF16),
+            s((64, 16, hkv, 128), BF16),
+            s((64, 16, hkv, 128), BF16),
+            (s((2, 32), jnp.int32), s((2,), jnp.int32), s((200,), jnp.int32), s((200,), jnp.int32)),
+        )
+        launch = dict(attention_triton.MGPU_PREFILL_LAUNCH)
+        text = cuda_export(lambda q, k, v, idx: tiles_mgpu(q, k, v, idx, spec=spec, **launch), *args)
+        return text.count("stablehlo.transpose")
+
+    assert dict(attention_triton.MGPU_PREFILL_LAUNCH)["direct_io"]
+    assert transposes(28, 4) == 0 and transposes(32, 8) > 0
+    monkeypatch.setattr(attention_mgpu, "DIRECT_IO_MAX_TOKENS", 16)
+    assert transposes(32, 8) == 0
 
 
 def test_unsupported_calls_are_refused_by_name():
@@ -172,9 +201,6 @@ def test_unsupported_calls_are_refused_by_name():
         tiles_mgpu(q, kc, kc, idx, spec=spec, consumers=2, persistent=True, prefetch_q=True)
     with pytest.raises(ValueError, match="direct_io needs prefetch_q"):
         tiles_mgpu(q, kc, kc, idx, spec=spec, consumers=2, direct_io=True)
-    for bad in ({}, {"consumers": 2}, {"consumers": 2, "one_drain": True, "overlap": True}):
-        with pytest.raises(ValueError, match="pingpong needs consumers=2 and one_drain"):
-            tiles_mgpu(q, kc, kc, idx, spec=spec, pingpong=True, **bad)
     with pytest.raises(ValueError, match="q_from_smem needs consumers=2"):
         tiles_mgpu(q, kc, kc, idx, spec=spec, q_from_smem=True)
     big = jnp.ones((2, 256, 1, 128), BF16)
@@ -189,12 +215,12 @@ def test_unsupported_calls_are_refused_by_name():
         )  # fmt: skip
 
 
-def test_launch_choices_keep_the_bits():
+def test_launch_choices_keep_the_bits(monkeypatch):
     """``overlap`` (the next tile's q @ k.T issued before this tile's softmax), the number of
     stages, warp specialization (two consumer warpgroups walking the union of their tiles'
     walks, a producer warpgroup loading), the heaviest-first order, one wait for a tile's
-    p @ ones and p @ v, the split fold's accumulator kept in SMEM and the consumers' turns on the
-    tensor cores (``pingpong``: a misplaced turn deadlocks here) change when or where things
+    p @ ones and p @ v, the split fold's accumulator kept in SMEM and q / the output copied a
+    token at a time (``direct_io``, here at 16 tokens a tile) change when or where things
     run,
     never what: the same bits on a walk through several sequences, splits and a window, tile
     pairs whose sequences differ, stale NaN cache rows - and interpret mode's race detector
@@ -220,6 +246,7 @@ def test_launch_choices_keep_the_bits():
         return bits(out)
 
     base = run()
+    monkeypatch.setattr(attention_mgpu, "DIRECT_IO_MAX_TOKENS", 16)  # (this test's group of 4)
     # (each choice in at least one launch, most in several: a run here takes ~7 s of CI time)
     launches = [
         {"overlap": True, "stages": 2},
@@ -241,8 +268,6 @@ def test_launch_choices_keep_the_bits():
             "prefetch_q": True,
             "direct_io": True,
         },
-        # the consumers take turns (one persistent program: the turns go on across its items)
-        {"consumers": 2, "persistent": 1, "one_drain": True, "fold_in_smem": True, "pingpong": True},
     ]
     for launch in launches:
         np.testing.assert_array_equal(run(**launch), base, err_msg=str(launch))
