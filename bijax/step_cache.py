@@ -90,6 +90,7 @@ _SETTINGS = (
     ("mlp", "FUSED"),
     ("mlp", "PAIR_TILES"),
     ("mlp", "FUSED_MAX_ROWS"),
+    ("attention_mgpu", "DIRECT_IO_MAX_TOKENS"),
 )
 
 
