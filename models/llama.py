@@ -312,7 +312,8 @@ class Decoder:
         # GATE_UP_SHARED_MIN_ROWS rows on (matmul_triton's measurements), else a launch each; the
         # same bits every way
         m = x.shape[0]
-        if invariant and (m <= pk.mlp.FUSED_MAX_ROWS or m < pk.matmul_triton.GATE_UP_SHARED_MIN_ROWS):
+        fused = pk.mlp.FUSED and m <= pk.mlp.FUSED_MAX_ROWS  # (off: the route of before, for A/Bs)
+        if invariant and (fused or m < pk.matmul_triton.GATE_UP_SHARED_MIN_ROWS):
             return col_mm_swiglu(x, *ws, col_blocks=cb, tp=tp)
         if m >= pk.matmul_triton.GATE_UP_SHARED_MIN_ROWS:
             g, u = col_mm_shared(x, ws, invariant=invariant, col_blocks=cb, tp=tp)
