@@ -1010,7 +1010,7 @@ def tiles_mgpu(
         direct = (tokens_a_tile, rows_a_token)
     nt = rpos.shape[0]
     programs = -(-nt // consumers)
-    if programs * consumers != nt:  # a last program's second tile: padding rows
+    if direct is None and programs * consumers != nt:  # a last program's second tile: padding rows
         q = jnp.pad(q, ((0, programs * consumers - nt), (0, 0), (0, 0), (0, 0)))
     rpos, rseq, segs, nseg, program_order = walk_tables(
         rpos, rseq, context_lens, block_tables.shape[0], consumers=consumers, order=order, window=spec.window
