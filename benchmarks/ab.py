@@ -97,7 +97,7 @@ SWITCHES = {
                 "pair-all-dense-fold-persistent-prefetch-q",
                 {**PAIR3, "fold_in_smem": True, "persistent": True, "prefetch_q": True},
             ),
-            (  # q / the output copied a token at a time, no XLA transposes (the engine's, session 51)
+            (  # q / the output copied a tile at a time, no XLA transposes (the engine's, session 52)
                 "direct-io",
                 {**PAIR3, "fold_in_smem": True, "persistent": True, "prefetch_q": True, "direct_io": True},
             ),

@@ -266,10 +266,11 @@ LAUNCHES = {
         "persistent": True,
         "prefetch_q": True,
     },
-    # session 51: q read / the output written by a TMA copy a token, without XLA's transposes
-    # (the engine's since session 51 where a tile holds at most 9 tokens). (The consumers taking
-    # turns on the tensor cores - FlashAttention-3's ping-pong - was 1.02-1.07x slower on the H100
-    # and deadlocked on programs with empty items: removed.)
+    # q read / the output written by TMA straight from / into [T, Hkv, G, D], without XLA's
+    # transposes: since session 52 one copy a tile (the engine's); session 51's form, a copy a
+    # token, was slower than the transposes at 16 and 21 tokens a tile (removed). (The consumers
+    # taking turns on the tensor cores - FlashAttention-3's ping-pong - was 1.02-1.07x slower on
+    # the H100 and deadlocked on programs with empty items: removed.)
     "pair, 3 stages, heaviest, one drain, dense rows, fold in SMEM, persistent, prefetch q, direct io": {
         **_PAIR3,
         "fold_in_smem": True,

@@ -51,7 +51,8 @@ _PERSIST_NAMES = (
     f"probe: 128-key tiles (128-token pages), {_PAGES}",
 )
 _PERSIST = "'BIJAX_MGPU_LAUNCHES=" + "|".join("=" + n for n in _PERSIST_NAMES) + "'"
-# the launch of session 48 and the same with q and the output copied a token at a time (session 51)
+# the launch of session 48 and the same with q and the output copied straight from / into
+# [T, Hkv, G, D] (session 51: a copy a token; since session 52: a copy a tile)
 _S51 = [f"{_P42}, persistent, prefetch q{x}" for x in ("", ", direct io")]
 _DIRECT = "'BIJAX_MGPU_LAUNCHES=" + "|".join("=" + n for n in _S51) + "'"
 _PREFILL_CASES = ("--cases", "prefill,prefill64", "--paths", "invariant")
@@ -254,7 +255,7 @@ STEPS = {
         "s51",
         _DIRECT,
         (200, 220),
-        "the session-48 prefill launch and with q / the output copied a token at a time (the engine's since session 51)",
+        "the session-48 prefill launch and with q / the output copied a tile at a time (the engine's since session 52)",
     ),
     "mgpu-fold-ptxas": (
         _with(_FOLD, "attention_mgpu.py", "--child", "ptxas"),

@@ -344,7 +344,7 @@ class ModelRunner:
             out_shardings=out,
         )
 
-    def _batch(self, chunks: list[Chunk], *, logit_rows: bool = True) -> PagedBatch:
+    def _batch(self, chunks: list[Chunk], *, logit_rows: bool = True, num_logprobs: int = 0) -> PagedBatch:
         """Flat padded inputs for the chunks, in order; ``logit_rows``: the sampled rows of each
         chunk - one per sequence row when every chunk samples one (R = S), else bucketed like
         tokens - or, without, every token row goes through the LM head."""
@@ -354,7 +354,7 @@ class ModelRunner:
         rows = int(nrows.sum())
         s, t = cfg.step_bucket(len(chunks), total)
         if logit_rows and self._tiered and self.config.invariant:  # (the baseline's bits follow its bucket)
-            s, t = self._ready_bucket(s, t, rows, len(chunks))
+            s, t = self._ready_bucket(s, t, rows, len(chunks), num_logprobs)
         bs = cfg.block_size
         b = PagedBatch.padding(s, t, cfg.max_blocks_per_seq, logit_rows=logit_rows)
         if logit_rows and rows > len(chunks):
@@ -380,12 +380,16 @@ class ModelRunner:
             b.logit_rows[:rows] = _last_rows(first + lens, nrows)
         return b
 
-    def _ready_bucket(self, s: int, t: int, rows: int, num_chunks: int) -> tuple[int, int]:
+    def _ready_bucket(
+        self, s: int, t: int, rows: int, num_chunks: int, num_logprobs: int = 0
+    ) -> tuple[int, int]:
         """Tiered: the bucket a step of bucket (s, t) runs in - its own, or, while its own
         forward is not compiled, the smallest larger bucket (fewest tokens, then sequences)
         whose forward is, its own then compiling in the background; a step's bits do not
         depend on its bucket (the extra rows are padding). Its own where none is ready, or
-        where its chain cannot be compiled in the background (``_kept_chain``): compiled now."""
+        where its chain cannot be compiled in the background (``_kept_chain``): compiled now.
+        The background compile takes its own sampled rows' sampling programs too (both
+        variants, as ``warmup``): its first step in its own bucket compiles nothing."""
 
         def rows_of(s):
             return _sampled_rows(self.config, s, rows, num_chunks)
@@ -408,7 +412,8 @@ class ModelRunner:
         )
         for t2, s2 in larger:
             if ready(s2, t2):
-                self._upgrade(own, fill=True)
+                samples = [("sample", rows_of(s), num_logprobs, f) for f in (False, True)]
+                self._upgrade(own + samples, fill=True)
                 self._upgrade([("forward", s, t, rows_of(s))])  # (as its chain's first step would)
                 self.larger_bucket_steps += 1
                 return s2, t2
@@ -425,7 +430,7 @@ class ModelRunner:
         """Enqueues one step on the device and returns without waiting for it. A chunk token
         that is ``PENDING`` (async scheduling: sampled by ``prev``, not read back) is taken on
         the device from ``prev``'s sampled row of its sequence."""
-        batch = self._batch(chunks)
+        batch = self._batch(chunks, num_logprobs=num_logprobs)
         sampling = SamplingRows.greedy(len(batch.logit_rows))
         j = sum(c.num_rows for c in chunks)
         flat = batch.logit_rows[:j]  # each sampled row's token in the batch
@@ -795,7 +800,9 @@ class ModelRunner:
                 )
                 return 0.0
             try:
-                return self._make(todo, [], {}, None, None, None, _stopping, gen)
+                samples = [k for k in todo if k[0] == "sample"]
+                forwards = [k for k in todo if k[0] != "sample"]
+                return self._make(forwards, samples, {}, None, None, None, _stopping, gen)
             except Exception as e:
                 if _stopping.is_set():
                     return 0.0  # the interpreter is exiting: nothing more is compiled

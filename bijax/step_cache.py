@@ -90,7 +90,6 @@ _SETTINGS = (
     ("mlp", "FUSED"),
     ("mlp", "PAIR_TILES"),
     ("mlp", "FUSED_MAX_ROWS"),
-    ("attention_mgpu", "DIRECT_IO_MAX_TOKENS"),
 )
 
 

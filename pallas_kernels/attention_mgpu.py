@@ -103,12 +103,6 @@ CONSUMERS = (1, 2)  # compute warpgroups of a program (2: plus a producer warpgr
 ORDERS = ("ascending", "heaviest")  # the order programs take the row tiles in
 # registers per thread with warp specialization (2 x 128 x 232 + 128 x 40 <= 65536)
 _CONSUMER_REGISTERS, _PRODUCER_REGISTERS = 232, 40
-# ``direct_io`` copies q and the output a token at a time: only where a tile holds at most this
-# many tokens (query-head groups of 7 or more). H100, same run (RESULTS.md session 51): 9 tokens a
-# tile (28 / 4 heads) 0.81x the transposes' launch's time on 8 x 1024 and 0.92x on 1 x 4096;
-# 16 (32 / 8 heads) 1.11x and 21 (9 / 3) 1.06x - each copy is a TMA issue and a barrier
-# arrival of every thread.
-DIRECT_IO_MAX_TOKENS = 9
 
 
 def supported(dtype, head_dim: int, spec: AttentionSpec) -> str | None:
@@ -155,6 +149,17 @@ def can_run(dtype, head_dim: int, spec: AttentionSpec, *, block_size: int, group
     return getattr(jax.devices()[0], "compute_capability", None) == "9.0"
 
 
+def _box_tokens(group: int, d: int, itemsize: int) -> int:
+    """``direct_io``: the whole tokens of a q / output buffer - enough for a tile's 64 rows,
+    and a multiple of 1 KB, so that the second consumer's buffer starts where the 128-byte
+    swizzle's 8-row pattern does (else TMA and the register loads disagree on its layout: wrong
+    rows on the H100 at 70 and 66 rows, session 52)."""
+    tokens = -(-ROWS // group)
+    while tokens * group * d * itemsize % 1024:
+        tokens += 1
+    return tokens
+
+
 def _stages(
     tile: int,
     d: int,
@@ -163,20 +168,22 @@ def _stages(
     consumers: int = 1,
     fold_in_smem: bool = False,
     out_buffer: bool = False,
+    qo_rows: int = ROWS,
 ) -> int:
     """Ring slots: as asked, fewer where the program would not fit (two programs per SM with one
     warpgroup; one with warp specialization, which also holds each consumer's q), at least 2.
     ``fold_in_smem``: each warpgroup also holds its split fold's fp32 accumulator;
-    ``out_buffer``: and its output's staging buffer (``prefetch_q``)."""
+    ``out_buffer``: and its output's staging buffer (``prefetch_q``). ``qo_rows``: the rows of
+    each q / output buffer (``direct_io``'s whole tokens: up to 112)."""
     per_stage = 2 * tile * d * itemsize
     fixed = tile * _SUM_N * itemsize + 4 * 1024  # ones; rows, segments, barriers
     if fold_in_smem:
         fixed += consumers * ROWS * d * 4
     if out_buffer:
-        fixed += consumers * ROWS * d * itemsize
+        fixed += consumers * qo_rows * d * itemsize
     budget = _SMEM_BYTES
     if consumers > 1:
-        fixed += consumers * ROWS * d * itemsize
+        fixed += consumers * qo_rows * d * itemsize
         budget = _SMEM_BYTES_ALONE
     if fixed + 2 * per_stage > (2 * _SMEM_BYTES if consumers == 1 else budget):
         fold = " with the fold in shared memory" if fold_in_smem else ""
@@ -310,6 +317,11 @@ def _kernel(
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     swizzle = min(128, d * dtype.itemsize)
     transforms = (plgpu.TilingTransform((8, swizzle // dtype.itemsize)), plgpu.SwizzleTransform(swizzle))
+    # (1-row tiles: a token's G rows at any row - ``direct_io``'s q and output buffers)
+    row_transforms = (
+        plgpu.TilingTransform((1, 1, swizzle // dtype.itemsize)),
+        plgpu.SwizzleTransform(swizzle),
+    )
     p_swizzle = min(128, tile * dtype.itemsize)
     p_transforms = (
         plgpu.TilingTransform((8, p_swizzle // dtype.itemsize)),
@@ -726,10 +738,17 @@ def _kernel(
                     k = count - nbuf + j
                     pl.when(k >= 0)(lambda k=k: plgpu.barrier_wait(segs_free.at[lax.rem(k, nbuf)]))
 
+        def box_rows(box):
+            """A [tokens, G, D] buffer's first 64 rows, as one [64, D] view."""
+            return box.reshape(box.shape[0] * box.shape[1], d).at[pl.ds(0, ROWS)]
+
         @pl.when(wg < consumers)
         def _consumer():
             plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
             q_smem = qo_smem.at[wg]
+            q_box = q_smem  # (``direct``: [tokens, G, D], a TMA box; q_smem its first 64 rows)
+            if direct is not None and not a_in_smem:
+                q_smem = box_rows(q_box)
             scratch = None if a_smem is None else (a_smem[0].at[wg], a_smem[1].at[wg])
 
             def zero_v_sync(zero):
@@ -745,13 +764,11 @@ def _kernel(
                 row_tile = consumers * ik + wg
                 if direct is None:
                     plgpu.copy_gmem_to_smem(q_ref.at[row_tile, hk], q_smem, q_bar.at[wg])
-                else:  # token by token from q [T, Hkv, G, D] (a tile's rows: tq tokens x G)
-                    tq, group = direct
-                    last = q_ref.shape[0] - 1
-                    for j in range(tq):  # (a token past the last: a copy of the last, padding rows)
-                        t = jnp.minimum(row_tile * tq + j, last)
-                        dst = q_smem.at[pl.ds(j * group, group)]
-                        plgpu.copy_gmem_to_smem(q_ref.at[t, hk], dst, q_bar.at[wg])
+                else:  # the tile's tq tokens x G rows from q [T, Hkv, G, D], one copy
+                    tq = direct[0]  # (TMA reads zeros past T: padding rows)
+                    plgpu.copy_gmem_to_smem(
+                        q_ref.at[pl.ds(row_tile * tq, tq), hk], q_box.at[pl.ds(0, tq)], q_bar.at[wg]
+                    )
                 plgpu.copy_gmem_to_smem(rpos_ref.at[row_tile], rows_smem.at[wg, 0], q_bar.at[wg])
                 plgpu.copy_gmem_to_smem(rseq_ref.at[row_tile], rows_smem.at[wg, 1], q_bar.at[wg])
 
@@ -767,7 +784,12 @@ def _kernel(
                 plgpu.barrier_wait(q_bar.at[wg])
                 # q as wgmma's A operand: from its SMEM buffer (``q_from_smem``: 32 registers a
                 # thread fewer) or loaded into registers
-                q = q_smem if q_from_smem else q_operand(q_smem, None if scratch is None else scratch[0])
+                if direct is not None and a_in_smem:  # (interpret mode reshapes no refs: a value's)
+                    scratch[0][...] = q_box[...].reshape(-1, d)[:ROWS]
+                    plgpu.commit_smem()
+                    q = scratch[0]
+                else:
+                    q = q_smem if q_from_smem else q_operand(q_smem, None if scratch is None else scratch[0])
                 rpos = plgpu.load(rows_smem.at[wg, 0], layout=row_layout)
                 rseq = plgpu.load(rows_smem.at[wg, 1], layout=row_layout)
                 if prefetch_q:  # q and the rows are in registers: the next item's load them now
@@ -787,18 +809,20 @@ def _kernel(
                 )  # fmt: skip
                 if prefetch_q:  # staged in its own buffer, stored while the next item starts
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # (the last store has read it)
-                    out_smem.at[wg][...] = out
+                    out_box = out_smem.at[wg]
+                    if direct is not None and a_in_smem:  # (interpret mode: as q)
+                        pad = out_box.shape[0] * out_box.shape[1] - ROWS
+                        out_box[...] = jnp.pad(out, ((0, pad), (0, 0))).reshape(out_box.shape)
+                    elif direct is not None:
+                        box_rows(out_box)[...] = out
+                    else:
+                        out_box[...] = out
                     plgpu.commit_smem()
                     if direct is None:
                         plgpu.copy_smem_to_gmem(out_smem.at[wg], o_ref.at[row_tile, hk])
                         return c
-                    tq, group = direct
-                    for j in range(tq):  # token by token into the output [T, Hkv, G, D]
-                        t = row_tile * tq + j
-                        src = out_smem.at[wg, pl.ds(j * group, group)]
-                        pl.when(t < o_ref.shape[0])(
-                            lambda t=t, src=src: plgpu.copy_smem_to_gmem(src, o_ref.at[t, hk])
-                        )
+                    tq = direct[0]  # one copy into the output [T, Hkv, G, D] (TMA drops rows past T)
+                    plgpu.copy_smem_to_gmem(out_box.at[pl.ds(0, tq)], o_ref.at[pl.ds(row_tile * tq, tq), hk])
                     return c
                 q_smem[...] = out  # every wgmma reading q is done (each result was waited for)
                 plgpu.commit_smem()
@@ -835,27 +859,34 @@ def _kernel(
             plgpu.Barrier(num_arrivals=5),
         )
         return
+    # q (and with ``prefetch_q`` the output's staging buffer); with ``direct`` [tokens, G, D] in
+    # 1-row tiles (8-row tiles would not take a token's G rows at any row): whole tokens that
+    # cover a tile's 64 rows, a copy's box
+    if direct is not None:
+        qo_buffer = plgpu.SMEM(
+            (consumers, _box_tokens(direct[1], d, dtype.itemsize), direct[1], d),
+            dtype,
+            transforms=row_transforms,
+        )
+    else:
+        qo_buffer = plgpu.SMEM((consumers, ROWS, d), dtype, transforms=transforms)
     pl.run_scoped(
         body_specialized,
         plgpu.SMEM((stages, tile, d), dtype, transforms=transforms),
         plgpu.SMEM((stages, tile, d), dtype, transforms=transforms),
         plgpu.SMEM((tile, _SUM_N), dtype, transforms=sum_transforms),
-        # q (and with ``direct`` the output's staging buffer) without the 8-row tiles, which would
-        # not take a token's G rows at any row (Mosaic GPU picks 1-row tiles for the copies)
-        plgpu.SMEM((consumers, ROWS, d), dtype, transforms=transforms if direct is None else ()),
+        qo_buffer,
         plgpu.SMEM((consumers, 2, ROWS), jnp.int32),
         plgpu.SMEM((1 if work is None else 2, 4, max_segs), jnp.int32),
         a_operands(consumers),
         plgpu.SMEM((consumers, ROWS, d), jnp.float32) if fold_in_smem else None,
-        plgpu.SMEM((consumers, ROWS, d), dtype, transforms=transforms if direct is None else ())
-        if prefetch_q
-        else None,
+        qo_buffer if prefetch_q else None,
         plgpu.Barrier(num_arrivals=pages, num_barriers=stages),
         plgpu.Barrier(num_arrivals=pages, num_barriers=stages),
         plgpu.Barrier(num_arrivals=1),  # the ones matrix
         plgpu.Barrier(num_arrivals=1, num_barriers=1 if work is None else 2),  # segments
         plgpu.Barrier(num_arrivals=consumers, num_barriers=1 if work is None else 2),  # segs_free
-        plgpu.Barrier(num_arrivals=2 + (1 if direct is None else direct[0]), num_barriers=consumers),
+        plgpu.Barrier(num_arrivals=3, num_barriers=consumers),
         plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),
         plgpu.Barrier(num_arrivals=consumers),
         collective_axes="wg",
@@ -937,15 +968,17 @@ def tiles_mgpu(
     measured in session 44 - 0.97x on 4096-token prompts, 1.03x elsewhere - and removed.)
 
     ``direct_io`` (with ``prefetch_q``): a consumer reads its tile's q straight from q [T, Hkv,
-    G, D] and writes its output straight into the result, a TMA copy a token (a token's G query
-    heads are G consecutive rows of a tile), where a tile's rows are whole query-head groups
-    (``packing`` "dense", or a group that is a power of two) of at most
-    ``DIRECT_IO_MAX_TOKENS`` tokens. Without it q goes through an XLA transpose into tiles
-    before the kernel and the output through another after it (at 8 x 1024 tokens, 28 / 4
-    heads, ~235 MB of memory traffic next to the kernel's). Only where the rows come from and
-    go changes. (The buffers are declared without transforms; Mosaic GPU picks their layout -
-    1-row x 64-column tiles, 128-byte swizzle - and the copies and the register loads and stores
-    share it.)
+    G, D] and writes its output straight into the result, one TMA copy a tile each way (a
+    [tokens, 1, G, D] box: a token's G query heads are G consecutive rows of a tile) where a
+    tile's rows are whole query-head groups (``packing`` "dense", or a group that is a power of
+    two). Without it q goes through an XLA transpose into tiles before the kernel and the
+    output through another after it (at 8 x 1024 tokens, 28 / 4 heads, ~235 MB of memory
+    traffic next to the kernel's). Only where the rows come from and go changes. The buffers are
+    [tokens, G, D] in 1-row tiles with the 128-byte swizzle (whole tokens: 64 rows or a few
+    more, a multiple of 1 KB), whose first 64 rows wgmma reads; TMA reads zeros past the last
+    token (padding rows) and drops writes past it. (Session 51's form, a copy a token, cost a
+    TMA issue and a barrier arrival a token: slower than the transposes at 16 and 21 tokens a
+    tile; this form is faster than both everywhere, RESULTS.md session 52.)
 
     ``probe_exact_exp`` is a measurement probe, not a launch choice: 2**y as the exact ``exp`` of
     y * ln 2 (libdevice's ``expf``, the exponential of NUMERICS_VERSION 5, with two multiplies
@@ -1005,8 +1038,7 @@ def tiles_mgpu(
     q, rpos, rseq, unpack = row_tiles(qg, token_seq, token_pos, ROWS, packing)
     tokens_a_tile, rows_a_token = tile_tokens(qg.shape[2], ROWS, packing)
     direct = None
-    # (else the tiles' padded heads, or more copies than the transposes cost: XLA's copies)
-    if direct_io and rows_a_token == qg.shape[2] and tokens_a_tile <= DIRECT_IO_MAX_TOKENS:
+    if direct_io and rows_a_token == qg.shape[2]:  # (else the tiles' padded heads: XLA's copies)
         direct = (tokens_a_tile, rows_a_token)
     nt = rpos.shape[0]
     programs = -(-nt // consumers)
@@ -1018,7 +1050,10 @@ def tiles_mgpu(
     max_segs = segs.shape[2]
     ones = jnp.ones((tile, _SUM_N), qg.dtype)
     rows_view = (num_blocks * block_size, hkv, d)
-    stages = _stages(tile, d, qg.dtype.itemsize, stages, consumers, bool(fold_in_smem), bool(prefetch_q))
+    qo_rows = ROWS if direct is None else _box_tokens(direct[1], d, qg.dtype.itemsize) * direct[1]
+    stages = _stages(
+        tile, d, qg.dtype.itemsize, stages, consumers, bool(fold_in_smem), bool(prefetch_q), qo_rows
+    )
     kwargs = {} if interpret is None else {"interpret": interpret}
     if consumers > 1:
         kwargs.update(num_threads=consumers + 1, thread_name="wg")

@@ -85,13 +85,14 @@ PREFILL_KERNEL = "tiles_mgpu"
 # 3): on an H100, same run, 0.977 / 0.992 / 0.984 / 0.978x the persistent launch's kernel time
 # on the four cases above; its ten bit checks PASS and the engine's four digests with it equal
 # the records (RESULTS.md, session 48; not yet run on an H200). The A/B switch's side before:
-# pair-all-dense-fold-persistent. Since session 51, where a tile holds at most 9 tokens (query
-# groups of 7 or more: qwen2.5's 28 / 4 heads) q and the output go by TMA a token at a time
-# instead of through XLA transposes (``direct_io``): on an H100, same run, 0.92x the launch
-# before on 1 x 4096 28/4 and 0.81x on 8 x 1024 (1.64x / 2.10x cuDNN); every bit check of
-# ``attention_mgpu.py launches`` it reached PASSed (28/4 and 32/8 heads); llama3 (G 4) and
-# SmolLM2 (G 3) tiles, where it was slower, run the launch before, module for module. The A/B
-# switch's side before: pair-all-dense-fold-persistent-prefetch-q.
+# pair-all-dense-fold-persistent. Since session 52 q and the output go by TMA straight from
+# and into [T, Hkv, G, D], one copy a tile each way, instead of through XLA transposes
+# (``direct_io``): on an H100, same run, 0.90x / 0.90x / 0.78x / 0.94x the launch before on
+# 1 x 4096 32/8, 1 x 4096 28/4, 8 x 1024 28/4 and 1 x 4096 9/3 D 64 (1.54x / 1.57x / 1.99x /
+# 1.69x cuDNN); the ten bit checks of ``attention_mgpu.py launches`` PASS and the engine's four
+# digests with it equal the records (RESULTS.md, session 52; not yet run on an H200). (Session
+# 51's form, a copy a token, was slower than the transposes at 16 and 21 tokens a tile.) The
+# A/B switch's side before: pair-all-dense-fold-persistent-prefetch-q.
 MGPU_PREFILL_LAUNCH = (
     ("stages", 3),
     ("consumers", 2),

@@ -219,9 +219,11 @@ def test_tiered_runs_the_chain_then_the_whole_forward_with_the_same_bits(runs, m
     wholes = {k for k in queued if k[0] == "forward"}
     assert wholes and ("embed", 16) in queued  # whole forwards, and the decode bucket's chain
     assert runner.programs_upgraded == len(queued) == llm.engine.stats().num_upgraded_programs
+    compiled = model_runner.num_compiled_steps()
     llm.reset_prefix_cache()  # the same steps, so the same buckets, again
     again = [o.outputs[0] for o in llm.generate(PROMPTS, SPS, use_tqdm=False)]
     after = llm.engine.stats()
+    assert model_runner.num_compiled_steps() == compiled  # nothing compiled in the second run
     assert after.num_chain_steps == before.num_chain_steps  # every step of the second run: whole
     assert after.num_larger_bucket_steps == before.num_larger_bucket_steps  # ... in its own bucket
     assert after.num_whole_steps > before.num_whole_steps
@@ -245,6 +247,30 @@ def test_tiered_runs_the_chain_then_the_whole_forward_with_the_same_bits(runs, m
     assert texts[0] != texts[1]
     specs = [jax.jit(lambda c: c + 1).lower(*step_cache._specs(x)).as_text() for x in ([fresh], [used])]
     assert specs[0] == specs[1]
+
+
+def test_a_bucket_filled_in_the_background_gets_its_sampling_programs_too(monkeypatch):
+    """Tiered: a step of a smaller bucket (16 sequences) runs in a larger compiled one (32)
+    while its own chain compiles in the background - and its own sampled rows' sampling programs
+    with it: once the background compiles are done, the same request again compiles nothing
+    (before, its first step in its own bucket compiled them: a compile inside a timed run)."""
+    from bijax import model_runner
+
+    monkeypatch.setattr(model_runner, "_shared", {})  # (the other engines' programs: not here)
+    monkeypatch.setenv("BIJAX_STEP_PROGRAMS", "tiered")
+    llm = bijax.LLM(_model(), max_model_len=64, max_num_seqs=32, max_num_batched_tokens=128, num_kv_blocks=24)
+    runner = llm.engine.runner
+    runner.warmup([(32, 128)])  # (the largest bucket only)
+    prompts, sps = PROMPTS[:1], SPS[:1]
+    llm.generate(prompts, sps, use_tqdm=False)
+    assert llm.engine.stats().num_larger_bucket_steps > 0
+    llm.wait_for_upgrades()
+    assert ("sample", 16, 0, False) in runner._upgrading
+    compiled = model_runner.num_compiled_steps()
+    llm.reset_prefix_cache()
+    llm.generate(prompts, sps, use_tqdm=False)
+    assert model_runner.num_compiled_steps() == compiled
+    llm.close()
 
 
 def test_a_bucket_whose_background_compile_failed_compiles_when_its_steps_come(runs, monkeypatch):

@@ -124,9 +124,8 @@ def test_cuda_lowering_is_one_mosaic_gpu_kernel(pv, rounding, overlap, launch):
     )
     assert MOSAIC_GPU_CUSTOM_CALL in text and "bijax_attention_tiles_mgpu" in text
     assert "xla.gpu.triton" not in text
-    # q into tiles and the output back: XLA transposes (16 tokens a tile: direct_io does not
-    # take them; test_direct_io_lowers_without_transposes)
-    assert "stablehlo.transpose" in text, launch
+    # q into tiles and the output back: XLA transposes, but with direct_io (the engine's launch)
+    assert ("stablehlo.transpose" in text) != bool(launch.get("direct_io")), launch
     # the one exponential of every GPU kernel (the Triton kernels' inline assembly): ex2.approx.ftz,
     # and no math-dialect exp / exp2 (what a missed exp2 hook would lower to)
     assert EX2_PTX in text and "math.exp" not in text
@@ -148,28 +147,27 @@ def test_cuda_lowering_is_one_mosaic_gpu_kernel(pv, rounding, overlap, launch):
         assert MOSAIC_GPU_CUSTOM_CALL in base2 and EX2_PTX in base2 and base2 != text
 
 
-def test_direct_io_lowers_without_transposes_where_tiles_hold_few_tokens(monkeypatch):
-    """The engine's launch (``direct_io``) at 9 tokens a tile (28 / 4 heads) lowers with no XLA
-    transpose of q or the output; at 16 (32 / 8) it keeps them (slower there: measured), unless
-    ``DIRECT_IO_MAX_TOKENS`` takes 16 too (control: the check sees the copies)."""
+def test_direct_io_lowers_without_transposes():
+    """The engine's launch (``direct_io``) lowers with no XLA transpose of q or the output at 9
+    (28 / 4 heads) and 16 (32 / 8) tokens a tile; where a tile's rows pad the query group
+    (``packing="pow2"`` at a group of 7) and without ``direct_io`` (control) it keeps them."""
     s = jax.ShapeDtypeStruct
     spec = AttentionSpec.create(128)
 
-    def transposes(hq, hkv):
+    def transposes(hq, hkv, **kw):
         args = (
             s((200, hkv, hq // hkv, 128), BF16),
             s((64, 16, hkv, 128), BF16),
             s((64, 16, hkv, 128), BF16),
             (s((2, 32), jnp.int32), s((2,), jnp.int32), s((200,), jnp.int32), s((200,), jnp.int32)),
         )
-        launch = dict(attention_triton.MGPU_PREFILL_LAUNCH)
+        launch = {**dict(attention_triton.MGPU_PREFILL_LAUNCH), **kw}
         text = cuda_export(lambda q, k, v, idx: tiles_mgpu(q, k, v, idx, spec=spec, **launch), *args)
         return text.count("stablehlo.transpose")
 
-    assert dict(attention_triton.MGPU_PREFILL_LAUNCH)["direct_io"]
-    assert transposes(28, 4) == 0 and transposes(32, 8) > 0
-    monkeypatch.setattr(attention_mgpu, "DIRECT_IO_MAX_TOKENS", 16)
-    assert transposes(32, 8) == 0
+    assert dict(attention_triton.MGPU_PREFILL_LAUNCH)["direct_io"] is True
+    assert transposes(28, 4) == 0 and transposes(32, 8) == 0
+    assert transposes(28, 4, packing="pow2") > 0 and transposes(32, 8, direct_io=False) > 0
 
 
 def test_unsupported_calls_are_refused_by_name():
@@ -215,14 +213,16 @@ def test_unsupported_calls_are_refused_by_name():
         )  # fmt: skip
 
 
-def test_launch_choices_keep_the_bits(monkeypatch):
+_DIRECT = {"consumers": 2, "persistent": 2, "fold_in_smem": True, "prefetch_q": True, "direct_io": True}
+
+
+def test_launch_choices_keep_the_bits():
     """``overlap`` (the next tile's q @ k.T issued before this tile's softmax), the number of
     stages, warp specialization (two consumer warpgroups walking the union of their tiles'
     walks, a producer warpgroup loading), the heaviest-first order, one wait for a tile's
     p @ ones and p @ v, the split fold's accumulator kept in SMEM and q / the output copied a
-    token at a time (``direct_io``, here at 16 tokens a tile) change when or where things
-    run,
-    never what: the same bits on a walk through several sequences, splits and a window, tile
+    tile at a time straight from / into [T, Hkv, G, D] (``direct_io``) change when or where
+    things run, never what: the same bits on a walk through several sequences, splits and a window, tile
     pairs whose sequences differ, stale NaN cache rows - and interpret mode's race detector
     (TMA writes, barrier waits and SMEM reads as happens-before events) finds no race in the
     slot ring. Control: a different split size (part of the numerics) changes the bits."""
@@ -246,7 +246,6 @@ def test_launch_choices_keep_the_bits(monkeypatch):
         return bits(out)
 
     base = run()
-    monkeypatch.setattr(attention_mgpu, "DIRECT_IO_MAX_TOKENS", 16)  # (this test's group of 4)
     # (each choice in at least one launch, most in several: a run here takes ~7 s of CI time)
     launches = [
         {"overlap": True, "stages": 2},
@@ -258,7 +257,8 @@ def test_launch_choices_keep_the_bits(monkeypatch):
         # staged in its own SMEM buffer
         {"consumers": 2, "persistent": 1},
         {"consumers": 2, "persistent": 1, "fold_in_smem": True, "prefetch_q": True},
-        # ... and q and the output copied a token (4 rows) at a time, no XLA transposes
+        # ... and q and the output copied a tile (16 tokens x 4 rows) at a time, no XLA
+        # transposes (TMA reads zeros past the last token and drops writes past it)
         {
             "consumers": 2,
             "persistent": 3,
@@ -279,15 +279,20 @@ def test_launch_choices_keep_the_bits(monkeypatch):
     assert not np.array_equal(run(probe_log2_scores=True), base)
 
 
-_DIRECT = {"consumers": 2, "persistent": 2, "fold_in_smem": True, "prefetch_q": True, "direct_io": True}
-
-
-@pytest.mark.parametrize("hq,launch", [(6, {}), (14, {"consumers": 2, "order": "heaviest"}), (14, _DIRECT)])
+@pytest.mark.parametrize(
+    "hq,launch",
+    [
+        (6, {}),
+        (14, {"consumers": 2, "order": "heaviest"}),
+        (14, _DIRECT),
+        (6, _DIRECT),
+    ],
+)
 def test_dense_row_packing_keeps_the_bits(hq, launch, monkeypatch):
     """``packing="dense"``: 21 tokens of a 3-head group (9 of 7) in a tile's 64 rows instead of 16
     (8) with the group padded to a power of two - fewer tiles, the same bits, no race (interpret
-    mode), alone and with a pair launch, also with q and the output copied a token (7 rows) at a
-    time (``direct_io``); a padding token's rows stay zero. Control: a different split size
+    mode), alone and with a pair launch, also with q and the output copied a tile (9 tokens of 7
+    rows, 21 of 3) at a time (``direct_io``); a padding token's rows stay zero. Control: a different split size
     changes the bits."""
     from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -309,7 +314,7 @@ def test_dense_row_packing_keeps_the_bits(hq, launch, monkeypatch):
         assert not get_races().races_found, kw
         return bits(out)
 
-    from pallas_kernels import attention_math, attention_mgpu
+    from pallas_kernels import attention_math
 
     seen = []  # the kernel's tile counts: proof that the packing reached it
 
@@ -367,7 +372,7 @@ def test_auto_picks_the_mosaic_kernel_only_where_it_runs(monkeypatch):
     kernel for prefill on a Hopper GPU and for calls it supports; every other call keeps
     Triton's tiles (same bits). Control: PREFILL_KERNEL "tiles" and a non-Hopper device pick
     tiles."""
-    from pallas_kernels import attention_mgpu, attention_triton
+    from pallas_kernels import attention_triton
 
     class Device:
         compute_capability = "9.0"
