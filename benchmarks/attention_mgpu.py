@@ -389,6 +389,24 @@ def check_launches():
             _compare(f"[{name}] {what}", got, want, ps)
 
 
+def _kernel_breakdown(fn, *args) -> str:
+    """The kernels of one call of ``fn`` and their median times (us), largest first: where the
+    walk tables' XLA time goes (how many kernels, and which)."""
+    import statistics
+
+    from jax.experimental.mosaic.gpu import profiler
+
+    try:
+        _, per_iter = profiler.measure(jax.jit(fn), aggregate=False, iterations=10)(*args)
+    except Exception as e:  # (a breakdown only: the timing rows go on without it)
+        return f"not measured ({type(e).__name__}: {e})"
+    names = [name for name, _ in per_iter[0]]
+    same = [it for it in per_iter if [name for name, _ in it] == names]
+    med = [statistics.median(it[i][1] for it in same) * 1e3 for i in range(len(names))]
+    parts = sorted(zip(med, names, strict=True), reverse=True)
+    return f"{len(parts)} kernels: " + ", ".join(f"{n} {t:.1f}" for t, n in parts)
+
+
 def _time_launches_on(n, length, hq, hkv, d):
     """One prefill case: rows (case, kernel, us, cuDNN us, rate) for Triton and every launch."""
     c, q, idx, spec, qg, flops, name, cud = prefill_case(n, length, hq, hkv, d)
@@ -413,6 +431,7 @@ def _time_launches_on(n, length, hq, hkv, d):
         )
 
     rows.append((name, "walk tables only (XLA, inside every launch below)", kernel_us(tables, q), cud, "-"))
+    print(f"walk tables, {name}: {_kernel_breakdown(tables, q)}", flush=True)
     launches = {"Mosaic, default launch": {}, **selected(LAUNCHES), **selected(PROBES)}
     runs = [(what, launch, c, q, idx) for what, launch in launches.items()]
     for what, (bs, launch) in selected(PAGE_PROBES).items():  # the same kind of keys, other pages
