@@ -55,7 +55,9 @@ class TextOffsets:
 
     def next(self, i: int) -> int:
         at = self.chars
-        self.chars += len(self.decoder.decode(token_bytes(self.tokenizer, i)))
+        if self.tokenizer is not None:  # (without one the text is empty: every offset is 0, not
+            # one counted in the "token_id:N" names of ``tokens``)
+            self.chars += len(self.decoder.decode(token_bytes(self.tokenizer, i)))
         return at
 
 

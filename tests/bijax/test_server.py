@@ -633,6 +633,18 @@ def test_logprobs_of_tokens_that_hold_part_of_a_character():
     assert a + completion_logprobs(tok, o, 3, len(ids), offsets)["text_offset"] == legacy["text_offset"]
 
 
+def test_text_offset_without_a_tokenizer_indexes_the_empty_text():
+    """A model without a tokenizer (a preset) answers text "": every text_offset is 0, not one
+    counted in the characters of the "token_id:N" names its logprobs give the tokens."""
+    from bijax.outputs import CompletionOutput
+    from bijax.server.render import TextOffsets, completion_logprobs
+
+    o = CompletionOutput(0, [438, 224, 196], np.full(3, -1.0, np.float32), "", None)
+    lp = completion_logprobs(None, o, 0, 3, TextOffsets(None))
+    assert lp["tokens"] == ["token_id:438", "token_id:224", "token_id:196"]
+    assert lp["text_offset"] == [0, 0, 0]
+
+
 # ---------------------------------------------------------------------- last: it stops the tiny server
 
 
