@@ -126,12 +126,16 @@ class Server:
         if self.tokenizer is None:
             raise ApiError(400, f"this model has no tokenizer: {what} needs one")
 
-    def validate(self, prompt, params, field: str, index: int | None = None):
+    def validate(self, prompt, params, field: str, index: int | None = None, max_field: str = "max_tokens"):
         """Engine.validate with its errors as ApiError (400) naming ``field`` (``stop`` for the
-        stop strings' own error); ``index``: which of a list of prompts (said in the message)."""
+        stop strings' own error); ``index``: which of a list of prompts (said in the message);
+        ``max_field``: the name the client gave the reply's length (chat: max_completion_tokens
+        or max_tokens), said in the message where the engine says max_tokens."""
         try:
             return self.loop.validate(prompt, params)
         except (ValueError, TypeError) as e:
+            if max_field != "max_tokens":
+                e = ValueError(str(e).replace("max_tokens (", f"{max_field} ("))
             code = "context_length_exceeded" if "max_model_len" in str(e) or "KV blocks" in str(e) else None
             param = "stop" if str(e).startswith("stop strings") else field
             if str(e).startswith("stop_token_ids"):
@@ -255,7 +259,7 @@ def build_app(
             lp = (req.top_logprobs or 0) if req.logprobs else None
             params = req.sampling_params(max_tokens, lp, "top_logprobs", max_field)
             srv.check_sequences(params.n)
-            return [srv.validate({"prompt_token_ids": ids}, params, "messages")]
+            return [srv.validate({"prompt_token_ids": ids}, params, "messages", max_field=max_field)]
 
         valid = await srv.off_loop(size, prepare)
         job = generation.Job(srv, request, f"chatcmpl-{uuid.uuid4().hex}", name, valid, chat=True)

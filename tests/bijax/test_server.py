@@ -410,6 +410,9 @@ def test_bad_chat_requests_bad_json_and_the_official_clients_errors(smol):
     got, r = smol.post("/v1/chat/completions", {"messages": big})
     assert got == 400 and r["error"]["code"] == "context_length_exceeded"
     assert "leaves no room for a reply" in r["error"]["message"], r  # (no max_tokens it was not sent)
+    got, r = smol.post("/v1/chat/completions", {"messages": MSGS, "max_completion_tokens": 10**6})
+    assert got == 400 and r["error"]["code"] == "context_length_exceeded", r
+    assert "max_completion_tokens (1000000)" in r["error"]["message"], r  # (the name it was sent as)
     got, r = smol.post("/v1/chat/completions", {"messages": MSGS, "functions": [{"name": "f"}]})
     assert got == 400 and r["error"]["param"] == "functions", r
     with pytest.raises(openai.NotFoundError):
