@@ -40,7 +40,7 @@ from benchmarks.ab import PAIR3 as _PAIR3  # the pair launch at the 3 stages tha
 from benchmarks.attention import FAILURES, PREFILL_CASES, Case, bits, check, kernel_us, prefill_case
 from pallas_kernels import attention_mgpu, attention_triton
 from pallas_kernels.attention import AttentionSpec
-from pallas_kernels.attention_math import row_tiles
+from pallas_kernels.attention_math import row_tiles, tile_tokens
 
 
 def _mosaic_elementwise(fn, args, block=16):
@@ -278,6 +278,16 @@ LAUNCHES = {
         "prefetch_q": True,
         "direct_io": True,
     },
+    # session 52, not yet run on a GPU: the walk tables from each token's first row (XLA work
+    # before the kernel: 18-31 us of each case above; the same segments, a narrower table)
+    "pair, 3 stages, heaviest, one drain, dense rows, fold in SMEM, persistent, prefetch q, direct io, token walk": {
+        **_PAIR3,
+        "fold_in_smem": True,
+        "persistent": True,
+        "prefetch_q": True,
+        "direct_io": True,
+        "token_walk": True,
+    },
 }
 DEFAULT_VARIANT = ("into", "two")
 # Measurement probes: timed next to the launches, never bit-checked (they give other bits).
@@ -417,7 +427,7 @@ def _time_launches_on(n, length, hq, hkv, d):
     tri = kernel_us(triton, q, c.kc, c.vc)
     rows = [(name, "Triton tiles", tri, cud, f"{flops / tri / 1e6:.1f} TFLOP/s")]
 
-    def tables(q):  # the XLA work before the engine's launch: its programs' walks, no q, no kernel
+    def tables(q, token_rows=None):  # the XLA work before the engine's launch: its walks, no kernel
         _, rpos, rseq, _ = row_tiles(qg(q), idx[2], idx[3], attention_mgpu.ROWS, "dense")
         launch = dict(attention_triton.MGPU_PREFILL_LAUNCH)
         return attention_mgpu.walk_tables(
@@ -428,10 +438,16 @@ def _time_launches_on(n, length, hq, hkv, d):
             consumers=launch["consumers"],
             order=launch["order"],
             window=None,
+            token_rows=token_rows,
         )
 
+    def token_tables(q):  # the same from each token's first row (``token_walk``)
+        return tables(q, tile_tokens(hq // hkv, attention_mgpu.ROWS, "dense"))
+
     rows.append((name, "walk tables only (XLA, inside every launch below)", kernel_us(tables, q), cud, "-"))
+    rows.append((name, "walk tables from tokens (token walk)", kernel_us(token_tables, q), cud, "-"))
     print(f"walk tables, {name}: {_kernel_breakdown(tables, q)}", flush=True)
+    print(f"walk tables from tokens, {name}: {_kernel_breakdown(token_tables, q)}", flush=True)
     launches = {"Mosaic, default launch": {}, **selected(LAUNCHES), **selected(PROBES)}
     runs = [(what, launch, c, q, idx) for what, launch in launches.items()]
     for what, (bs, launch) in selected(PAGE_PROBES).items():  # the same kind of keys, other pages

@@ -55,6 +55,8 @@ _PERSIST = "'BIJAX_MGPU_LAUNCHES=" + "|".join("=" + n for n in _PERSIST_NAMES) +
 # [T, Hkv, G, D] (session 51: a copy a token; since session 52: a copy a tile)
 _S51 = [f"{_P42}, persistent, prefetch q{x}" for x in ("", ", direct io")]
 _DIRECT = "'BIJAX_MGPU_LAUNCHES=" + "|".join("=" + n for n in _S51) + "'"
+# ... and the engine's launch with the walk tables from each token's first row (session 52)
+_TOKEN_WALK = "'BIJAX_MGPU_LAUNCHES=" + "|".join("=" + n for n in (_S51[1], f"{_S51[1]}, token walk")) + "'"
 _PREFILL_CASES = ("--cases", "prefill,prefill64", "--paths", "invariant")
 _CHECK_LIMITS = ("--max-num-seqs", "2", "--max-num-batched-tokens", "32", "--requests", "4", "--max-tokens", "6",
                  "--max-model-len", "512")  # fmt: skip
@@ -256,6 +258,12 @@ STEPS = {
         _DIRECT,
         (200, 220),
         "the session-48 prefill launch and with q / the output copied a tile at a time (the engine's since session 52)",
+    ),
+    **_launch_steps(
+        "s52",
+        _TOKEN_WALK,
+        (200, 220),
+        "the engine's prefill launch and the same with the walk tables from each token's first row",
     ),
     "mgpu-fold-ptxas": (
         _with(_FOLD, "attention_mgpu.py", "--child", "ptxas"),

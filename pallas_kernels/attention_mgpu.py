@@ -929,6 +929,7 @@ def tiles_mgpu(
     persistent: int | bool = False,
     prefetch_q: bool = False,
     direct_io: bool = False,
+    token_walk: bool = False,
     probe_exact_exp: bool = False,
     probe_unmasked: bool = False,
     probe_log2_scores: bool = False,
@@ -979,6 +980,11 @@ def tiles_mgpu(
     token (padding rows) and drops writes past it. (Session 51's form, a copy a token, cost a
     TMA issue and a barrier arrival a token: slower than the transposes at 16 and 21 tokens a
     tile; this form is faster than both everywhere, RESULTS.md session 52.)
+
+    ``token_walk``: the walk tables (XLA work before the kernel) from each token's first row
+    instead of every row (``walk_tables(token_rows=...)``: the same segments, compared pairwise
+    over up to 42 tokens a program instead of 128 rows; a narrower segments table). Not yet run
+    on a GPU (session 52): timed as its own launch by ``benchmarks/attention_mgpu.py``.
 
     ``probe_exact_exp`` is a measurement probe, not a launch choice: 2**y as the exact ``exp`` of
     y * ln 2 (libdevice's ``expf``, the exponential of NUMERICS_VERSION 5, with two multiplies
@@ -1045,7 +1051,14 @@ def tiles_mgpu(
     if direct is None and programs * consumers != nt:  # a last program's second tile: padding rows
         q = jnp.pad(q, ((0, programs * consumers - nt), (0, 0), (0, 0), (0, 0)))
     rpos, rseq, segs, nseg, program_order = walk_tables(
-        rpos, rseq, context_lens, block_tables.shape[0], consumers=consumers, order=order, window=spec.window
+        rpos,
+        rseq,
+        context_lens,
+        block_tables.shape[0],
+        consumers=consumers,
+        order=order,
+        window=spec.window,
+        token_rows=(tokens_a_tile, rows_a_token) if token_walk else None,
     )
     max_segs = segs.shape[2]
     ones = jnp.ones((tile, _SUM_N), qg.dtype)
@@ -1105,11 +1118,18 @@ def tiles_mgpu(
     return unpack(out if programs * consumers == nt else out[:nt])
 
 
-def walk_tables(rpos, rseq, context_lens, num_seqs: int, *, consumers: int, order: str, window):
+def walk_tables(
+    rpos, rseq, context_lens, num_seqs: int, *, consumers: int, order: str, window, token_rows=None
+):
     """The programs' walks from the row tiles' positions and sequences [tiles, 64]: (rpos, rseq
     padded to whole programs of ``consumers`` tiles, segments [programs, 4, max segments] -
     each segment's sequence, lowest and highest row position and context length - their
-    number [programs], and the launch order (None unless ``order`` is "heaviest"))."""
+    number [programs], and the launch order (None unless ``order`` is "heaviest")).
+
+    ``token_rows`` (tokens a tile, rows a token: ``attention_math.tile_tokens``): the segments
+    come from each token's first row alone - a token's other rows are its other query heads
+    (the same sequence and position) or padding (position -1), so the tables are the same -
+    comparing up to 2 x 21 tokens a program pairwise instead of 128 rows."""
     nt = rpos.shape[0]
     programs = -(-nt // consumers)
     if programs * consumers != nt:  # a last program's second tile: padding rows
@@ -1117,7 +1137,16 @@ def walk_tables(rpos, rseq, context_lens, num_seqs: int, *, consumers: int, orde
         rpos = jnp.pad(rpos, ((0, extra), (0, 0)), constant_values=-1)
         rseq = jnp.pad(rseq, ((0, extra), (0, 0)))
     # a program's walk: the segments of all its rows (one tile, or the union of its tiles)
-    prog_pos, prog_seq = rpos.reshape(programs, -1), rseq.reshape(programs, -1)
+    tpos, tseq = rpos, rseq
+    if token_rows is not None:  # (each token's first row: head 0, never a padded head)
+        tq, per = token_rows
+        tpos, tseq = rpos[:, : tq * per : per], rseq[:, : tq * per : per]
+    prog_pos, prog_seq = tpos.reshape(programs, -1), tseq.reshape(programs, -1)
+    # (padding rows to a multiple of 8: the kernel's TMA copies of the tables want rows of 16
+    # bytes and buffers at 128-byte boundaries)
+    extra = -prog_pos.shape[1] % 8
+    prog_pos = jnp.pad(prog_pos, ((0, 0), (0, extra)), constant_values=-1)
+    prog_seq = jnp.pad(prog_seq, ((0, 0), (0, extra)))
     seqs, nseg = segments(prog_seq, prog_pos)
     mine = (prog_seq[:, None, :] == seqs[:, :, None]) & (prog_pos >= 0)[:, None, :]
     lo = jnp.min(jnp.where(mine, prog_pos[:, None, :], 2**30), axis=2)

@@ -268,6 +268,8 @@ def test_launch_choices_keep_the_bits():
             "prefetch_q": True,
             "direct_io": True,
         },
+        # ... and the walk tables from each token's first row (narrower segment tables)
+        {**_DIRECT, "persistent": 3, "token_walk": True},
     ]
     for launch in launches:
         np.testing.assert_array_equal(run(**launch), base, err_msg=str(launch))
@@ -432,3 +434,45 @@ def test_the_engines_launch_does_not_fit_128_token_pages_at_head_dim_128():
             s((4, 128, 2, 128), BF16),
             (i32(2, 2), i32(2), i32(64), i32(64)),
         )
+
+
+def test_walk_tables_from_each_tokens_first_row_equal_the_rows_tables():
+    """``walk_tables(token_rows=...)`` (the engine's: each token's first row stands for its
+    rows) gives the tables of every row - segments, their number, the padded rows and the
+    launch order - for groups of 1, 3, 4, 7 and 8 in both packings, one and two tiles a program,
+    a window, padding tokens, tokens out of order and sequences that recur in a tile. Control:
+    the first row of each *tile* alone gives other tables."""
+    from pallas_kernels import attention_mgpu
+    from pallas_kernels.attention_math import row_tiles, tile_tokens
+
+    rng = np.random.default_rng(0)
+    lens = jnp.asarray([300, 90, 1000, 5], jnp.int32)
+    differed = 0
+    for group, packing, consumers, order, window in [
+        (1, "pow2", 1, "ascending", None),
+        (3, "dense", 2, "heaviest", None),
+        (3, "pow2", 2, "heaviest", 64),
+        (4, "dense", 2, "heaviest", None),
+        (7, "dense", 2, "heaviest", 100),
+        (7, "pow2", 1, "heaviest", None),
+        (8, "pow2", 2, "ascending", None),
+    ]:
+        t = 157
+        seq = rng.integers(0, 4, t).astype(np.int32)
+        seq[40:90] = 2  # a run of one sequence across tiles
+        pos = rng.integers(-1, 300, t).astype(np.int32)  # (-1: padding tokens)
+        qg = jnp.zeros((t, 1, group, 8), BF16)
+        _, rpos, rseq, _ = row_tiles(qg, jnp.asarray(seq), jnp.asarray(pos), attention_mgpu.ROWS, packing)
+        kw = dict(consumers=consumers, order=order, window=window)
+        rows = attention_mgpu.walk_tables(rpos, rseq, lens, 4, **kw)
+        tokens = attention_mgpu.walk_tables(
+            rpos, rseq, lens, 4, token_rows=tile_tokens(group, attention_mgpu.ROWS, packing), **kw
+        )
+        for a, b in zip(rows[:2] + rows[3:], tokens[:2] + tokens[3:], strict=True):
+            assert (a is None and b is None) or np.array_equal(a, b), (group, packing)
+        n = int(tokens[3].max())  # the segments themselves; past nseg: padding of either width
+        np.testing.assert_array_equal(rows[2][:, :, :n], tokens[2][:, :, :n], err_msg=str((group, packing)))
+        assert np.all(np.asarray(tokens[3]) <= tokens[2].shape[2])
+        control = attention_mgpu.walk_tables(rpos, rseq, lens, 4, token_rows=(1, attention_mgpu.ROWS), **kw)
+        differed += not np.array_equal(control[3], rows[3])
+    assert differed >= 5, differed
