@@ -138,10 +138,14 @@ class Job:
         index = {rid: p for p, rid in enumerate(self.rids)}
         remaining, finals = set(self.rids), []
         obj = "chat.completion.chunk" if self.chat else "text_completion"
+
+        def head() -> dict:  # (with include_usage, as OpenAI: "usage": null on every chunk but the last)
+            return {**self._head(obj), "usage": None} if self.include_usage else self._head(obj)
+
         try:
             if self.chat:  # the role first, as OpenAI sends it
                 for i in range(n):
-                    chunk = self._head(obj)
+                    chunk = head()
                     role = {"role": "assistant", "content": ""}
                     c = {
                         "index": i,
@@ -178,7 +182,7 @@ class Job:
                         if not self.chat and a == 0:
                             c["prompt_token_ids"] = item.prompt_token_ids
                         c["token_ids"] = o.token_ids[a:b]
-                    chunk = self._head(obj)
+                    chunk = head()
                     chunk["choices"] = [c]
                     yield _sse(chunk)
                 if item.finished:

@@ -422,6 +422,12 @@ def test_bad_chat_requests_bad_json_and_the_official_clients_errors(smol):
     assert e.value.body["param"] == "temperature"
 
 
+def _sse_chunks(text: str) -> list:
+    """The JSON chunks of a server-sent event stream (without the closing [DONE])."""
+    lines = [ln[len("data: ") :] for ln in text.splitlines() if ln.startswith("data: ")]
+    return [json.loads(ln) for ln in lines if ln != "[DONE]"]
+
+
 def test_nulls_mean_defaults_and_malformed_bodies_name_the_problem(smol, tiny):
     """OpenAI's schema allows null for its optional fields: null is the field's default. A body
     that is JSON but no object, a 0 under the name the client used, text parts that are not
@@ -433,7 +439,17 @@ def test_nulls_mean_defaults_and_malformed_bodies_name_the_problem(smol, tiny):
     body = json.dumps({"prompt": "Hi", "max_tokens": 2, **opts}).encode()
     req = urllib.request.Request(smol.url + "/v1/completions", data=body, headers=_auth(KEY), method="POST")
     with urllib.request.urlopen(req, timeout=120) as r:
-        assert r.status == 200 and r.read().decode().rstrip().endswith("data: [DONE]")
+        text = r.read().decode()
+        assert r.status == 200 and text.rstrip().endswith("data: [DONE]")
+    assert all("usage" not in c for c in _sse_chunks(text))  # (no usage asked for: no key)
+    # with include_usage every chunk has "usage" (OpenAI's): null but in the last, which has it
+    for path, extra in (("/v1/completions", {"prompt": "Hi"}), ("/v1/chat/completions", {"messages": MSGS})):
+        body = {**extra, "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}}
+        req = urllib.request.Request(smol.url + path, data=json.dumps(body).encode(), headers=_auth(KEY))
+        with urllib.request.urlopen(req, timeout=120) as r:
+            chunks = _sse_chunks(r.read().decode())
+        assert len(chunks) >= 3 and all(c["usage"] is None for c in chunks[:-1]), (path, chunks)
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 2
     chat_nulls = {"n": None, "stream": None, "logprobs": None, "add_generation_prompt": None}
     got, r = smol.post("/v1/chat/completions", {"messages": MSGS, "max_tokens": 2, **chat_nulls})
     assert got == 200 and r["choices"][0]["logprobs"] is None, r
