@@ -41,6 +41,15 @@ class ApiError(Exception):
 # (anything else would be ignored - a sample the client did not ask for). Other unknown fields
 # are ignored, as vLLM does (``user``, ``metadata``, ``store``, ...: no effect on a sample).
 _OFF = (None, False)
+
+
+def _zero_biases(value) -> bool:
+    """A ``logit_bias`` whose every bias is 0 (neutral, as ``{}``)."""
+    return isinstance(value, dict) and all(
+        isinstance(b, (int, float)) and not isinstance(b, bool) and b == 0 for b in value.values()
+    )
+
+
 _NEUTRAL = {
     "frequency_penalty": (None, 0, 0.0),
     "presence_penalty": (None, 0, 0.0),
@@ -131,6 +140,8 @@ class _Sampling(_Body):
 
     def check_unsupported(self) -> None:
         for name, value in (self.model_extra or {}).items():
+            if name == "logit_bias" and _zero_biases(value):
+                continue  # (biases of 0 change no sample)
             if name in _NEUTRAL and value not in _NEUTRAL[name]:
                 raise ApiError(400, f"{name} is not supported by bijax (got {short_repr(value)})", param=name)
         if self.best_of is not None and self.best_of != self.n:

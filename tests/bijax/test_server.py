@@ -369,6 +369,7 @@ def test_tokenize_and_detokenize(smol):
         ({"prompt": [70000]}, 400, "prompt", "vocabulary"),
         ({"prompt": ["Hi", ""]}, 400, "prompt", "prompt[1]: prompt is empty"),  # which of them
         ({"prompt": "x", "frequency_penalty": 0.5}, 400, "frequency_penalty", "not supported"),
+        ({"prompt": "x", "logit_bias": {"1": 0, "2": 5}}, 400, "logit_bias", "not supported"),
         # vLLM's fields bijax does not implement: refused, never silently ignored
         ({"prompt": "x", "min_tokens": 5}, 400, "min_tokens", "not supported"),
         ({"prompt": "x", "guided_choice": ["a", "b"]}, 400, "guided_choice", "not supported"),
@@ -453,6 +454,8 @@ def test_nulls_mean_defaults_and_malformed_bodies_name_the_problem(smol, tiny):
     chat_nulls = {"n": None, "stream": None, "logprobs": None, "add_generation_prompt": None}
     got, r = smol.post("/v1/chat/completions", {"messages": MSGS, "max_tokens": 2, **chat_nulls})
     assert got == 200 and r["choices"][0]["logprobs"] is None, r
+    got, r = smol.post("/v1/completions", {"prompt": "Hi", "max_tokens": 1, "logit_bias": {"1": 0, "7": 0.0}})
+    assert got == 200, r  # (biases of 0: neutral, as {})
     got, r = smol.post("/detokenize", {"tokens": None})
     assert got == 400 and r["error"]["param"] == "tokens" and "required" in r["error"]["message"]
     for body in (b"[1, 2]", b"null", b'"text"'):
