@@ -181,6 +181,12 @@ def _checkpoint_tokenizer(model):
     return None
 
 
+def default_max_model_len(cfg) -> int:
+    """``LLM``'s max_model_len when none is given: the model's context, at most 8192 (CPU: 1024,
+    which keeps the attention splits, and compiles, few)."""
+    return min(cfg.max_position_embeddings, 1024 if jax.default_backend() == "cpu" else 8192)
+
+
 def _load(model, *, dtype, k_shards: int, seed: int, tensor_parallel_size: int, what: str = "model") -> Llama:
     """``model`` as a ``Llama`` (``what``: "model", or "draft model"): a ``Llama`` as is, else
     ``load_model``."""
@@ -320,8 +326,8 @@ class LLM:
             tokenizer = _checkpoint_tokenizer(model)
         self.tokenizer = tokenizer
         cfg = self.model.config
-        if max_model_len is None:  # CPU: a shorter default keeps the attention splits (and compiles) few
-            max_model_len = min(cfg.max_position_embeddings, 1024 if jax.default_backend() == "cpu" else 8192)
+        if max_model_len is None:
+            max_model_len = default_max_model_len(cfg)
         if max_model_len > cfg.max_position_embeddings:
             raise ValueError(
                 f"max_model_len ({max_model_len}) exceeds the model's context ({cfg.max_position_embeddings})"

@@ -118,13 +118,20 @@ def _floors(llm) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     from bijax import SamplingParams
+    from bijax.llm import default_max_model_len
     from bijax.prompts import check_fits
+    from models.configs import PRESETS
+    from models.loading import is_preset
 
     rng = np.random.default_rng(args.model_seed)
     # bad sampling values fail before the model loads (an 8B preset takes a while to build)
     SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True)
-    if args.max_model_len is not None:  # so do requests that cannot fit the limit given
-        check_fits(args.input_len, args.output_len, args.max_model_len)
+    # so do requests that cannot fit the limit given (or a preset's default limit)
+    limit = args.max_model_len
+    if limit is None and is_preset(args.model):
+        limit = default_max_model_len(PRESETS[args.model])
+    if limit is not None:
+        check_fits(args.input_len, args.output_len, limit)
     s, t = sizes(args, args.num_prompts)
     t0 = time.perf_counter()
     inv = make_llm(args, max_num_seqs=s, max_num_batched_tokens=t, invariant=True)

@@ -140,6 +140,12 @@ def test_bench_refuses_work_longer_than_max_model_len_before_loading(capsys):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert "= 80 exceeds max_model_len (64)" in err and "loaded in" not in err
+    # without --max-model-len: a preset's default limit, also before its weights are built
+    # (llama3-8b's would take a while)
+    argv = ["bench", "--model", "llama3-8b", "--input-len", "9000", "--output-len", "20"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "exceeds max_model_len (1024)" in err and "loaded in" not in err, err
 
 
 def test_text_prompt_without_tokenizer_is_a_clear_error(capsys, tmp_path):
