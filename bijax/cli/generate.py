@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     from bijax import SamplingParams
     from models.loading import is_preset
 
-    if args.system and not args.chat:
+    if args.system is not None and not args.chat:
         raise ValueError("--system needs --chat")
     if is_preset(args.model):  # (before building its weights: llama3-8b's take a while)
         raise ValueError(

@@ -108,6 +108,7 @@ def test_engine_limits_of_zero_are_refused_not_taken_as_the_default(flag, capsys
         (["generate", "hi", "--top-p", "0"], "top_p"),
         (["generate", "hi", "--model", "/nonexistent/model.gguf"], "nonexistent"),
         (["generate", "hi", "--system", "be brief"], "--system needs --chat"),
+        (["generate", "hi", "--system", ""], "--system needs --chat"),  # (an empty one too)
         (["generate", "hi", "--logprobs", "2"], "--logprobs needs --json"),
         (["generate", "hi", "--max-tokens", "100000"], "max_model_len"),
         (["generate", "hi", "--tensor-parallel-size", "3"], "tensor_parallel_size"),
