@@ -408,6 +408,10 @@ class LLM:
             self._busy.release()
 
     def _generate(self, prompts, sampling_params, *, use_tqdm: bool, on_output) -> list[RequestOutput]:
+        if on_output is not None and not callable(on_output):  # (before any request runs)
+            raise TypeError(
+                f"on_output must be a callable fn(i, out) or None, got {type(on_output).__name__}"
+            )
         if isinstance(prompts, np.ndarray):  # token ids: 1-D one prompt, 2-D one per row
             if prompts.ndim not in (1, 2):
                 raise ValueError(
@@ -661,6 +665,22 @@ class LLM:
 
     def _swap_weights(self, weights, sharing) -> None:
         if isinstance(weights, Llama):
+            # only its parameters are taken: a model of another config (RoPE theta, an epsilon)
+            # or k_shards would run under this model's, silently giving other bits than its own
+            mine, theirs = self.model.config, weights.config
+            diff = [
+                f"{f}={getattr(theirs, f)!r} (this LLM's model: {getattr(mine, f)!r})"
+                for f in mine.__dataclass_fields__
+                if getattr(mine, f) != getattr(theirs, f)
+            ]
+            if weights.k_shards != self.model.k_shards:
+                diff.append(f"k_shards={weights.k_shards} (this LLM's model: {self.model.k_shards})")
+            if diff:
+                raise ValueError(
+                    "weights: the given Llama differs from this LLM's model in "
+                    + ", ".join(diff)
+                    + "; update_weights replaces parameters only (build a new LLM for another config)"
+                )
             weights = param_state(weights)
         if isinstance(weights, nnx.State):
             weights = nnx.to_pure_dict(weights)

@@ -126,6 +126,8 @@ def logprobs(
     c = m.config
     if not isinstance(invariant, bool):
         raise TypeError(f"invariant must be a bool, got {invariant!r}")
+    if not isinstance(return_mask, bool):  # (a truthy "no" returned a tuple)
+        raise TypeError(f"return_mask must be a bool, got {return_mask!r}")
     if invariant and jax.default_backend() == "cpu":
         pk.require_consistent_cpu_math()  # the engine's CPU bits need the same setting
     tokens, segment_ids, max_segments, seg_pos = check_packed(tokens, segment_ids, max_segments, c)
@@ -145,6 +147,12 @@ def logprobs(
     temp = _temperature(temperature, b)
 
     graphdef, state = nnx.split(m)
+    for path, x in jax.tree_util.tree_leaves_with_path(state):  # (JAX's error named no parameter)
+        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_deleted():
+            raise RuntimeError(
+                f"bijax.logprobs: the model's parameter {jax.tree_util.keystr(path)} has been deleted "
+                "(donated to a train step?): pass the model with the step's new weights"
+            )
     try:
         out, mask = _logprobs(
             graphdef,

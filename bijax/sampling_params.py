@@ -86,6 +86,9 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.{field} {why}, got {short_repr(getattr(self, field))}")
 
         check_temperature(self.temperature, "SamplingParams.temperature", scalar=True)
+        # the number it holds (a numpy or JAX scalar, a 0-d array: kept as is, the params were
+        # unhashable and compared as arrays)
+        object.__setattr__(self, "temperature", float(np.asarray(self.temperature)))
         for f in ("top_p", "min_p"):
             v = getattr(self, f)
             if isinstance(v, (np.floating, np.integer)) and not isinstance(v, bool):

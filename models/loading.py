@@ -318,6 +318,17 @@ def load_model(
             "model must be a preset or embedded model's name, a path (.gguf file, HF or orbax "
             f"checkpoint directory) or a Llama, got {type(name_or_path).__name__}"
         )
+    # A preset's random weights are drawn from PRNGKey(seed), which keeps the low 32 bits: another
+    # seed (or a float, a str) would silently give some other seed's weights, or fail inside JAX.
+    if isinstance(seed, np.integer):
+        seed = int(seed)
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**32:
+        raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
+    if not is_preset(name_or_path) and tensor_parallel_size != 1:  # (it would be ignored)
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size!r}: load_model builds only presets in their "
+            "shards; a checkpoint loads whole (bijax.LLM(path, tensor_parallel_size=P) splits it)"
+        )
     if is_preset(name_or_path):
         make = lambda: Llama(  # noqa: E731
             preset(name_or_path), dtype=jnp.bfloat16 if dtype is None else dtype, k_shards=k_shards, seed=seed
@@ -345,6 +356,11 @@ def load_model(
     if os.path.isdir(path):
         return load_hf(path, dtype=dtype, k_shards=k_shards)
     known = sorted(PRESETS) + sorted(EMBEDDED)
+    if path in known and not isinstance(name_or_path, str) and not os.path.exists(path):
+        raise FileNotFoundError(
+            f"{path!r} names a built-in model, but it was given as a path ({type(name_or_path).__name__}) "
+            "and no such file or directory exists: pass the name as a str"
+        )
     if path in known:  # a file of that name here shadows the model of that name
         raise FileNotFoundError(
             f"{path!r} names a built-in model, but a file {path!r} in the working directory is taken "

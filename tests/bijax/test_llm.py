@@ -518,3 +518,7 @@ def test_misshapen_calls_are_named(llm):
         llm.generate({"prompt_token_ids": PROMPT, "multi_modal_data": {}}, SP(max_tokens=1), use_tqdm=False)
     with pytest.raises(TypeError, match="model must be a preset"):
         bijax.LLM(None)
+    seeds = llm.engine._seeds.bit_generator.state
+    with pytest.raises(TypeError, match="on_output must be a callable fn\\(i, out\\) or None, got int"):
+        llm.generate(PROMPT, SP(max_tokens=1), use_tqdm=False, on_output=5)  # refused before it runs
+    assert llm.engine._seeds.bit_generator.state == seeds  # (no request was added: no seed drawn)

@@ -326,6 +326,7 @@ def test_traced_segment_ids_need_max_segments():
         (dict(positions=np.zeros((2, 8), np.int32)), ValueError, "shape"),
         (dict(model="tiny"), TypeError, "Llama"),
         (dict(invariant=1), TypeError, "bool"),
+        (dict(return_mask="no"), TypeError, "return_mask must be a bool"),
     ],
 )
 def test_validation(kwargs, error, match):
@@ -334,6 +335,16 @@ def test_validation(kwargs, error, match):
     tok = kwargs.pop("tokens", np.ones((1, 8), np.int32))
     with pytest.raises(error, match=match):
         rl.logprobs(model, tok, **kwargs)
+
+
+def test_a_deleted_parameter_is_named():
+    """Weights donated to a train step: an error naming the parameter, not JAX's "Array has
+    been deleted with shape=float32[256]"."""
+    graphdef, state = nnx.split(_tiny())
+    state = jax.tree.map(jnp.copy, state)  # (the shared model keeps its arrays)
+    state["final_norm"][...].delete()
+    with pytest.raises(RuntimeError, match=r"parameter \['final_norm'\]\.value has been deleted"):
+        rl.logprobs((graphdef, state), np.ones((1, 8), np.int32))
 
 
 def test_positions_that_match_segments_are_accepted():

@@ -84,3 +84,9 @@ def test_numpy_values_that_are_scalars_or_id_lists_are_taken():
     assert (sp.top_p, sp.min_p) == (0.5, 0.25) and type(sp.top_p) is float and type(sp.min_p) is float
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=np.float32(1.5))
+    # the temperature too: a numpy / JAX scalar or a 0-d array was kept as is (unhashable)
+    import jax.numpy as jnp
+
+    for t in (np.float32(0.5), np.array(0.5), jnp.float32(0.5), np.int64(2)):
+        sp = SamplingParams(temperature=t)
+        assert type(sp.temperature) is float and sp.temperature == float(t) and hash(sp) == hash(sp)

@@ -3,6 +3,7 @@ trip of a trainer's model state back into an LLM."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import weakref
 
@@ -134,6 +135,18 @@ def test_update_weights_rejects_a_different_tree():
     # Nothing was half-applied: the engine still generates with its own weights.
     ref = bijax.LLM(_fresh(), **ENGINE).generate(PROMPTS, SAMPLING, use_tqdm=False)
     assert _same(llm.generate(PROMPTS, SAMPLING, use_tqdm=False), ref)
+
+
+def test_a_llama_of_another_config_or_k_shards_is_refused():
+    """update_weights takes a Llama's parameters only: one built with another config (same
+    shapes) or k_shards would run under this model's and give other bits than its own LLM's."""
+    llm = bijax.LLM(_fresh(), **ENGINE)
+    other = Llama(dataclasses.replace(preset("tiny"), rope_theta=5e5), dtype=jnp.float32, seed=0)
+    with pytest.raises(ValueError, match=r"rope_theta=500000.0 \(this LLM's model: 10000.0\)"):
+        llm.update_weights(other)
+    with pytest.raises(ValueError, match=r"k_shards=8 \(this LLM's model: 1\)"):
+        llm.update_weights(Llama(preset("tiny"), dtype=jnp.float32, seed=0, k_shards=8))
+    llm.update_weights(param_state(other))  # its parameters alone: taken
 
 
 def test_numpy_weights_are_copied_not_kept_by_reference():

@@ -436,3 +436,19 @@ def test_checkpoint_files_as_transformers_reads_them(tmp_path):
         (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
         with pytest.raises(ValueError, match="weight_map must map tensor names to shard file names"):
             load_hf(d)
+
+
+def test_load_model_arguments_it_cannot_honour_are_named_not_ignored():
+    """A seed PRNGKey would wrap (2**32 gave seed 0's weights) or that fails inside JAX, a
+    tensor_parallel_size for a checkpoint (it loads whole: it was ignored), and a Path naming a
+    built-in model (the error said a file of that name was there)."""
+    import pathlib
+
+    for bad in (2**32, -1, 1.5, "1", True):
+        with pytest.raises(ValueError, match=r"seed must be an int in \[0, 2\*\*32\)"):
+            load_model("tiny", seed=bad)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2: load_model builds only presets"):
+        load_model(os.path.join(FIXTURES, "llama3"), tensor_parallel_size=2)
+    with pytest.raises(FileNotFoundError, match="given as a path .*no such file or directory exists"):
+        load_model(pathlib.Path("tiny"))
+    assert load_model("tiny", seed=np.uint32(2**32 - 1)).config == preset("tiny")
