@@ -55,12 +55,13 @@ def tokenize(tokenizer, prompt) -> tuple[str | None, list[int]]:
     return None, ids
 
 
-def check_fits(prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
-    """Raises ValueError when a prompt of ``prompt_tokens`` plus ``max_tokens`` exceeds ``max_model_len``."""
+def check_fits(prompt_tokens: int, max_tokens: int, max_model_len: int, name: str = "max_tokens") -> None:
+    """Raises ValueError when a prompt of ``prompt_tokens`` plus ``max_tokens`` exceeds ``max_model_len``
+    (``name``: what the caller calls max_tokens, said in the message)."""
     total = prompt_tokens + max_tokens
     if total > max_model_len:
         raise ValueError(
-            f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
+            f"prompt ({prompt_tokens} tokens) + {name} ({max_tokens}) = {total} exceeds "
             f"max_model_len ({max_model_len})"
         )
 

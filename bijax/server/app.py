@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException
 
 from bijax.llm import LLM
+from bijax.prompts import check_fits
 from bijax.sampling_params import MAX_N
 from bijax.server import generation
 from bijax.server.engine_loop import EngineLoop
@@ -130,12 +131,13 @@ class Server:
         """Engine.validate with its errors as ApiError (400) naming ``field`` (``stop`` for the
         stop strings' own error); ``index``: which of a list of prompts (said in the message);
         ``max_field``: the name the client gave the reply's length (chat: max_completion_tokens
-        or max_tokens), said in the message where the engine says max_tokens."""
+        or max_tokens), in the message of a prompt and reply longer than max_model_len."""
         try:
+            ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
+            if ids is not None and max_field != "max_tokens":  # (else the engine's message says it)
+                check_fits(len(ids), params.max_tokens, self.max_model_len, max_field)
             return self.loop.validate(prompt, params)
         except (ValueError, TypeError) as e:
-            if max_field != "max_tokens":
-                e = ValueError(str(e).replace("max_tokens (", f"{max_field} ("))
             code = "context_length_exceeded" if "max_model_len" in str(e) or "KV blocks" in str(e) else None
             param = "stop" if str(e).startswith("stop strings") else field
             if str(e).startswith("stop_token_ids"):

@@ -55,7 +55,7 @@ _NEUTRAL = {
     "presence_penalty": (None, 0, 0.0),
     "repetition_penalty": (None, 1, 1.0),
     "length_penalty": (None, 1, 1.0),
-    "logit_bias": (None, {}),
+    "logit_bias": lambda v: v is None or _zero_biases(v),  # (biases of 0 change no sample)
     "echo": _OFF,
     "suffix": (None, ""),
     "tools": (None, []),
@@ -140,9 +140,8 @@ class _Sampling(_Body):
 
     def check_unsupported(self) -> None:
         for name, value in (self.model_extra or {}).items():
-            if name == "logit_bias" and _zero_biases(value):
-                continue  # (biases of 0 change no sample)
-            if name in _NEUTRAL and value not in _NEUTRAL[name]:
+            neutral = _NEUTRAL.get(name)
+            if neutral is not None and not (neutral(value) if callable(neutral) else value in neutral):
                 raise ApiError(400, f"{name} is not supported by bijax (got {short_repr(value)})", param=name)
         if self.best_of is not None and self.best_of != self.n:
             raise ApiError(400, "best_of is not supported by bijax (only best_of == n)", param="best_of")
