@@ -288,6 +288,18 @@ LAUNCHES = {
         "direct_io": True,
         "token_walk": True,
     },
+    # session 53, not yet run on a GPU: the engine's launch with each consumer's next q @ k.T
+    # issued before this tile's softmax (``overlap``, FlashAttention-3's intra-warpgroup
+    # overlap; 32 registers a thread more; last timed without the pair, persistent programs
+    # and the fold in SMEM: 1.05x slower then, with spills)
+    "pair, 3 stages, heaviest, one drain, dense rows, fold in SMEM, persistent, prefetch q, direct io, overlapped": {
+        **_PAIR3,
+        "fold_in_smem": True,
+        "persistent": True,
+        "prefetch_q": True,
+        "direct_io": True,
+        "overlap": True,
+    },
 }
 DEFAULT_VARIANT = ("into", "two")
 # Measurement probes: timed next to the launches, never bit-checked (they give other bits).

@@ -56,7 +56,11 @@ _PERSIST = "'BIJAX_MGPU_LAUNCHES=" + "|".join("=" + n for n in _PERSIST_NAMES) +
 _S51 = [f"{_P42}, persistent, prefetch q{x}" for x in ("", ", direct io")]
 _DIRECT = "'BIJAX_MGPU_LAUNCHES=" + "|".join("=" + n for n in _S51) + "'"
 # ... and the engine's launch with the walk tables from each token's first row (session 52)
-_TOKEN_WALK = "'BIJAX_MGPU_LAUNCHES=" + "|".join("=" + n for n in (_S51[1], f"{_S51[1]}, token walk")) + "'"
+_TOKEN_WALK = (
+    "'BIJAX_MGPU_LAUNCHES="
+    + "|".join("=" + n for n in (_S51[1], f"{_S51[1]}, token walk", f"{_S51[1]}, overlapped"))
+    + "'"
+)
 _PREFILL_CASES = ("--cases", "prefill,prefill64", "--paths", "invariant")
 _CHECK_LIMITS = ("--max-num-seqs", "2", "--max-num-batched-tokens", "32", "--requests", "4", "--max-tokens", "6",
                  "--max-model-len", "512")  # fmt: skip
@@ -263,7 +267,7 @@ STEPS = {
         "s52",
         _TOKEN_WALK,
         (200, 220),
-        "the engine's prefill launch and the same with the walk tables from each token's first row",
+        "the engine's prefill launch, the same with the walk tables from each token's first row, and with overlapped scores",
     ),
     "mgpu-fold-ptxas": (
         _with(_FOLD, "attention_mgpu.py", "--child", "ptxas"),

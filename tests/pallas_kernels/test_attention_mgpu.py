@@ -116,6 +116,7 @@ def test_segments_are_each_tiles_sequences_ascending():
         ("into", "two", False, {"fold_in_smem": True, "order": "heaviest", "packing": "dense"}),
         ("into", "two", False, dict(attention_triton.MGPU_PREFILL_LAUNCH)),  # the engine's
         ("into", "two", False, {**dict(attention_triton.MGPU_PREFILL_LAUNCH), "persistent": 5}),
+        ("into", "two", True, dict(attention_triton.MGPU_PREFILL_LAUNCH)),  # ... overlapped scores
         (
             "into",
             "two",
@@ -288,8 +289,9 @@ def test_launch_choices_keep_the_bits():
             "prefetch_q": True,
             "direct_io": True,
         },
-        # ... and the walk tables from each token's first row (narrower segment tables)
-        {**_DIRECT, "persistent": 3, "token_walk": True},
+        # ... and the walk tables from each token's first row (narrower segment tables), with
+        # each consumer's next q @ k.T issued before this tile's softmax
+        {**_DIRECT, "persistent": 3, "token_walk": True, "overlap": True},
     ]
     for launch in launches:
         np.testing.assert_array_equal(run(**launch), base, err_msg=str(launch))
