@@ -97,9 +97,20 @@ SWITCHES = {
                 "pair-all-dense-fold-persistent-prefetch-q",
                 {**PAIR3, "fold_in_smem": True, "persistent": True, "prefetch_q": True},
             ),
-            (  # q / the output copied a tile at a time, no XLA transposes (the engine's, session 52)
+            (  # q / the output copied a tile at a time, no XLA transposes (session 52)
                 "direct-io",
                 {**PAIR3, "fold_in_smem": True, "persistent": True, "prefetch_q": True, "direct_io": True},
+            ),
+            (  # ... and the walk tables from each token's first row (the engine's, session 53)
+                "token-walk",
+                {
+                    **PAIR3,
+                    "fold_in_smem": True,
+                    "persistent": True,
+                    "prefetch_q": True,
+                    "direct_io": True,
+                    "token_walk": True,
+                },
             ),
         )
     },

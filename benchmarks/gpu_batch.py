@@ -99,6 +99,7 @@ _AB = {
         ("launch-heaviest-dense-fold", "prefill-launch", "heaviest-dense-fold", _PREFILL),
         ("launch-pair-all-dense-fold", "prefill-launch", "pair-all-dense-fold", _PREFILL),
         ("launch-direct-io", "prefill-launch", "direct-io", _PREFILL),
+        ("launch-token-walk", "prefill-launch", "token-walk", _PREFILL),
         ("launch-pair-all-dense-fold-q", "prefill-launch", "pair-all-dense-fold-q", _PREFILL),
         (
             "launch-pair-all-dense-fold-persistent",
@@ -230,6 +231,7 @@ STEPS = {
             "pair-all-dense-fold-persistent",
             "pair-all-dense-fold-persistent-prefetch-q",
             "direct-io",
+            "token-walk",
         )
     },
     "mgpu-bits": (_py("attention_mgpu.py", "--child", "bits"), 270, "Mosaic attention == Triton bits"),

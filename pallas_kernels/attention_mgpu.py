@@ -983,8 +983,9 @@ def tiles_mgpu(
 
     ``token_walk``: the walk tables (XLA work before the kernel) from each token's first row
     instead of every row (``walk_tables(token_rows=...)``: the same segments, compared pairwise
-    over up to 42 tokens a program instead of 128 rows; a narrower segments table). Not yet run
-    on a GPU (session 52): timed as its own launch by ``benchmarks/attention_mgpu.py``.
+    over up to 42 tokens a program instead of 128 rows; a narrower segments table). In the
+    engine's launch since session 53: on an H100 the tables took 13-19 us a call instead of
+    17-31 (RESULTS.md), the same bits on every check.
 
     ``probe_exact_exp`` is a measurement probe, not a launch choice: 2**y as the exact ``exp`` of
     y * ln 2 (libdevice's ``expf``, the exponential of NUMERICS_VERSION 5, with two multiplies

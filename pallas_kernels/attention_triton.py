@@ -92,7 +92,12 @@ PREFILL_KERNEL = "tiles_mgpu"
 # 1.69x cuDNN); the ten bit checks of ``attention_mgpu.py launches`` PASS and the engine's four
 # digests with it equal the records (RESULTS.md, session 52; not yet run on an H200). (Session
 # 51's form, a copy a token, was slower than the transposes at 16 and 21 tokens a tile.) The
-# A/B switch's side before: pair-all-dense-fold-persistent-prefetch-q.
+# A/B switch's side before: pair-all-dense-fold-persistent-prefetch-q. Since session 53 the
+# walk tables (XLA work before the kernel) come from each token's first row (``token_walk``):
+# on an H100, same run, 0.99x / 0.98x / 0.96x / 0.99x the launch before on the four cases (the
+# tables 18.4 -> 12.9, 22.9 -> 17.4, 31.1 -> 18.7, 18.1 -> 16.6 us); its ten bit checks PASS and
+# the engine's four digests with it equal the records (RESULTS.md, session 53; not yet run on
+# an H200). The A/B switch's side before: direct-io.
 MGPU_PREFILL_LAUNCH = (
     ("stages", 3),
     ("consumers", 2),
@@ -103,6 +108,7 @@ MGPU_PREFILL_LAUNCH = (
     ("persistent", True),
     ("prefetch_q", True),
     ("direct_io", True),
+    ("token_walk", True),
 )
 # The decode kernel stores, and its combine folds, only the splits a token uses (same bits:
 # the others leave the fold unchanged). False: every split of the grid, as before 2026-12-02
