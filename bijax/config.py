@@ -16,6 +16,14 @@ def _pow2_upto(lo: int, hi: int) -> tuple[int, ...]:
     return tuple(sorted(set(out)))
 
 
+def check_max_model_len(value) -> None:
+    """A Python int >= 2: a request holds at least one prompt token and one generated (below
+    that no request fits, and every one would be refused)."""
+    check_positive_int("max_model_len", value, numpy=False)
+    if value < 2:
+        raise ValueError(f"max_model_len must be >= 2 (one prompt token and one generated), got {value}")
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """max_model_len: longest prompt + output; max_num_seqs: sequences per step;
@@ -40,7 +48,6 @@ class EngineConfig:
 
     def __post_init__(self):
         for f in (
-            "max_model_len",
             "max_num_seqs",
             "max_num_batched_tokens",
             "block_size",
@@ -48,6 +55,7 @@ class EngineConfig:
             "tensor_parallel_size",
         ):
             check_positive_int(f, getattr(self, f), numpy=False)
+        check_max_model_len(self.max_model_len)
         if self.block_size & (self.block_size - 1) or self.block_size > 64:
             raise ValueError(f"block_size must be a power of two <= 64, got {self.block_size}")
         if self.max_num_batched_tokens < self.max_num_seqs:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bijax.config import EngineConfig
+from bijax.config import EngineConfig, check_max_model_len
 from bijax.llm_engine import Engine
 from bijax.outputs import RequestOutput
 from bijax.sampling_params import MAX_SEED, SamplingParams
@@ -133,7 +133,10 @@ def _check_arguments(*, dtype, gpu_memory_utilization, seed, flags: dict, **coun
     """``LLM``'s arguments, each checked by name: ``counts`` positive ints (None allowed for
     max_model_len and num_kv_blocks: sized by the engine), ``flags`` bools."""
     for name, v in counts.items():
-        if v is not None or name not in ("max_model_len", "num_kv_blocks"):
+        if name == "max_model_len":
+            if v is not None:
+                check_max_model_len(v)
+        elif v is not None or name != "num_kv_blocks":
             check_positive_int(name, v, numpy=False)
     for name, v in flags.items():
         if not isinstance(v, bool):

@@ -777,6 +777,8 @@ class Engine:
             if isinstance(ids, (str, bytes, dict)) or not isinstance(ids, Iterable):  # (text: its characters)
                 raise TypeError(f"token_ids[{i}] must be a list of int token ids, got {type(ids).__name__}")
             _, ids = self._tokenize(list(ids))
+            if not ids:
+                raise ValueError(f"token_ids[{i}] is empty: a sequence to score needs at least one token")
             if len(ids) > self.config.max_model_len:
                 raise ValueError(
                     f"token_ids[{i}]: {len(ids)} tokens exceed max_model_len ({self.config.max_model_len})"
@@ -791,7 +793,10 @@ class Engine:
             bad = [t for t in ids[split:] if not 0 <= t < vocab]
             if bad:  # (the prompt's ids are _check's)
                 raise ValueError(f"token_ids[{i}]: token id {bad[0]} is outside the vocabulary [0, {vocab})")
-            self._check(ids[:split], SamplingParams(max_tokens=max(1, len(ids) - split)))
+            try:
+                self._check(ids[:split], SamplingParams(max_tokens=max(1, len(ids) - split)))
+            except ValueError as e:  # (which sequence: the check's own message names none)
+                raise ValueError(f"token_ids[{i}]: {e}") from None
             seq = Sequence(-1 - i, f"score-{i}", ids, dummy, 0, 0, i)
             seq.prefix_limit = pl - 1  # positions from pl - 1 on need their logits
             seqs.append(seq)

@@ -289,7 +289,8 @@ def _from_hf_dict(hf: dict[str, Any]) -> LlamaConfig:
         num_heads=heads,
         num_kv_heads=hf.get("num_key_value_heads") or heads,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),  # transformers' default for every type here
+        # (transformers' default for every type here)
+        rms_norm_eps=_hf_number(hf.get("rms_norm_eps", 1e-6), "rms_norm_eps"),
         rope_theta=theta,
         rope_scaling=scaling,
         max_position_embeddings=hf.get("max_position_embeddings", 4096),

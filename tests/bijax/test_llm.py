@@ -146,6 +146,13 @@ def test_score_bad_input(llm):
     for bad in (vocab, 10**9, -1):  # a completion token outside the vocabulary, not just the prompt's
         with pytest.raises(ValueError, match=f"token_ids\\[0\\]: token id {bad} is outside the vocabulary"):
             llm.score([PROMPT + [bad]], [len(PROMPT)])
+        # ... and in the prompt's part, in the second sequence: it is named
+        with pytest.raises(
+            ValueError, match=f"token_ids\\[1\\]: prompt token id {bad} is outside the vocabulary"
+        ):
+            llm.score([PROMPT + [1], [bad] + PROMPT], [len(PROMPT), 2])
+    with pytest.raises(ValueError, match=r"token_ids\[1\] is empty"):
+        llm.score([PROMPT, []], [1, 1])
     ok = llm.score([PROMPT + [1]], [np.int64(len(PROMPT))])  # numpy prompt lengths are ints too
     assert ok[0].shape == (1,) and ok[0].dtype == np.float32
     with pytest.raises(ValueError, match="prompt_lens"):
@@ -217,6 +224,7 @@ def test_streamed_text_never_shows_what_a_stop_string_cuts():
         ({"block_size": 2.0}, ValueError, "block_size must be a positive int"),
         ({"num_kv_blocks": -4}, ValueError, "num_kv_blocks must be a positive int"),
         ({"max_model_len": "64"}, ValueError, "max_model_len must be a positive int"),
+        ({"max_model_len": 1}, ValueError, r"max_model_len must be >= 2 \(one prompt token"),
         ({"gpu_memory_utilization": "0.5"}, ValueError, "gpu_memory_utilization"),
         ({"dtype": "foo"}, TypeError, "dtype must be a floating-point dtype"),
         ({"dtype": "int32"}, TypeError, "dtype must be a floating-point dtype"),

@@ -292,6 +292,8 @@ def test_config_from_hf_both_rope_formats():
         ({"vocab_size": 0}, "vocab_size"),
         ({"eos_token_id": [2, None]}, "eos_token_id must be an integer, got None"),  # (int() TypeErrors)
         ({"bos_token_id": [1]}, r"bos_token_id must be an integer, got \[1\]"),
+        ({"rms_norm_eps": None}, "rms_norm_eps must be a number, got None"),  # (float() TypeErrors)
+        ({"rms_norm_eps": "1e-5"}, "rms_norm_eps must be a number, got '1e-5'"),
     ],
 )
 def test_bad_configs(change, match):
