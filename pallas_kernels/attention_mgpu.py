@@ -985,7 +985,7 @@ def tiles_mgpu(
     instead of every row (``walk_tables(token_rows=...)``: the same segments, compared pairwise
     over up to 42 tokens a program instead of 128 rows; a narrower segments table). In the
     engine's launch since session 53: on an H100 the tables took 13-19 us a call instead of
-    17-31 (RESULTS.md), the same bits on every check.
+    18-31 (RESULTS.md), the same bits on every check.
 
     ``probe_exact_exp`` is a measurement probe, not a launch choice: 2**y as the exact ``exp`` of
     y * ln 2 (libdevice's ``expf``, the exponential of NUMERICS_VERSION 5, with two multiplies

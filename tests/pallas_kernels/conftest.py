@@ -19,12 +19,16 @@ import pytest
 
 
 def ascending_k_matmul(a, b, dtype=None):
-    """``a @ b`` ([..., M, K] @ [K, N]) in ``dtype``: the K products added to a zero
-    accumulator one at a time, in ascending K."""
-    a, b = np.asarray(a, dtype), np.asarray(b, dtype)
-    if b.ndim != 2 or a.shape[-1] != b.shape[0]:
+    """``np.matmul(a, b, dtype=np.float32)`` ([..., M, K] @ [K, N]) with a fixed order: the K
+    products added to a float32 zero one at a time, in ascending K. Only float32 accumulation
+    (what every wgmma of the interpreter asks for): anything else is refused, never computed
+    another way."""
+    if np.dtype(dtype) != np.float32:
+        raise TypeError(f"ascending_k_matmul: accumulates in float32 only, asked for {dtype}")
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    if b.ndim != 2 or a.ndim < 2 or a.shape[-1] != b.shape[0]:
         raise ValueError(f"ascending_k_matmul: shapes {a.shape} @ {b.shape}")
-    out = np.zeros(a.shape[:-1] + b.shape[1:], a.dtype)
+    out = np.zeros(a.shape[:-1] + b.shape[1:], np.float32)
     for k in range(b.shape[0]):
         out += a[..., k : k + 1] * b[k]
     return out
@@ -41,8 +45,12 @@ class _NumpyWithOrderedMatmul:
 
 @pytest.fixture(autouse=True, scope="session")
 def _ordered_interpreter_matmul():
+    import inspect
+
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 
+    # (if a JAX upgrade computes wgmma otherwise, replacing ``np`` would do nothing: say so)
+    assert "np.matmul(" in inspect.getsource(gpu_callbacks), "the interpreter no longer calls np.matmul"
     if gpu_callbacks.np is not np:  # (a process that runs this twice)
         yield
         return

@@ -20,6 +20,23 @@ from tests.pallas_kernels.test_attention import Paged, all_tokens
 BF16 = jnp.bfloat16
 
 
+@pytest.fixture(autouse=True)
+def _no_persistent_compile_cache():
+    """This file's kernels run in interpret mode - Python callbacks inside the compiled programs -
+    and skip JAX's persistent compilation cache, which the test run shares between its workers
+    (tests/conftest.py) and an engine test enables in a worker. Why: in CI (session 52) a
+    split-size control here twice got the split-64 bits, never in a process here; an
+    executable taken from the cache is one suspect, not shown (open: session 53's note)."""
+    from jax._src import compilation_cache
+
+    was = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    yield
+    jax.config.update("jax_enable_compilation_cache", was)
+    compilation_cache.reset_cache()
+
+
 def _run(paged, tokens, **kw):
     kw = {"split_size": 64, **kw}
     return paged.run(tokens, backend="triton", interpret=True, gpu_kernel="tiles_mgpu", **kw)
@@ -51,8 +68,8 @@ def test_accuracy_mixed_batch_nan_cache_and_padding(lens, kw, shape):
 
 def test_a_token_keeps_its_bits_alone_in_chunks_and_among_other_sequences():
     """The walk visits a row's own sequence only, in a fixed order: a token's bits do not depend
-    on which tile row it lands in or what else the tile holds. Control: a different split size
-    (part of the numerics) changes them, so the comparison can fail."""
+    on which tile row it lands in or what else the tile holds. Control: another token's bits
+    differ, so the comparison can fail."""
     paged = Paged([150, 30, 90], hq=8, hkv=2, d=64, dtype=BF16, seed=2)
     target = (0, 149)
     alone = bits(_run(paged, [target]))[0]
@@ -64,9 +81,10 @@ def test_a_token_keeps_its_bits_alone_in_chunks_and_among_other_sequences():
     for name, tokens in cases.items():
         out = bits(_run(paged, tokens))
         np.testing.assert_array_equal(out[tokens.index(target)], alone, err_msg=name)
-    # Control: another token's bits differ, so the comparison can fail. (Not a split size of
-    # 128: one token's 512 bf16 outputs can round to the same bits after the other fold - it
-    # did in CI twice, with the inputs that test order there gave: conftest.rand.)
+    # Control: another token's bits differ, so the comparison can fail. (A split size of 128
+    # as the control gave the split-64 bits in CI twice - session 52 - and never here, though
+    # 31-151 of this token's 512 outputs differ between the two on 30 input draws (session 53):
+    # not explained; open.)
     other = bits(_run(paged, [(0, 148)]))[0]
     assert not np.array_equal(other, alone), "another token's bits are the same: the check cannot fail"
 
@@ -481,3 +499,25 @@ def test_walk_tables_from_each_tokens_first_row_equal_the_rows_tables():
         control = attention_mgpu.walk_tables(rpos, rseq, lens, 4, token_rows=(1, attention_mgpu.ROWS), **kw)
         differed += not np.array_equal(control[3], rows[3])
     assert differed >= 5, differed
+
+
+def test_the_interpreters_matmul_gives_a_row_the_same_bits_anywhere():
+    """conftest's ``ascending_k_matmul`` (the interpreter's wgmma in these tests): a row's bits
+    are the same alone and at any place in a larger operand, its values NumPy's to float32
+    rounding, and it refuses what it does not do. It is what the interpreter runs here."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+    from tests.pallas_kernels.conftest import ascending_k_matmul
+
+    assert gpu_callbacks.np.matmul is ascending_k_matmul
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((64, 64)).astype(jnp.bfloat16)
+    b = rng.standard_normal((64, 128)).astype(jnp.bfloat16)
+    whole = ascending_k_matmul(a, b, dtype=np.float32)
+    for r in (0, 21, 33, 63):
+        alone = ascending_k_matmul(a[r : r + 1], b, dtype=np.float32)
+        np.testing.assert_array_equal(alone.view(np.uint32), whole[r : r + 1].view(np.uint32))
+    ref = np.matmul(a, b, dtype=np.float32)
+    assert np.abs(whole - ref).max() <= 1e-5 * np.abs(ref).max()
+    with pytest.raises(TypeError, match="float32 only"):
+        ascending_k_matmul(a, b, dtype=np.float16)
