@@ -6,6 +6,7 @@ import atexit
 import os
 import shutil
 import tempfile
+import zlib
 
 # One fresh compilation cache per test run, shared by its workers and the processes tests start
 # (set here, in the controller, before pytest-xdist spawns the workers, which inherit it): a run
@@ -74,6 +75,24 @@ TOL = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 1e-2, jnp.dtype(jn
 _SEED = [0]
 
 
+def _start_rand_at(nodeid: str) -> None:
+    """``rand``'s counter from a test's (or module's) own id: its inputs are the same whatever
+    ran before it in its worker - a failure in CI reproduces alone. (The counter was shared by
+    a worker's tests: inputs, and so data-dependent failures, followed the test order.)"""
+    _SEED[0] = zlib.crc32(nodeid.encode()) << 20
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _rand_per_module(request):
+    """(module-scoped fixtures' draws: before any of them, autouse first)"""
+    _start_rand_at(request.node.nodeid)
+
+
+@pytest.fixture(autouse=True)
+def _rand_per_test(request):
+    _start_rand_at(request.node.nodeid)
+
+
 def bits(a) -> np.ndarray:
     """The raw bits of a float array, as unsigned ints (compare these, never floats)."""
     a = np.asarray(jax.device_get(a))
@@ -81,7 +100,8 @@ def bits(a) -> np.ndarray:
 
 
 def rand(shape, dtype=jnp.float32, scale=1.0) -> jax.Array:
-    """Fresh standard-normal values (a new seed every call; numpy, so no compile per shape)."""
+    """Fresh standard-normal values (a new seed every call, counted from the test's own start:
+    ``_start_rand_at``; numpy, so no compile per shape)."""
     _SEED[0] += 1
     x = np.random.default_rng(_SEED[0]).standard_normal(shape, dtype=np.float32) * np.float32(scale)
     return jnp.asarray(x).astype(dtype)
