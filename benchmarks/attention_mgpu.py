@@ -288,10 +288,9 @@ LAUNCHES = {
         "direct_io": True,
         "token_walk": True,
     },
-    # session 53, not yet run on a GPU: the engine's launch with each consumer's next q @ k.T
-    # issued before this tile's softmax (``overlap``, FlashAttention-3's intra-warpgroup
-    # overlap; 32 registers a thread more; last timed without the pair, persistent programs
-    # and the fold in SMEM: 1.05x slower then, with spills)
+    # session 53: the engine's launch with each consumer's next q @ k.T issued before this
+    # tile's softmax (``overlap``, FlashAttention-3's intra-warpgroup overlap): every check
+    # PASSes, 1.01-1.28x slower on the H100 (RESULTS.md session 53) - not in the engine's launch
     "pair, 3 stages, heaviest, one drain, dense rows, fold in SMEM, persistent, prefetch q, direct io, overlapped": {
         **_PAIR3,
         "fold_in_smem": True,

@@ -55,7 +55,8 @@ _PERSIST = "'BIJAX_MGPU_LAUNCHES=" + "|".join("=" + n for n in _PERSIST_NAMES) +
 # [T, Hkv, G, D] (session 51: a copy a token; since session 52: a copy a tile)
 _S51 = [f"{_P42}, persistent, prefetch q{x}" for x in ("", ", direct io")]
 _DIRECT = "'BIJAX_MGPU_LAUNCHES=" + "|".join("=" + n for n in _S51) + "'"
-# ... and the engine's launch with the walk tables from each token's first row (session 52)
+# ... and the session-52 launch with the walk tables from each token's first row (the engine's
+# since session 53) and with overlapped scores (slower, session 53)
 _TOKEN_WALK = (
     "'BIJAX_MGPU_LAUNCHES="
     + "|".join("=" + n for n in (_S51[1], f"{_S51[1]}, token walk", f"{_S51[1]}, overlapped"))
