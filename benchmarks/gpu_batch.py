@@ -534,6 +534,11 @@ STEPS = {
         330,
         "attention kernels' time vs cuDNN (no accuracy / invariance checks: run `attention` for them)",
     ),
+    "attention-trace": (
+        _py("attention_trace.py"),
+        240,
+        "the engine's prefill kernel traced inside (Mosaic GPU's profiler): cycles per item and tile",
+    ),
     "weights-build": (_py("weights_build.py"), 120, "a preset's random-weight build: compile vs draws"),
     "profile-prefill-chain": (
         _with("BIJAX_STEP_PROGRAMS=layers", "profile_step.py", *_PREFILL_CASES),

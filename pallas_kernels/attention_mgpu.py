@@ -66,6 +66,7 @@ the engine's digests matched the records with it on the H200 (``benchmarks/gpu_d
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -98,6 +99,12 @@ DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 PV_VARIANTS = ("add", "into")
 _SUM_N = 16  # columns of the row-sum dot (wgmma's least N), as in softmax_step's p @ ones
 _SMEM_BYTES = 227 * 1024 // 2 - 1024  # two programs per SM
+# ``probe_trace``: the on-device profiler's ranges a warpgroup records (Mosaic GPU's
+# ``profile_space``; later ones are dropped). Its buffer - 16 bytes a range, for each of a
+# program's warpgroups - is in shared memory, counted by ``_stages``: 128 ranges leave the
+# engine's D 128 launch its 2 stages at every head group.
+TRACE_RANGES = 128
+TRACE_LEVELS = ("items", "tiles")
 _SMEM_BYTES_ALONE = 227 * 1024 - 1024  # one (warp-specialized) program per SM
 CONSUMERS = (1, 2)  # compute warpgroups of a program (2: plus a producer warpgroup)
 ORDERS = ("ascending", "heaviest")  # the order programs take the row tiles in
@@ -169,14 +176,18 @@ def _stages(
     fold_in_smem: bool = False,
     out_buffer: bool = False,
     qo_rows: int = ROWS,
+    trace: bool = False,
 ) -> int:
     """Ring slots: as asked, fewer where the program would not fit (two programs per SM with one
     warpgroup; one with warp specialization, which also holds each consumer's q), at least 2.
     ``fold_in_smem``: each warpgroup also holds its split fold's fp32 accumulator;
     ``out_buffer``: and its output's staging buffer (``prefetch_q``). ``qo_rows``: the rows of
-    each q / output buffer (``direct_io``'s whole tokens: up to 112)."""
+    each q / output buffer (``direct_io``'s whole tokens: up to 112). ``trace``: and the
+    profiler's buffer (``probe_trace``)."""
     per_stage = 2 * tile * d * itemsize
     fixed = tile * _SUM_N * itemsize + 4 * 1024  # ones; rows, segments, barriers
+    if trace:
+        fixed += (consumers + (consumers > 1)) * TRACE_RANGES * 16
     if fold_in_smem:
         fixed += consumers * ROWS * d * 4
     if out_buffer:
@@ -297,13 +308,28 @@ class _Walk:
         )
 
 
+def _scopes(level: str | None):
+    """(an item's scope, a tile's scope) for ``probe_trace`` at ``level``: ``jax.named_scope``,
+    which Mosaic GPU's profiler records as a range of the warpgroup that runs it, where that
+    level is traced; else a no-op (and the kernel's text is the launch's own)."""
+
+    def off(name):
+        return contextlib.nullcontext()
+
+    if level is None:
+        return off, off
+    return jax.named_scope, jax.named_scope if level == "tiles" else off
+
+
 def _kernel(
     segs_ref, nseg_ref, order_ref, rpos_ref, rseq_ref, bt_ref, q_ref, k_ref, v_ref, ones_ref, o_ref,
     *, spec: AttentionSpec, block_size: int, max_blocks: int, stages: int, max_segs: int, pv: str,
     a_in_smem: bool, overlap: bool, rounding: str, consumers: int, one_drain: bool, q_from_smem: bool,
     fold_in_smem: bool, work: tuple[int, int, int] | None, prefetch_q: bool,
     direct: tuple[int, int] | None, probe_unmasked: bool, inline_ex2: bool, probe_exact_exp: bool, probe_log2_scores: bool,
+    trace: str | None = None,
 ):  # fmt: skip
+    item_scope, tile_scope = _scopes(trace)
     if work is None:  # a program per (tile, head)
         i = lax.axis_index("tile") if order_ref is None else order_ref[lax.axis_index("tile")]
         h = lax.axis_index("head")
@@ -542,6 +568,10 @@ def _kernel(
                 more = (split + 1 < end_split) | (sidx + 1 < nseg)  # tiles after this split
 
                 def tile_step(masked, t, x):
+                    with tile_scope("tile_masked" if masked else "tile_full"):
+                        return tile_step_(masked, t, x)
+
+                def tile_step_(masked, t, x):
                     state, pf, c, s = x
                     pf = prefetch(pf, c + stages - 1)
                     tile_start = start + t * tile
@@ -582,7 +612,8 @@ def _kernel(
                 x = lax.fori_loop(first, a, functools.partial(tile_step, masked), x)
                 x = lax.fori_loop(a, b, functools.partial(tile_step, False), x)
                 x = lax.fori_loop(b, num_tiles, functools.partial(tile_step, masked), x)
-                fold = fold_split(fold, x[0], split_used(split, rpos, spec) & mine)
+                with tile_scope("fold"):
+                    fold = fold_split(fold, x[0], split_used(split, rpos, spec) & mine)
                 return fold, *x[1:]
 
             return lax.fori_loop(first_split, end_split, one_split, carry)
@@ -608,13 +639,15 @@ def _kernel(
         else:
             fold_smem[...] = facc
             fold = (fm, fl, started)
-        fold, _, c, _ = lax.fori_loop(0, nseg, one_segment, (fold, pf, jnp.int32(c0), s0))
-        if after_walk is not None:
-            after_walk()
-        if fold_smem is not None:
-            fm, fl, started = fold
-            fold = (fm, fl, plgpu.load(fold_smem, layout=wgmma_layout), started)
-        return fold_finish(fold).astype(dtype), c
+        with item_scope("walk"):
+            fold, _, c, _ = lax.fori_loop(0, nseg, one_segment, (fold, pf, jnp.int32(c0), s0))
+        with item_scope("finish"):
+            if after_walk is not None:
+                after_walk()
+            if fold_smem is not None:
+                fm, fl, started = fold
+                fold = (fm, fl, plgpu.load(fold_smem, layout=wgmma_layout), started)
+            return fold_finish(fold).astype(dtype), c
 
     def q_operand(q_smem, q_copy):
         """q into registers (wgmma's A operand), or into ``q_copy`` in interpret mode."""
@@ -710,10 +743,11 @@ def _kernel(
             plgpu.copy_gmem_to_smem(ones_ref, ones_smem, ones_bar)
 
             def run(k, ik, hk, b, c):
-                if work is not None:  # both consumers are done walking this buffer's last item
-                    pl.when(k >= nbuf)(lambda: plgpu.barrier_wait(segs_free.at[b]))
-                plgpu.copy_gmem_to_smem(segs_ref.at[ik], segs_smem.at[b], setup_bar.at[b])
-                plgpu.barrier_wait(setup_bar.at[b])
+                with item_scope("producer_setup"):
+                    if work is not None:  # both consumers are done walking this buffer's last item
+                        pl.when(k >= nbuf)(lambda: plgpu.barrier_wait(segs_free.at[b]))
+                    plgpu.copy_gmem_to_smem(segs_ref.at[ik], segs_smem.at[b], setup_bar.at[b])
+                    plgpu.barrier_wait(setup_bar.at[b])
                 walk = _Walk(segs_smem.at[b], nseg_ref[ik], spec, tile, max_segs)
 
                 def load(x):
@@ -722,12 +756,14 @@ def _kernel(
                     nxt = walk.advance(cur)  # the walk and the block-table reads before the wait
 
                     def ready():
-                        pl.when(c >= stages)(lambda: plgpu.barrier_wait(consumed_bar.at[slot]))
+                        with tile_scope("producer_slot_wait"):
+                            pl.when(c >= stages)(lambda: plgpu.barrier_wait(consumed_bar.at[slot]))
 
                     issue(walk, cur, c, k_smem, v_smem, k_bar, v_bar, ready, h=hk)
                     return nxt, c + 1
 
-                return lax.while_loop(lambda x: x[0][0] < walk.nseg, load, (walk.begin(), c))[1]
+                with item_scope("producer_loads"):
+                    return lax.while_loop(lambda x: x[0][0] < walk.nseg, load, (walk.begin(), c))[1]
 
             n = items(run, jnp.int32(0))
             for j in range(stages):  # wait out the last tiles: every completed phase is seen
@@ -777,8 +813,9 @@ def _kernel(
                 if work is not None:
                     plgpu.barrier_arrive(segs_free.at[b])
 
-            def run(k, ik, hk, b, c):
-                row_tile = consumers * ik + wg
+            def begin(k, ik, hk, b):
+                """Item k's q (wgmma's A operand) and row positions / sequences, once its q, rows
+                and segments are in (and the next item's q loads started, ``prefetch_q``)."""
                 if not prefetch_q:  # (else the item before loaded it, or the loop's start)
                     load_q(ik, hk)
                 plgpu.barrier_wait(q_bar.at[wg])
@@ -800,14 +837,12 @@ def _kernel(
                     plgpu.barrier_wait(ones_bar)
                 else:
                     pl.when(k == 0)(lambda: plgpu.barrier_wait(ones_bar))
-                walk = _Walk(segs_smem.at[b], nseg_ref[ik], spec, tile, max_segs)
-                out, c = consume(
-                    walk, q, rpos, rseq, k_smem, v_smem, ones_smem, k_bar, v_bar, scratch,
-                    lambda pf, c: pf, (), lambda slot: plgpu.barrier_arrive(consumed_bar.at[slot]),
-                    zero_v_sync, None if fold_smem is None else fold_smem.at[wg], c,
-                    functools.partial(after_walk, b),
-                )  # fmt: skip
-                if prefetch_q:  # staged in its own buffer, stored while the next item starts
+                return q, rpos, rseq
+
+            def store(out, row_tile, hk):
+                """The item's output into o: staged and stored by TMA (``prefetch_q``: in its own
+                buffer, while the next item starts) or through q's buffer."""
+                if prefetch_q:
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # (the last store has read it)
                     out_box = out_smem.at[wg]
                     if direct is not None and a_in_smem:  # (interpret mode: as q)
@@ -820,14 +855,28 @@ def _kernel(
                     plgpu.commit_smem()
                     if direct is None:
                         plgpu.copy_smem_to_gmem(out_smem.at[wg], o_ref.at[row_tile, hk])
-                        return c
+                        return
                     tq = direct[0]  # one copy into the output [T, Hkv, G, D] (TMA drops rows past T)
                     plgpu.copy_smem_to_gmem(out_box.at[pl.ds(0, tq)], o_ref.at[pl.ds(row_tile * tq, tq), hk])
-                    return c
+                    return
                 q_smem[...] = out  # every wgmma reading q is done (each result was waited for)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(q_smem, o_ref.at[row_tile, hk])
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # q_smem is free again
+
+            def run(k, ik, hk, b, c):
+                row_tile = consumers * ik + wg
+                with item_scope("begin"):
+                    q, rpos, rseq = begin(k, ik, hk, b)
+                walk = _Walk(segs_smem.at[b], nseg_ref[ik], spec, tile, max_segs)
+                out, c = consume(
+                    walk, q, rpos, rseq, k_smem, v_smem, ones_smem, k_bar, v_bar, scratch,
+                    lambda pf, c: pf, (), lambda slot: plgpu.barrier_arrive(consumed_bar.at[slot]),
+                    zero_v_sync, None if fold_smem is None else fold_smem.at[wg], c,
+                    functools.partial(after_walk, b),
+                )  # fmt: skip
+                with item_scope("store"):
+                    store(out, row_tile, hk)
                 return c
 
             if prefetch_q:
@@ -933,6 +982,7 @@ def tiles_mgpu(
     probe_exact_exp: bool = False,
     probe_unmasked: bool = False,
     probe_log2_scores: bool = False,
+    probe_trace: tuple[str, str] | None = None,
     interpret=None,
 ):
     """q [T, Hkv, G, D] -> normalised output [T, Hkv, G, D], the ``tiles`` walk on Mosaic GPU.
@@ -994,8 +1044,14 @@ def tiles_mgpu(
     wrong values) - what the masked tiles on the causal diagonal cost. ``probe_log2_scores``,
     a third: log2 e folded into the logit scale and each exponential of a tile step ``EX2_PTX``
     of the difference (one multiply an element less; the fold's exponentials as they are):
-    what a numerics change to base-2 logits would save, other bits. Nothing in the engine
-    passes any of them."""
+    what a numerics change to base-2 logits would save, other bits. ``probe_trace`` (directory,
+    level), a fourth, keeps the bits: Mosaic GPU's on-device profiler writes each call's trace
+    (a JSON file in the directory; each range a warpgroup's ``globaltimer`` start and clock
+    cycles) of each item's ``begin`` / ``walk`` / ``finish`` / ``store`` and the producer's
+    ``producer_setup`` / ``producer_loads`` (level "items"), or with those each KV tile
+    (``tile_full``, ``tile_masked``), split fold (``fold``) and the producer's wait for a free
+    slot (level "tiles"); ``TRACE_RANGES`` ranges a warpgroup (``benchmarks/attention_trace.py``
+    reads them). Nothing in the engine passes any of them."""
     why = supported(qg.dtype, qg.shape[-1], spec)
     if why is not None:
         raise ValueError(f"attention (Mosaic GPU tiles): unsupported {why}")
@@ -1031,6 +1087,16 @@ def tiles_mgpu(
         )
     if direct_io and not prefetch_q:
         raise ValueError("attention (Mosaic GPU tiles): direct_io needs prefetch_q (its output buffer)")
+    trace_level = None
+    if probe_trace is not None:
+        if not (isinstance(probe_trace, tuple) and len(probe_trace) == 2 and probe_trace[1] in TRACE_LEVELS):
+            raise ValueError(
+                "attention (Mosaic GPU tiles): probe_trace takes (directory, level) with a level "
+                f"in {TRACE_LEVELS}, got {probe_trace!r}"
+            )
+        if interpret is not None:
+            raise ValueError("attention (Mosaic GPU tiles): probe_trace needs a GPU (no interpret mode)")
+        trace_level = probe_trace[1]
     if q_from_smem and consumers == 1:
         raise ValueError(
             "attention (Mosaic GPU tiles): q_from_smem needs consumers=2 (one warpgroup's q shares a KV slot)"
@@ -1066,9 +1132,14 @@ def tiles_mgpu(
     rows_view = (num_blocks * block_size, hkv, d)
     qo_rows = ROWS if direct is None else _box_tokens(direct[1], d, qg.dtype.itemsize) * direct[1]
     stages = _stages(
-        tile, d, qg.dtype.itemsize, stages, consumers, bool(fold_in_smem), bool(prefetch_q), qo_rows
-    )
+        tile, d, qg.dtype.itemsize, stages, consumers, bool(fold_in_smem), bool(prefetch_q), qo_rows,
+        trace=trace_level is not None,
+    )  # fmt: skip
     kwargs = {} if interpret is None else {"interpret": interpret}
+    if trace_level is not None:
+        kwargs["compiler_params"] = plgpu.CompilerParams(
+            profile_space=TRACE_RANGES, profile_dir=probe_trace[0], profile_bounds_check=True
+        )
     if consumers > 1:
         kwargs.update(num_threads=consumers + 1, thread_name="wg")
     work = None
@@ -1100,6 +1171,7 @@ def tiles_mgpu(
         inline_ex2=interpret is None,
         probe_exact_exp=bool(probe_exact_exp),
         probe_log2_scores=bool(probe_log2_scores),
+        trace=trace_level,
     )
     args = [segs, nseg, program_order, rpos, rseq, block_tables, q if direct is None else qg]
     if program_order is None:  # the program index is the tile's

@@ -223,6 +223,22 @@ def test_unsupported_calls_are_refused_by_name():
         tiles_mgpu(q, kc, kc, idx, spec=spec, consumers=2, direct_io=True)
     with pytest.raises(ValueError, match="q_from_smem needs consumers=2"):
         tiles_mgpu(q, kc, kc, idx, spec=spec, q_from_smem=True)
+    for bad in ("/tmp", ("/tmp", "warps"), ["/tmp", "items"]):
+        with pytest.raises(ValueError, match="probe_trace takes \\(directory, level\\)"):
+            tiles_mgpu(q, kc, kc, idx, spec=spec, probe_trace=bad)
+    with pytest.raises(ValueError, match="probe_trace needs a GPU"):
+        interp = plgpu.InterpretGPUParams()
+        tiles_mgpu(
+            q,
+            kc,
+            kc,
+            idx,
+            spec=spec,
+            pv="add",
+            rounding="compiler",
+            probe_trace=("/tmp", "items"),
+            interpret=interp,
+        )
     big = jnp.ones((2, 256, 1, 128), BF16)
     with pytest.raises(ValueError, match="more shared memory than an SM has"):
         tiles_mgpu(q.reshape(1, 1, 4, 64).repeat(2, axis=3), big, big, idx, spec=AttentionSpec.create(128))
