@@ -278,8 +278,8 @@ LAUNCHES = {
         "prefetch_q": True,
         "direct_io": True,
     },
-    # session 52, not yet run on a GPU: the walk tables from each token's first row (XLA work
-    # before the kernel: 18-31 us of each case above; the same segments, a narrower table)
+    # session 52: the walk tables from each token's first row (XLA work before the kernel: 18-31
+    # us of each case above; the same segments, a narrower table) - the engine's since session 53
     "pair, 3 stages, heaviest, one drain, dense rows, fold in SMEM, persistent, prefetch q, direct io, token walk": {
         **_PAIR3,
         "fold_in_smem": True,
@@ -298,6 +298,17 @@ LAUNCHES = {
         "prefetch_q": True,
         "direct_io": True,
         "overlap": True,
+    },
+    # session 54, not yet run on a GPU: the engine's launch with the producer copying the next
+    # item's segments while this item's tiles are issued (``early_segs``), not between the items
+    "pair, 3 stages, heaviest, one drain, dense rows, fold in SMEM, persistent, prefetch q, direct io, token walk, early segs": {
+        **_PAIR3,
+        "fold_in_smem": True,
+        "persistent": True,
+        "prefetch_q": True,
+        "direct_io": True,
+        "token_walk": True,
+        "early_segs": True,
     },
 }
 DEFAULT_VARIANT = ("into", "two")
