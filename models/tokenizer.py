@@ -170,7 +170,18 @@ class Tokenizer:
         except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
             # the template's own Python errors on a message it does not handle (e.g. null
             # content next to tool_calls): about the input, not from deep inside jinja
-            raise ValueError(f"chat template failed on these messages: {type(e).__name__}: {e}") from None
+            tools = [
+                i for i, m in enumerate(messages) if m.get("tool_calls") is not None or m["role"] == "tool"
+            ]
+            hint = (
+                f" (messages {tools} are tool calls or tool results: this model's chat template may not "
+                "render them)"
+                if tools
+                else ""
+            )
+            raise ValueError(
+                f"chat template failed on these messages: {type(e).__name__}: {e}{hint}"
+            ) from None
 
     def encode_chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> list[int]:
         """Token ids of the rendered conversation (special tokens in the template become their ids;
@@ -345,16 +356,23 @@ class Tokenizer:
 
 def message_text(message: dict, name: str) -> str | None:
     """A chat message's content as the template's string: a string, or OpenAI's list of text
-    parts ({"type": "text", "text": str}) joined; None only beside ``tool_calls`` (an assistant's
-    tool call, which templates render without content). TypeError naming ``name`` otherwise."""
+    parts ({"type": "text", "text": str}) joined by newlines (as vLLM joins them); None only
+    beside ``tool_calls`` (an assistant's tool call, which templates render without content),
+    which must then be a non-empty list of objects. TypeError naming ``name`` otherwise."""
     content = message.get("content")
-    if isinstance(content, str) or (content is None and message.get("tool_calls")):
+    calls = message.get("tool_calls")
+    if calls is not None and not (
+        isinstance(calls, list) and calls and all(isinstance(c, dict) for c in calls)
+    ):
+        field = name[: -len("content")] + "tool_calls" if name.endswith("content") else f"{name}'s tool_calls"
+        raise TypeError(f"{field} must be a non-empty list of objects, got {short_repr(calls, 80)}")
+    if isinstance(content, str) or (content is None and calls):
         return content
     parts = isinstance(content, list) and content
     if parts and all(
         isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
     ):
-        return "".join(p["text"] for p in content)
+        return "\n".join(p["text"] for p in content)
     raise TypeError(
         f"{name} must be a string or a non-empty list of {{'type': 'text', 'text': str}} parts, got "
         f"{short_repr(content, 80)}"

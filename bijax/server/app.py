@@ -31,6 +31,7 @@ from bijax.server.protocol import (
     prompts,
 )
 from bijax.server.render import prometheus
+from pallas_kernels.checks import short_repr
 
 OPEN_PATHS = ("/health", "/metrics")  # never behind --api-key
 MAX_REQUEST_BYTES = 32 << 20  # the default body limit (bijax serve --max-request-bytes)
@@ -188,7 +189,13 @@ def build_app(
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):
-        return JSONResponse(ApiError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+        detail = str(e.detail)
+        if e.status_code in (404, 405):  # (a path no route has, or a method it does not take)
+            detail = f"{detail}: {request.method} {short_repr(request.url.path)}"
+        # (the headers: 405's Allow, which Starlette sets)
+        return JSONResponse(
+            ApiError(e.status_code, detail).body(), status_code=e.status_code, headers=e.headers
+        )
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception):

@@ -7,7 +7,7 @@ OpenAI's error JSON - never a traceback.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
@@ -129,7 +129,11 @@ class _Sampling(_Body):
             raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
         for key, value in opts.items():
             if key not in _STREAM_OPTIONS:
-                raise ApiError(400, f"stream_options.{key} is not supported by bijax", param="stream_options")
+                raise ApiError(
+                    400,
+                    f"stream_options: {short_repr(key)} is not supported by bijax",
+                    param="stream_options",
+                )
             if value is not None and not isinstance(value, bool):
                 raise ApiError(400, f"stream_options.{key} must be a bool", param="stream_options")
         if opts.get("continuous_usage_stats"):
@@ -138,8 +142,15 @@ class _Sampling(_Body):
             )
         return bool(opts.get("include_usage"))
 
+    # another endpoint's fields, which this one would ignore: name -> what to use here
+    _ELSEWHERE: ClassVar[dict[str, str]] = {}
+
     def check_unsupported(self) -> None:
         for name, value in (self.model_extra or {}).items():
+            if name in self._ELSEWHERE and value is not None:
+                raise ApiError(
+                    400, f"{name} is not a field of this endpoint: {self._ELSEWHERE[name]}", param=name
+                )
             neutral = _NEUTRAL.get(name)
             if neutral is not None and not (neutral(value) if callable(neutral) else value in neutral):
                 raise ApiError(400, f"{name} is not supported by bijax (got {short_repr(value)})", param=name)
@@ -191,6 +202,12 @@ class CompletionRequest(_Sampling):
     max_tokens: int | None = 16
     logprobs: int | None = None
 
+    _ELSEWHERE: ClassVar[dict[str, str]] = {  # (chat's fields)
+        "max_completion_tokens": "use max_tokens",
+        "top_logprobs": "use logprobs (the number of top log-probabilities)",
+        "messages": "use prompt, or /v1/chat/completions",
+    }
+
 
 class ChatRequest(_Sampling):
     messages: Any = None
@@ -221,7 +238,10 @@ def parse(model: type[BaseModel], raw: bytes):
     except ValidationError as e:
         err = e.errors()[0]
         if err["type"] == "json_invalid":
-            raise ApiError(400, f"the body is not valid JSON: {err['msg']}") from None
+            hint = ""
+            if "hex escape" in err["msg"] and re.search(rb"\\u[dD][89a-fA-F]", raw or b""):
+                hint = " (a \\ud800-\\udfff escape outside a surrogate pair: the text is not valid Unicode)"
+            raise ApiError(400, f"the body is not valid JSON: {err['msg']}{hint}") from None
         loc = [str(x) for x in err["loc"] if isinstance(x, int) or "[" not in str(x)]
         field = ".".join(loc) if loc else None
         got = short_repr(err.get("input"))

@@ -480,7 +480,9 @@ def test_chat_equals_generate_on_the_template_and_checks_input():
         conv[0],
         {"role": "user", "content": [{"type": "text", "text": "H"}, {"type": "text", "text": "i!"}]},
     ]
-    assert llm.tokenizer.encode_chat(parts) == llm.tokenizer.encode_chat(conv)  # OpenAI's text parts
+    joined = [conv[0], {"role": "user", "content": "H\ni!"}]  # OpenAI's text parts, joined as vLLM does
+    assert llm.tokenizer.encode_chat(parts) == llm.tokenizer.encode_chat(joined)
+    assert llm.tokenizer.encode_chat(parts) != llm.tokenizer.encode_chat(conv)  # (control)
     for content in (5, None, [], [{"type": "text", "text": 5}], [{"type": "image_url"}]):
         with pytest.raises(TypeError, match="conversation 0: message 1's content must be a string"):
             llm.chat([conv[0], {"role": "user", "content": content}], sp)
@@ -488,6 +490,10 @@ def test_chat_equals_generate_on_the_template_and_checks_input():
 
     call = {"role": "assistant", "content": None, "tool_calls": [{"type": "function"}]}
     assert message_text(call, "x") is None  # a tool call has no content: the template renders it
+    with pytest.raises(
+        TypeError, match=r"messages\[1\]\.tool_calls must be a non-empty list of objects, got 5"
+    ):
+        message_text({**call, "tool_calls": 5}, "messages[1].content")
     with pytest.raises(ValueError, match="no tokenizer"):
         _llm("tiny").chat(conv, sp)
 

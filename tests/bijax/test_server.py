@@ -391,6 +391,15 @@ def test_tokenize_and_detokenize(smol):
         ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", "stream"),
         ({"prompt": "x", "temperature": "t" * 100_000}, 400, "temperature", "characters)"),  # cut short
         ({"prompt": "x", "temperature": 1e300}, 400, "temperature", "float32"),
+        # chat's fields, which this endpoint would ignore
+        ({"prompt": "x", "max_completion_tokens": 40}, 400, "max_completion_tokens", "use max_tokens"),
+        ({"prompt": "x", "logprobs": 1, "top_logprobs": 3}, 400, "top_logprobs", "use logprobs"),
+        (
+            {"prompt": "x", "stream": True, "stream_options": {"k" * 5000: 1}},
+            400,
+            "stream_options",
+            "(5002 characters)",
+        ),
     ],
 )
 def test_bad_completion_requests_name_the_field(smol, body, status, param, text):
@@ -407,6 +416,17 @@ def test_bad_chat_requests_bad_json_and_the_official_clients_errors(smol):
     assert got == 400 and r["error"]["param"] == "top_logprobs"
     got, r = smol.post("/v1/completions", b"{not json")
     assert got == 400 and "JSON" in r["error"]["message"]
+    got, r = smol.post("/v1/completions", json.dumps({"prompt": "cut \ud83c"}).encode())  # (half an emoji)
+    assert got == 400 and "not valid Unicode" in r["error"]["message"], r
+    got, r = smol.post("/v1/chat/completions", {"messages": [*MSGS, {"role": "assistant", "tool_calls": 5}]})
+    assert got == 400 and "messages[2].tool_calls must be a non-empty list" in r["error"]["message"], r
+    req = urllib.request.Request(smol.url + "/v1/completions", headers=_auth(KEY), method="PUT")
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=60)
+    assert e.value.code == 405 and e.value.headers["Allow"] == "POST", e.value.headers  # (RFC 9110)
+    assert "PUT '/v1/completions'" in json.loads(e.value.read())["error"]["message"]
+    got, text = smol.get("/v2/completions")
+    assert got == 404 and "GET '/v2/completions'" in text, text
     big = [{"role": "user", "content": "word " * 300}]
     got, r = smol.post("/v1/chat/completions", {"messages": big})
     assert got == 400 and r["error"]["code"] == "context_length_exceeded"

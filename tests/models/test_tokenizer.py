@@ -116,8 +116,16 @@ def test_bad_input(gguf_tok, tmp_path):
     concat = Tokenizer(  # a template's own Python error (null content + '...'): named, a ValueError
         gguf_tok._tok, bos_token=None, eos_token=None, chat_template="{{ messages[0]['content'] + '!' }}"
     )
-    with pytest.raises(ValueError, match=r"chat template failed on these messages: TypeError"):
+    with pytest.raises(
+        ValueError, match=r"chat template failed on these messages: TypeError.*messages \[0\] are tool"
+    ):
         concat.apply_chat_template([{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}])
+    plus_one = Tokenizer(
+        gguf_tok._tok, bos_token=None, eos_token=None, chat_template="{{ messages[0]['content'] + 1 }}"
+    )
+    with pytest.raises(ValueError, match=r"chat template failed on these messages: TypeError") as err:
+        plus_one.apply_chat_template([{"role": "user", "content": "x"}])
+    assert "tool" not in str(err.value)  # (no tool message: no hint)
     no_template = Tokenizer(gguf_tok._tok, bos_token=None, eos_token=None, chat_template=None)
     with pytest.raises(ValueError, match="no chat template"):
         no_template.apply_chat_template([{"role": "user", "content": "x"}])
