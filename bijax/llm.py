@@ -406,6 +406,10 @@ class LLM:
                 "LLM per thread"
             )
         try:
+            if self.engine.closed:  # (before anything else: an empty batch too)
+                raise RuntimeError(
+                    f"{what}: this LLM was closed (close() freed its KV cache); build a new LLM"
+                )
             yield
         finally:
             self._busy.release()
@@ -415,6 +419,8 @@ class LLM:
             raise TypeError(
                 f"on_output must be a callable fn(i, out) or None, got {type(on_output).__name__}"
             )
+        if not isinstance(prompts, (str, dict, list, tuple, np.ndarray)) and hasattr(prompts, "__array__"):
+            prompts = np.asarray(prompts)  # (a JAX array of token ids: as numpy's)
         if isinstance(prompts, np.ndarray):  # token ids: 1-D one prompt, 2-D one per row
             if prompts.ndim not in (1, 2):
                 raise ValueError(
@@ -512,6 +518,8 @@ class LLM:
             raise ValueError(
                 "this model has no tokenizer, so it has no chat template: use generate with token ids"
             )
+        if not isinstance(add_generation_prompt, (bool, np.bool_)):
+            raise TypeError(f"add_generation_prompt must be a bool, got {add_generation_prompt!r}")
         if isinstance(messages, Seq) and messages and isinstance(messages[0], dict):
             messages = [messages]
         if not isinstance(messages, Seq) or not messages:

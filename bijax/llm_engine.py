@@ -776,7 +776,10 @@ class Engine:
         for i, (ids, pl) in enumerate(zip(token_ids, prompt_lens, strict=True)):
             if isinstance(ids, (str, bytes, dict)) or not isinstance(ids, Iterable):  # (text: its characters)
                 raise TypeError(f"token_ids[{i}] must be a list of int token ids, got {type(ids).__name__}")
-            _, ids = self._tokenize(list(ids))
+            try:
+                _, ids = self._tokenize(ids if hasattr(ids, "__array__") else list(ids))
+            except TypeError as e:
+                raise TypeError(f"token_ids[{i}]: {e}") from None
             if not ids:
                 raise ValueError(f"token_ids[{i}] is empty: a sequence to score needs at least one token")
             if len(ids) > self.config.max_model_len:

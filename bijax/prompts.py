@@ -41,9 +41,24 @@ def tokenize(tokenizer, prompt) -> tuple[str | None, list[int]]:
             raise ValueError("this model has no tokenizer: give prompts as lists of token ids")
         if not prompt:
             raise ValueError("prompt is empty")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:  # (a lone surrogate: half of a character)
+            raise ValueError(
+                f"the prompt is not valid Unicode: {prompt[e.start : e.end]!r} at character {e.start} "
+                "is half of a surrogate pair"
+            ) from None
         return prompt, tokenizer.encode(prompt)
     if isinstance(prompt, (bytes, bytearray)):  # (iterating bytes gives ints: never token ids)
         raise TypeError("a prompt must be a str or a list of int token ids, got bytes (decode it first)")
+    if not isinstance(prompt, (list, tuple, np.ndarray)) and hasattr(prompt, "__array__"):
+        prompt = np.asarray(prompt)  # (a JAX array of token ids: as numpy's)
+    if isinstance(prompt, np.ndarray):
+        if prompt.ndim != 1 or not (np.issubdtype(prompt.dtype, np.integer) or prompt.size == 0):
+            raise TypeError(
+                f"a prompt array must be 1-D int token ids, got shape {prompt.shape} dtype {prompt.dtype}"
+            )
+        return None, prompt.tolist()
     try:
         ids = [int(t) for t in prompt]
     except (TypeError, ValueError):

@@ -38,7 +38,10 @@ def check_temperature(value, name: str = "temperature", *, scalar: bool = False)
         raise TypeError(f"{name} must be a real number, got {value!r}")
     a = np.asarray(value)
     if not (np.issubdtype(a.dtype, np.floating) or np.issubdtype(a.dtype, np.integer)):
-        raise TypeError(f"{name} must be a real number or array, got dtype {a.dtype}")
+        raise TypeError(
+            f"{name} must be a real number or an array of ints or numpy floats (float16/32/64), got dtype "
+            f"{a.dtype}"
+        )
     if not np.isfinite(a).all():
         raise ValueError(f"{name} must be finite, got {value!r}")
     if (a < 0).any():
@@ -89,20 +92,20 @@ class SamplingParams:
         # the number it holds (a numpy or JAX scalar, a 0-d array: kept as is, the params were
         # unhashable and compared as arrays)
         object.__setattr__(self, "temperature", float(np.asarray(self.temperature)))
+        for f in ("top_p", "min_p", "top_k", "n", "max_tokens", "seed", "logprobs"):
+            v = getattr(self, f)  # a numpy or JAX scalar (0-d, a number's dtype) is the number it holds
+            dtype = getattr(v, "dtype", None)
+            if dtype is not None and np.ndim(v) == 0 and np.dtype(dtype) != np.bool_:
+                v = np.asarray(v).item()
+                object.__setattr__(self, f, float(v) if f in ("top_p", "min_p") else v)
         for f in ("top_p", "min_p"):
             v = getattr(self, f)
-            if isinstance(v, (np.floating, np.integer)) and not isinstance(v, bool):
-                v = float(v)  # a numpy scalar is the number it holds
-                object.__setattr__(self, f, v)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise TypeError(f"SamplingParams.{f} must be a finite number, got {v!r}")
         if not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
         if not 0 <= self.min_p <= 1:
             bad("min_p", "must be in [0, 1]")
-        for f in ("top_k", "n", "max_tokens", "seed", "logprobs"):  # numpy ints are ints here too
-            if isinstance(getattr(self, f), np.integer):
-                object.__setattr__(self, f, int(getattr(self, f)))
         for f in ("top_k", "n", "max_tokens"):
             if not _is_int(getattr(self, f)):
                 raise TypeError(f"SamplingParams.{f} must be an int, got {getattr(self, f)!r}")

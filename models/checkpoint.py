@@ -96,6 +96,11 @@ def check_same_layout(want: dict, got: dict, what: str = "weights") -> None:
             )
         if new.dtype != ref.dtype:
             raise ValueError(f"{what}{name(k)} has dtype {new.dtype}, the model's is {ref.dtype}")
+        if isinstance(new, jax.core.Tracer):  # (called inside jax.jit / grad: no values to load)
+            raise TypeError(
+                f"{what}{name(k)} is a traced value: update the weights outside jax.jit, with the "
+                "arrays a jitted train step returned"
+            )
         if isinstance(new, jax.Array) and new.is_deleted():
             raise ValueError(f"{what}{name(k)} has been deleted (donated to a jitted step?)")
 

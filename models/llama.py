@@ -763,7 +763,13 @@ def poison_bad_packing(out: jax.Array, segment_ids, max_segments, config: LlamaC
 
 def check_tokens(tokens, config: LlamaConfig, *, ndim: int):
     if not hasattr(tokens, "shape") or not hasattr(tokens, "dtype"):
-        tokens = np.asarray(tokens)
+        try:
+            tokens = np.asarray(tokens)
+        except ValueError:  # (numpy's "inhomogeneous shape")
+            raise ValueError(
+                f"tokens must be a {ndim}-D array of token ids; rows of different lengths are not one "
+                "(right-pad them and mark the padding with segment_ids -1)"
+            ) from None
     if tokens.ndim != ndim:
         raise ValueError(f"tokens must be {ndim}-D, got shape {tuple(tokens.shape)}")
     if not jnp.issubdtype(tokens.dtype, jnp.integer):

@@ -21,7 +21,9 @@ def check_positive_int(what: str, value, *, numpy: bool = True, why: str = "") -
     records as JSON). The one rule for every positive-int argument and setting."""
     ok = is_int(value) if numpy else isinstance(value, int) and not isinstance(value, bool)
     if not ok or value < 1:
-        raise ValueError(f"{what} must be a positive int{' ' + why if why else ''}, got {value!r}")
+        numpy_int = not numpy and is_int(value) and not isinstance(value, int)
+        kind = "a positive Python int (int(...) of it)" if numpy_int else "a positive int"
+        raise ValueError(f"{what} must be {kind}{' ' + why if why else ''}, got {value!r}")
 
 
 def _dtype(op: str, name: str, a):

@@ -387,12 +387,13 @@ def test_close_frees_the_kv_cache_and_keeps_the_weights():
         cache = jax.tree_util.tree_leaves(llm.engine.runner.cache)
         assert cache and not any(x.is_deleted() for x in cache)  # (control: live before close)
     assert all(x.is_deleted() for x in cache) and llm.engine.closed
-    for call in (
-        lambda: llm.generate([[5, 6, 7, 8]], sp, use_tqdm=False),
-        lambda: llm.score([[5, 6, 7, 8]], [2]),
-        lambda: llm.warmup(progress=False),
+    for what, call in (
+        ("generate", lambda: llm.generate([[5, 6, 7, 8]], sp, use_tqdm=False)),
+        ("generate", lambda: llm.generate([], sp, use_tqdm=False)),  # (an empty batch too)
+        ("score", lambda: llm.score([[5, 6, 7, 8]], [2])),
+        ("warmup", lambda: llm.warmup(progress=False)),
     ):
-        with pytest.raises(RuntimeError, match="this engine was closed"):
+        with pytest.raises(RuntimeError, match=f"{what}: this (LLM|engine) was closed"):
             call()
     before = jax.tree_util.tree_leaves(nnx.state(llm.model, nnx.Param))
     changed = jax.tree_util.tree_map(lambda x: x + 1, nnx.to_pure_dict(nnx.state(llm.model, nnx.Param)))
@@ -480,6 +481,10 @@ def test_chat_equals_generate_on_the_template_and_checks_input():
         conv[0],
         {"role": "user", "content": [{"type": "text", "text": "H"}, {"type": "text", "text": "i!"}]},
     ]
+    with pytest.raises(TypeError, match="add_generation_prompt must be a bool, got 'no'"):
+        llm.chat(conv, sp, add_generation_prompt="no")
+    with pytest.raises(ValueError, match="not valid Unicode: '\\\\ud800' at character 1"):
+        llm.generate("a\ud800b", sp)  # (half of a surrogate pair)
     joined = [conv[0], {"role": "user", "content": "H\ni!"}]  # OpenAI's text parts, joined as vLLM does
     assert llm.tokenizer.encode_chat(parts) == llm.tokenizer.encode_chat(joined)
     assert llm.tokenizer.encode_chat(parts) != llm.tokenizer.encode_chat(conv)  # (control)

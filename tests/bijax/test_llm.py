@@ -229,6 +229,7 @@ def test_streamed_text_never_shows_what_a_stop_string_cuts():
         ({"dtype": "foo"}, TypeError, "dtype must be a floating-point dtype"),
         ({"dtype": "int32"}, TypeError, "dtype must be a floating-point dtype"),
         ({"enable_prefix_caching": "no"}, TypeError, "enable_prefix_caching must be a bool"),
+        ({"max_num_seqs": np.int64(4)}, ValueError, r"max_num_seqs must be a positive Python int \(int"),
     ],
 )
 def test_bad_llm_arguments_are_named_before_loading(kw, err, match, monkeypatch):
@@ -526,6 +527,14 @@ def test_misshapen_calls_are_named(llm):
         llm.generate({"prompt_token_ids": PROMPT, "multi_modal_data": {}}, SP(max_tokens=1), use_tqdm=False)
     with pytest.raises(TypeError, match="model must be a preset"):
         bijax.LLM(None)
+    # token ids as JAX arrays, as numpy's: one prompt, one a row, or a list of them
+    want = llm.generate([PROMPT, PROMPT], SP(max_tokens=1, temperature=0), use_tqdm=False)[0].token_ids
+    for prompts in (jnp.asarray(PROMPT), jnp.asarray([PROMPT, PROMPT]), [jnp.asarray(PROMPT)]):
+        got = llm.generate(prompts, SP(max_tokens=1, temperature=0), use_tqdm=False)
+        assert got[0].prompt_token_ids == PROMPT and got[0].token_ids == want, prompts
+    assert llm.score(jnp.asarray([PROMPT + [1]]), [len(PROMPT)])[0].shape == (1,)
+    with pytest.raises(TypeError, match=r"token_ids\[0\]: a prompt array must be 1-D int token ids"):
+        llm.score([np.asarray(PROMPT, np.float32)], [1])
     seeds = llm.engine._seeds.bit_generator.state
     with pytest.raises(TypeError, match="on_output must be a callable fn\\(i, out\\) or None, got int"):
         llm.generate(PROMPT, SP(max_tokens=1), use_tqdm=False, on_output=5)  # refused before it runs

@@ -310,6 +310,7 @@ def test_traced_segment_ids_need_max_segments():
     "kwargs, error, match",
     [
         (dict(tokens=np.ones(8, np.int32)), ValueError, "2-D"),
+        (dict(tokens=[[3, 4, 5], [3, 4]]), ValueError, "rows of different lengths.*right-pad"),
         (dict(tokens=np.ones((1, 8), np.float32)), TypeError, "integer"),
         (dict(tokens=np.full((1, 8), 512, np.int32)), ValueError, "vocabulary"),
         (dict(temperature=-0.5), ValueError, ">= 0"),

@@ -90,3 +90,10 @@ def test_numpy_values_that_are_scalars_or_id_lists_are_taken():
     for t in (np.float32(0.5), np.array(0.5), jnp.float32(0.5), np.int64(2)):
         sp = SamplingParams(temperature=t)
         assert type(sp.temperature) is float and sp.temperature == float(t) and hash(sp) == hash(sp)
+    # ... and JAX scalars in every number field, as numpy's (a bool or a float int is still refused)
+    sp = SamplingParams(top_p=jnp.float32(0.5), min_p=jnp.float32(0.25), seed=jnp.int32(3), n=jnp.int32(2))
+    assert (sp.top_p, sp.min_p, sp.seed, sp.n) == (0.5, 0.25, 3, 2) and type(sp.seed) is int
+    with pytest.raises(TypeError, match="SamplingParams.seed must be None or an int, got 3.0"):
+        SamplingParams(seed=jnp.float32(3))
+    with pytest.raises(TypeError, match="SamplingParams.top_p must be a finite number"):
+        SamplingParams(top_p=jnp.bool_(True))

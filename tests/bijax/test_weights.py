@@ -129,6 +129,10 @@ def test_update_weights_rejects_a_different_tree():
     abstract = dict(good, final_norm=jax.ShapeDtypeStruct(good["final_norm"].shape, jnp.float32))
     with pytest.raises(TypeError, match=r"\['final_norm'\] must be an array, got ShapeDtypeStruct"):
         llm.update_weights(abstract)
+    with pytest.raises(
+        TypeError, match=r"weights\['embed'\] is a traced value: update the weights outside jax.jit"
+    ):
+        jax.jit(llm.update_weights)(good)
     nan = dict(good, final_norm=good["final_norm"].at[2].set(jnp.nan))  # a diverged train step
     with pytest.raises(ValueError, match=r"\['final_norm'\] holds NaN.*keeps its current weights"):
         llm.update_weights(nan)
