@@ -299,17 +299,6 @@ LAUNCHES = {
         "direct_io": True,
         "overlap": True,
     },
-    # session 54, not yet run on a GPU: the engine's launch with the producer copying the next
-    # item's segments while this item's tiles are issued (``early_segs``), not between the items
-    "pair, 3 stages, heaviest, one drain, dense rows, fold in SMEM, persistent, prefetch q, direct io, token walk, early segs": {
-        **_PAIR3,
-        "fold_in_smem": True,
-        "persistent": True,
-        "prefetch_q": True,
-        "direct_io": True,
-        "token_walk": True,
-        "early_segs": True,
-    },
 }
 DEFAULT_VARIANT = ("into", "two")
 # Measurement probes: timed next to the launches, never bit-checked (they give other bits).

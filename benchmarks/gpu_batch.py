@@ -62,12 +62,6 @@ _TOKEN_WALK = (
     + "|".join("=" + n for n in (_S51[1], f"{_S51[1]}, token walk", f"{_S51[1]}, overlapped"))
     + "'"
 )
-# ... and the engine's launch (session 53's) with the next item's segments copied early
-_EARLY_SEGS = (
-    "'BIJAX_MGPU_LAUNCHES="
-    + "|".join("=" + n for n in (f"{_S51[1]}, token walk", f"{_S51[1]}, token walk, early segs"))
-    + "'"
-)
 _PREFILL_CASES = ("--cases", "prefill,prefill64", "--paths", "invariant")
 _CHECK_LIMITS = ("--max-num-seqs", "2", "--max-num-batched-tokens", "32", "--requests", "4", "--max-tokens", "6",
                  "--max-model-len", "512")  # fmt: skip
@@ -277,12 +271,6 @@ STEPS = {
         _TOKEN_WALK,
         (200, 220),
         "the engine's prefill launch, the same with the walk tables from each token's first row, and with overlapped scores",
-    ),
-    **_launch_steps(
-        "s54",
-        _EARLY_SEGS,
-        (200, 220),
-        "the engine's prefill launch and the same with the next item's segments copied while this item's tiles load",
     ),
     "mgpu-fold-ptxas": (
         _with(_FOLD, "attention_mgpu.py", "--child", "ptxas"),

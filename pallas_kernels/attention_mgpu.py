@@ -327,7 +327,7 @@ def _kernel(
     a_in_smem: bool, overlap: bool, rounding: str, consumers: int, one_drain: bool, q_from_smem: bool,
     fold_in_smem: bool, work: tuple[int, int, int] | None, prefetch_q: bool,
     direct: tuple[int, int] | None, probe_unmasked: bool, inline_ex2: bool, probe_exact_exp: bool, probe_log2_scores: bool,
-    trace: str | None = None, early_segs: bool = False,
+    trace: str | None = None,
 ):  # fmt: skip
     item_scope, tile_scope = _scopes(trace)
     if work is None:  # a program per (tile, head)
@@ -743,23 +743,13 @@ def _kernel(
             plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
             plgpu.copy_gmem_to_smem(ones_ref, ones_smem, ones_bar)
 
-            def copy_segs(k, ik, b):
-                """Item k's segments into buffer b, once both consumers are done walking its last
-                item (``setup_bar``)."""
-                if work is not None:
-                    pl.when(k >= nbuf)(lambda: plgpu.barrier_wait(segs_free.at[b]))
-                plgpu.copy_gmem_to_smem(segs_ref.at[ik], segs_smem.at[b], setup_bar.at[b])
-
-            def copy_next_segs(k):  # (``early_segs``) item k + 1's, if there is one
-                pl.when(k + 1 < count)(lambda: copy_segs(k + 1, item_of(k + 1)[0], lax.rem(k + 1, nbuf)))
-
             def run(k, ik, hk, b, c):
                 with item_scope("producer_setup"):
-                    if not early_segs:  # (else copied while item k - 1's tiles were issued)
-                        copy_segs(k, ik, b)
+                    if work is not None:  # both consumers are done walking this buffer's last item
+                        pl.when(k >= nbuf)(lambda: plgpu.barrier_wait(segs_free.at[b]))
+                    plgpu.copy_gmem_to_smem(segs_ref.at[ik], segs_smem.at[b], setup_bar.at[b])
                     plgpu.barrier_wait(setup_bar.at[b])
                 walk = _Walk(segs_smem.at[b], nseg_ref[ik], spec, tile, max_segs)
-                c_first = c
 
                 def load(x):
                     cur, c = x
@@ -771,19 +761,11 @@ def _kernel(
                             pl.when(c >= stages)(lambda: plgpu.barrier_wait(consumed_bar.at[slot]))
 
                     issue(walk, cur, c, k_smem, v_smem, k_bar, v_bar, ready, h=hk)
-                    if early_segs:  # this tile's slot was freed by item k's first tile: both
-                        # consumers are past item k - 1, whose buffer item k + 1 takes
-                        pl.when(c == c_first + stages)(lambda: copy_next_segs(k))
                     return nxt, c + 1
 
                 with item_scope("producer_loads"):
-                    c = lax.while_loop(lambda x: x[0][0] < walk.nseg, load, (walk.begin(), c))[1]
-                if early_segs:  # an item of at most ``stages`` tiles: after its last
-                    pl.when(c - c_first <= stages)(lambda: copy_next_segs(k))
-                return c
+                    return lax.while_loop(lambda x: x[0][0] < walk.nseg, load, (walk.begin(), c))[1]
 
-            if early_segs:
-                pl.when(count > 0)(lambda: copy_segs(0, item_of(0)[0], 0))
             n = items(run, jnp.int32(0))
             for j in range(stages):  # wait out the last tiles: every completed phase is seen
                 c = n - stages + j
@@ -998,7 +980,6 @@ def tiles_mgpu(
     prefetch_q: bool = False,
     direct_io: bool = False,
     token_walk: bool = False,
-    early_segs: bool = False,
     probe_exact_exp: bool = False,
     probe_unmasked: bool = False,
     probe_log2_scores: bool = False,
@@ -1055,12 +1036,9 @@ def tiles_mgpu(
     instead of every row (``walk_tables(token_rows=...)``: the same segments, compared pairwise
     over up to 42 tokens a program instead of 128 rows; a narrower segments table). In the
     engine's launch since session 53: on an H100 the tables took 13-19 us a call instead of
-    18-31 (RESULTS.md), the same bits on every check.
-
-    ``early_segs`` (with ``persistent``): the producer copies item k + 1's segments into their
-    buffer while it issues item k's KV tiles (once the slot of item k's first tile is free
-    again: both consumers are past item k - 1, whose buffer item k + 1 takes), not after it
-    has issued item k's last tile - so the copy's latency is not between two items' loads.
+    18-31 (RESULTS.md), the same bits on every check. (``early_segs``, session 54: the next
+    item's segments copied while this item's tiles were issued - 1.00-1.01x slower on the
+    H100, removed: the copy was not on the critical path.)
 
     ``probe_exact_exp`` is a measurement probe, not a launch choice: 2**y as the exact ``exp`` of
     y * ln 2 (libdevice's ``expf``, the exponential of NUMERICS_VERSION 5, with two multiplies
@@ -1112,8 +1090,6 @@ def tiles_mgpu(
         )
     if direct_io and not prefetch_q:
         raise ValueError("attention (Mosaic GPU tiles): direct_io needs prefetch_q (its output buffer)")
-    if early_segs and persistent is False:
-        raise ValueError("attention (Mosaic GPU tiles): early_segs needs persistent programs")
     trace_level = None
     if probe_trace is not None:
         if not (isinstance(probe_trace, tuple) and len(probe_trace) == 2 and probe_trace[1] in TRACE_LEVELS):
@@ -1199,7 +1175,6 @@ def tiles_mgpu(
         probe_exact_exp=bool(probe_exact_exp),
         probe_log2_scores=bool(probe_log2_scores),
         trace=trace_level,
-        early_segs=bool(early_segs),
     )
     args = [segs, nseg, program_order, rpos, rseq, block_tables, q if direct is None else qg]
     if program_order is None:  # the program index is the tile's

@@ -221,8 +221,6 @@ def test_unsupported_calls_are_refused_by_name():
         tiles_mgpu(q, kc, kc, idx, spec=spec, consumers=2, persistent=True, prefetch_q=True)
     with pytest.raises(ValueError, match="direct_io needs prefetch_q"):
         tiles_mgpu(q, kc, kc, idx, spec=spec, consumers=2, direct_io=True)
-    with pytest.raises(ValueError, match="early_segs needs persistent programs"):
-        tiles_mgpu(q, kc, kc, idx, spec=spec, consumers=2, early_segs=True)
     with pytest.raises(ValueError, match="q_from_smem needs consumers=2"):
         tiles_mgpu(q, kc, kc, idx, spec=spec, q_from_smem=True)
     for bad in ("/tmp", ("/tmp", "warps"), ["/tmp", "items"]):
@@ -294,17 +292,9 @@ def test_launch_choices_keep_the_bits():
         {"consumers": 2, "q_from_smem": True, "fold_in_smem": True, "order": "heaviest"},
         # persistent programs: one runs every work item (its ring and segment buffers wrap
         # around), three take turns; the next item's q loaded at an item's start, the output
-        # staged in its own SMEM buffer; the next item's segments copied while this item's
-        # tiles are issued (``early_segs``: at 2 stages, after the third tile or the last)
+        # staged in its own SMEM buffer
         {"consumers": 2, "persistent": 1},
-        {
-            "consumers": 2,
-            "persistent": 1,
-            "fold_in_smem": True,
-            "prefetch_q": True,
-            "early_segs": True,
-            "stages": 2,
-        },
+        {"consumers": 2, "persistent": 1, "fold_in_smem": True, "prefetch_q": True},
         # ... and q and the output copied a tile (16 tokens x 4 rows) at a time, no XLA
         # transposes (TMA reads zeros past the last token and drops writes past it)
         {
