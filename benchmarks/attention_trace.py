@@ -13,9 +13,9 @@ span. A program's ranges stop at ``attention_mgpu.TRACE_RANGES`` a warpgroup (th
 dropped), so "tiles" covers a program's first items only. Exit code 1 if a traced output's bits
 differ.
 
-Reading it (benchmarks/attention_plan.md): a consumer's span is ``begin + walk + finish +
-store + gaps`` a item; the time of an item that is not its tiles' (begin, finish, store, the
-walk's own gaps) is what the 8 x 1024 case pays ~3.8x as often as a 4096-token prompt a KV tile.
+Reading it (benchmarks/attention_plan.md, RESULTS.md session 54): a consumer's span is
+``begin + walk + finish + store`` and the time between them, an item at a time; what an item
+costs besides its tiles, the 8 x 1024 case pays ~3.8x as often a KV tile as a 4096-token prompt.
 """
 
 from __future__ import annotations

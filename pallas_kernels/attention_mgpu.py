@@ -99,13 +99,13 @@ DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 PV_VARIANTS = ("add", "into")
 _SUM_N = 16  # columns of the row-sum dot (wgmma's least N), as in softmax_step's p @ ones
 _SMEM_BYTES = 227 * 1024 // 2 - 1024  # two programs per SM
+_SMEM_BYTES_ALONE = 227 * 1024 - 1024  # one (warp-specialized) program per SM
 # ``probe_trace``: the on-device profiler's ranges a warpgroup records (Mosaic GPU's
 # ``profile_space``; later ones are dropped). Its buffer - 16 bytes a range, for each of a
 # program's warpgroups - is in shared memory, counted by ``_stages``: 128 ranges leave the
 # engine's D 128 launch its 2 stages at every head group.
 TRACE_RANGES = 128
 TRACE_LEVELS = ("items", "tiles")
-_SMEM_BYTES_ALONE = 227 * 1024 - 1024  # one (warp-specialized) program per SM
 CONSUMERS = (1, 2)  # compute warpgroups of a program (2: plus a producer warpgroup)
 ORDERS = ("ascending", "heaviest")  # the order programs take the row tiles in
 # registers per thread with warp specialization (2 x 128 x 232 + 128 x 40 <= 65536)
