@@ -357,15 +357,14 @@ class Tokenizer:
 def message_text(message: dict, name: str) -> str | None:
     """A chat message's content as the template's string: a string, or OpenAI's list of text
     parts ({"type": "text", "text": str}) joined by newlines (as vLLM joins them); None only
-    beside ``tool_calls`` (an assistant's tool call, which templates render without content),
-    which must then be a non-empty list of objects. TypeError naming ``name`` otherwise."""
+    beside a non-empty ``tool_calls`` (an assistant's tool call, which templates render without
+    content); ``tool_calls``, where given, a list of objects (clients send [] for none).
+    TypeError naming ``name`` otherwise."""
     content = message.get("content")
     calls = message.get("tool_calls")
-    if calls is not None and not (
-        isinstance(calls, list) and calls and all(isinstance(c, dict) for c in calls)
-    ):
+    if calls is not None and not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
         field = name[: -len("content")] + "tool_calls" if name.endswith("content") else f"{name}'s tool_calls"
-        raise TypeError(f"{field} must be a non-empty list of objects, got {short_repr(calls, 80)}")
+        raise TypeError(f"{field} must be a list of objects, got {short_repr(calls, 80)}")
     if isinstance(content, str) or (content is None and calls):
         return content
     parts = isinstance(content, list) and content

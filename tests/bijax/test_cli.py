@@ -495,10 +495,13 @@ def test_chat_equals_generate_on_the_template_and_checks_input():
 
     call = {"role": "assistant", "content": None, "tool_calls": [{"type": "function"}]}
     assert message_text(call, "x") is None  # a tool call has no content: the template renders it
-    with pytest.raises(
-        TypeError, match=r"messages\[1\]\.tool_calls must be a non-empty list of objects, got 5"
-    ):
+    with pytest.raises(TypeError, match=r"messages\[1\]\.tool_calls must be a list of objects, got 5"):
         message_text({**call, "tool_calls": 5}, "messages[1].content")
+    assert (
+        message_text({**call, "content": "x", "tool_calls": []}, "x") == "x"
+    )  # ([]: no calls, as clients send)
+    with pytest.raises(TypeError, match="x must be a string"):  # (but no content needs calls)
+        message_text({**call, "tool_calls": []}, "x")
     with pytest.raises(ValueError, match="no tokenizer"):
         _llm("tiny").chat(conv, sp)
 

@@ -419,7 +419,7 @@ def test_bad_chat_requests_bad_json_and_the_official_clients_errors(smol):
     got, r = smol.post("/v1/completions", json.dumps({"prompt": "cut \ud83c"}).encode())  # (half an emoji)
     assert got == 400 and "not valid Unicode" in r["error"]["message"], r
     got, r = smol.post("/v1/chat/completions", {"messages": [*MSGS, {"role": "assistant", "tool_calls": 5}]})
-    assert got == 400 and "messages[2].tool_calls must be a non-empty list" in r["error"]["message"], r
+    assert got == 400 and "messages[2].tool_calls must be a list of objects" in r["error"]["message"], r
     req = urllib.request.Request(smol.url + "/v1/completions", headers=_auth(KEY), method="PUT")
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req, timeout=60)
