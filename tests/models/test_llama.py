@@ -325,8 +325,12 @@ def test_one_positive_int_rule_names_the_setting_everywhere():
         (lambda: group_rows(jnp.zeros(4, jnp.int32), num_groups=0), "group_rows: num_groups"),
     ]
     for call, name in cases:
-        with pytest.raises(ValueError, match=f"^{name} must be a positive int, got "):
+        with pytest.raises(ValueError, match=f"^{name} must be a positive (Python )?int"):
             call()
+    with pytest.raises(
+        ValueError, match=r"must be a positive Python int \(int\(\.\.\.\) of it\), got np.int64"
+    ):
+        cases[2][0]()  # (a NumPy int where only a Python int goes: told what to pass)
     assert AttentionSpec.create(64, split_size=np.int64(256), sliding_window=np.int32(8)) is not None
     check_tensor_parallel(cfg, 1, 1)
     dataclasses.replace(cfg, num_heads=cfg.num_heads)
