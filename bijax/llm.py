@@ -20,6 +20,7 @@ from flax import nnx
 from bijax.config import EngineConfig, check_max_model_len
 from bijax.llm_engine import Engine
 from bijax.outputs import RequestOutput
+from bijax.prompts import as_numpy
 from bijax.sampling_params import MAX_SEED, SamplingParams
 from bijax.speculative import SpeculativeConfig
 from bijax.step_programs import staged_inputs
@@ -419,8 +420,7 @@ class LLM:
             raise TypeError(
                 f"on_output must be a callable fn(i, out) or None, got {type(on_output).__name__}"
             )
-        if not isinstance(prompts, (str, dict, list, tuple, np.ndarray)) and hasattr(prompts, "__array__"):
-            prompts = np.asarray(prompts)  # (a JAX array of token ids: as numpy's)
+        prompts = as_numpy(prompts)
         if isinstance(prompts, np.ndarray):  # token ids: 1-D one prompt, 2-D one per row
             if prompts.ndim not in (1, 2):
                 raise ValueError(

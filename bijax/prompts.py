@@ -21,6 +21,14 @@ class ValidPrompt:
     checked_by: object  # the validating engine's token (an object, so no id() can be reused)
 
 
+def as_numpy(value):
+    """``value`` as a numpy array if it is another array type (a JAX array of token ids is taken
+    as numpy's); anything else - a str, dict, list, tuple or numpy array - as it is."""
+    if not isinstance(value, (str, bytes, dict, list, tuple, np.ndarray)) and hasattr(value, "__array__"):
+        return np.asarray(value)
+    return value
+
+
 def tokenize(tokenizer, prompt) -> tuple[str | None, list[int]]:
     """(text or None, token ids) of a prompt: a str, a list of token ids, or vLLM's dict forms
     {"prompt_token_ids": [...]} and {"prompt": "..."}; ValueError / TypeError naming the problem."""
@@ -51,8 +59,7 @@ def tokenize(tokenizer, prompt) -> tuple[str | None, list[int]]:
         return prompt, tokenizer.encode(prompt)
     if isinstance(prompt, (bytes, bytearray)):  # (iterating bytes gives ints: never token ids)
         raise TypeError("a prompt must be a str or a list of int token ids, got bytes (decode it first)")
-    if not isinstance(prompt, (list, tuple, np.ndarray)) and hasattr(prompt, "__array__"):
-        prompt = np.asarray(prompt)  # (a JAX array of token ids: as numpy's)
+    prompt = as_numpy(prompt)
     if isinstance(prompt, np.ndarray):
         if prompt.ndim != 1 or not (np.issubdtype(prompt.dtype, np.integer) or prompt.size == 0):
             raise TypeError(
