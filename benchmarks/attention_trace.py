@@ -3,10 +3,13 @@ profiler (``tiles_mgpu(probe_trace=...)``) on the engine's launch (``attention_t
 MGPU_PREFILL_LAUNCH``), per case, in clock cycles of each warpgroup.
 
     PYTHONPATH=. python3 benchmarks/attention_trace.py [--cases 8x1024-28/4,1x4096-32/8] [--keep DIR]
+        [--levels items,tiles,parts] [--launch pingpong=True]
 
 For each case and level ("items": each work item's ``begin`` (its q, rows and segments in),
 ``walk`` (its KV tiles), ``finish`` (the fold read back and normalized), ``store``; "tiles":
-also each KV tile and split fold): the kernel time (CUPTI) with and without the probe, whether
+also each KV tile and split fold; "parts": also each tile's ``qk`` (q @ k.T issued and waited
+for), ``wait_v``, ``zero_v`` and ``dots`` (p @ ones and p @ v issued and waited for), the rest
+of a tile being its softmax): the kernel time (CUPTI) with and without the probe, whether
 the traced kernel's output has the untraced one's bits (it must: the probe only reads clocks),
 and per warpgroup kind the ranges' counts, mean cycles and shares of the warpgroup's traced
 span. A program's ranges stop at ``attention_mgpu.TRACE_RANGES`` a warpgroup (the rest are
@@ -39,7 +42,8 @@ ITEM_RANGES = ("begin", "walk", "finish", "store")
 
 def intervals(events: list[dict]) -> dict[int, list[tuple[str, float, float, int]]]:
     """A trace's "B" / "E" events -> per trace id (a warpgroup of a program), its ranges in
-    order of their start: (name, start, end, depth), times as the trace gives them."""
+    order of their start: (name, start, end, depth), times as the trace gives them. A tile
+    part's range (level "parts") is named after its tile's: "tile_full/qk"."""
     out: dict[int, list] = defaultdict(list)
     stacks: dict[int, list] = defaultdict(list)
     for e in events:
@@ -50,6 +54,9 @@ def intervals(events: list[dict]) -> dict[int, list[tuple[str, float, float, int
             if not stacks[tid] or stacks[tid][-1][0] != e["name"]:
                 raise ValueError(f"trace {tid}: end of {e['name']!r} without its start")
             name, start, depth = stacks[tid].pop()
+            parent = stacks[tid][-1][0] if stacks[tid] else ""
+            if parent.startswith("tile_"):
+                name = f"{parent}/{name}"
             out[tid].append((name, start, e["ts"], depth))
     for ranges in out.values():
         ranges.sort(key=lambda r: (r[1], r[3]))
@@ -108,7 +115,12 @@ def _newest_trace(directory: str) -> dict:
         return json.load(f)
 
 
-def run_case(name: str, keep: str | None) -> tuple[list[str], list[tuple], bool]:
+PARTS = ("wait_k", "qk", "wait_v", "dots")  # a full tile's parts the table shows (level "parts")
+
+
+def run_case(
+    name: str, keep: str | None, levels: tuple[str, ...], extra: dict
+) -> tuple[list[str], list[tuple], bool]:
     import jax
     import numpy as np
 
@@ -117,7 +129,7 @@ def run_case(name: str, keep: str | None) -> tuple[list[str], list[tuple], bool]
 
     n, length, hq, hkv, d = CASES[name]
     c, q, idx, spec, qg, flops, _, cud = prefill_case(n, length, hq, hkv, d)
-    launch = dict(attention_triton.MGPU_PREFILL_LAUNCH)
+    launch = {**attention_triton.MGPU_PREFILL_LAUNCH, **extra}
     consumers = launch.get("consumers", 1)
 
     def kernel(q, k, v, trace=None):
@@ -128,7 +140,7 @@ def run_case(name: str, keep: str | None) -> tuple[list[str], list[tuple], bool]
     plain = np.asarray(jax.jit(kernel)(q, c.kc, c.vc))
     plain_us = kernel_us(kernel, q, c.kc, c.vc)
     lines, rows, same_bits = [], [], True
-    for level in attention_mgpu.TRACE_LEVELS:
+    for level in levels:
         directory = tempfile.mkdtemp(prefix="bijax-trace-", dir=keep)
         traced = jax.jit(lambda q, k, v, t=(directory, level): kernel(q, k, v, t))
         got = np.asarray(traced(q, c.kc, c.vc))
@@ -144,6 +156,11 @@ def run_case(name: str, keep: str | None) -> tuple[list[str], list[tuple], bool]
         per_item = {r: cons["ranges"].get(r, (1, 0.0)) for r in ITEM_RANGES}
         items = per_item["walk"][0] or 1
         tiles = cons["ranges"].get("tile_full", (0, 0.0))
+
+        def part(p, cons=cons):  # mean cycles of a full tile's part, where the level traces it
+            count, total = cons["ranges"].get(f"tile_full/{p}", (0, 0.0))
+            return total / count if count else float("nan")
+
         rows.append(
             (
                 name,
@@ -155,38 +172,58 @@ def run_case(name: str, keep: str | None) -> tuple[list[str], list[tuple], bool]
                 *(per_item[r][1] / items for r in ITEM_RANGES),
                 cons["gaps"] / items,
                 tiles[1] / tiles[0] if tiles[0] else float("nan"),
+                *(part(p) for p in PARTS),
             )
         )
     return lines, rows, same_bits
 
 
 def main() -> int:
+    from benchmarks.kernel_modules import parse_launch
+    from pallas_kernels.attention_mgpu import TRACE_LEVELS
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
     ap.add_argument("--keep", help="write the traces (Perfetto JSON) under this directory")
+    ap.add_argument(
+        "--levels", default="items,tiles,parts", help="comma-separated, of " + ", ".join(TRACE_LEVELS)
+    )
+    ap.add_argument(
+        "--launch",
+        default="",
+        help="launch choices over the engine's, as kernel_modules.py --launch takes them (k=v,...)",
+    )
     a = ap.parse_args()
+    levels = tuple(x for x in a.levels.split(",") if x)
+    if not levels or any(x not in TRACE_LEVELS for x in levels):
+        ap.error(f"--levels takes {', '.join(TRACE_LEVELS)}; got {a.levels!r}")
+    extra = parse_launch(a.launch)
     names = [x for x in a.cases.split(",") if x]
     unknown = [x for x in names if x not in CASES]
     if unknown:
         ap.error(f"unknown cases {unknown}; known: {', '.join(CASES)}")
     all_rows, ok = [], True
     for name in names:
-        lines, rows, same = run_case(name, a.keep)
+        lines, rows, same = run_case(name, a.keep, levels, extra)
         print("\n".join(lines), flush=True)
         all_rows += rows
         ok &= same
     print(
         "\n| case | level | kernel us | traced us | cuDNN us | traced bits | begin | walk | finish | store "
-        "| between | full tile |"
+        "| between | full tile | " + " | ".join(PARTS) + " |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---" * (12 + len(PARTS)) + "|")
     for r in all_rows:
         print(
             f"| {r[0]} | {r[1]} | {r[2]:.1f} | {r[3]:.1f} | {r[4]:.1f} | {r[5]} | "
             + " | ".join(f"{x:.0f}" for x in r[6:])
             + " |"
         )
-    print("(per item, consumer warpgroups, clock cycles; 'full tile': a KV tile's step without the mask)")
+    print(
+        "(per item, consumer warpgroups, clock cycles; 'full tile': a KV tile's step without the mask; "
+        "its parts (level 'parts'): the wait for K, q @ k.T issued and waited for, the wait for V, "
+        "p @ ones and p @ v issued and waited for - the rest of the tile is the softmax)"
+    )
     return 0 if ok else 1
 
 

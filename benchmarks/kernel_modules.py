@@ -42,6 +42,18 @@ def _args(d, hq, hkv, bs):
     )
 
 
+def parse_launch(text: str) -> dict:
+    """ "consumers=2,order=heaviest,one_drain=True" -> tiles_mgpu's launch keywords (ints,
+    booleans, else strings)."""
+    launch = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"launch choice {item!r}: write it as name=value")
+        launch[key] = int(value) if value.isdigit() else {"True": True, "False": False}.get(value, value)
+    return launch
+
+
 def modules(launch: dict) -> dict[str, str]:
     """Name -> a kernel module's text: the Mosaic kernel per config, then the Triton kernels
     (tiles; tokens and its combine) without and with a window."""
@@ -98,11 +110,7 @@ def main() -> int:
     )
     ap.add_argument("--out", help="also write each module's text here")
     a = ap.parse_args()
-    launch = {}
-    for item in filter(None, a.launch.split(",")):
-        key, _, value = item.partition("=")
-        launch[key] = int(value) if value.isdigit() else {"True": True, "False": False}.get(value, value)
-    for name, text in modules(launch).items():
+    for name, text in modules(parse_launch(a.launch)).items():
         print(f"{name}: {hashlib.sha256(text.encode()).hexdigest()} ({len(text)} chars)")
         if a.out:
             os.makedirs(a.out, exist_ok=True)

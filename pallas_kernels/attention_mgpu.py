@@ -105,7 +105,7 @@ _SMEM_BYTES_ALONE = 227 * 1024 - 1024  # one (warp-specialized) program per SM
 # program's warpgroups - is in shared memory, counted by ``_stages``: 128 ranges leave the
 # engine's D 128 launch its 2 stages at every head group.
 TRACE_RANGES = 128
-TRACE_LEVELS = ("items", "tiles")
+TRACE_LEVELS = ("items", "tiles", "parts")
 CONSUMERS = (1, 2)  # compute warpgroups of a program (2: plus a producer warpgroup)
 ORDERS = ("ascending", "heaviest")  # the order programs take the row tiles in
 # registers per thread with warp specialization (2 x 128 x 232 + 128 x 40 <= 65536)
@@ -309,16 +309,16 @@ class _Walk:
 
 
 def _scopes(level: str | None):
-    """(an item's scope, a tile's scope) for ``probe_trace`` at ``level``: ``jax.named_scope``,
-    which Mosaic GPU's profiler records as a range of the warpgroup that runs it, where that
-    level is traced; else a no-op (and the kernel's text is the launch's own)."""
+    """(an item's scope, a tile's scope, a tile part's scope) for ``probe_trace`` at ``level``:
+    ``jax.named_scope``, which Mosaic GPU's profiler records as a range of the warpgroup that
+    runs it, where that level is traced ("items" < "tiles" < "parts"); else a no-op (and the
+    kernel's text is the launch's own)."""
 
     def off(name):
         return contextlib.nullcontext()
 
-    if level is None:
-        return off, off
-    return jax.named_scope, jax.named_scope if level == "tiles" else off
+    depth = 0 if level is None else 1 + TRACE_LEVELS.index(level)
+    return tuple(jax.named_scope if depth > i else off for i in range(3))
 
 
 def _kernel(
@@ -329,7 +329,7 @@ def _kernel(
     direct: tuple[int, int] | None, probe_unmasked: bool, inline_ex2: bool, probe_exact_exp: bool, probe_log2_scores: bool,
     trace: str | None = None,
 ):  # fmt: skip
-    item_scope, tile_scope = _scopes(trace)
+    item_scope, tile_scope, part_scope = _scopes(trace)
     if work is None:  # a program per (tile, head)
         i = lax.axis_index("tile") if order_ref is None else order_ref[lax.axis_index("tile")]
         h = lax.axis_index("head")
@@ -453,7 +453,9 @@ def _kernel(
             if not overlap:
                 with tile_scope("wait_k"):
                     plgpu.barrier_wait(k_bar.at[slot])
-                new = tile_math(slot, qk(slot), state, ok, zero_v)
+                with part_scope("qk"):
+                    scores = qk(slot)
+                new = tile_math(slot, scores, state, ok, zero_v)
                 tile_done(slot)
                 return new, s
             nslot = lax.rem(c + 1, stages)
@@ -473,9 +475,11 @@ def _kernel(
             return new, s
 
         def tile_math(slot, s, state, ok, zero_v):
-            plgpu.barrier_wait(v_bar.at[slot])
+            with part_scope("wait_v"):
+                plgpu.barrier_wait(v_bar.at[slot])
             if zero_v is not None:
-                zero_v(slot)
+                with part_scope("zero_v"):
+                    zero_v(slot)
 
             def operand(p):
                 if not a_in_smem:
@@ -522,7 +526,9 @@ def _kernel(
                         plgpu.wgmma(acc_ref, p, v_smem.at[slot])
 
                     zero = plgpu.layout_cast(jnp.full((ROWS, _SUM_N), 0.0, jnp.float32), wgmma_layout)
-                    new, sums = pl.run_state(both)((plgpu.ACC.init(acc * alpha), plgpu.ACC.init(zero)))
+                    scaled = acc * alpha
+                    with part_scope("dots"):
+                        new, sums = pl.run_state(both)((plgpu.ACC.init(scaled), plgpu.ACC.init(zero)))
                     return sums, new
 
                 def dots(sum_ref, pv_ref):
@@ -530,9 +536,10 @@ def _kernel(
                     plgpu.wgmma(pv_ref, p, v_smem.at[slot])
                     return sum_ref[...], pv_ref[...]
 
-                sums, pvs = pl.run_scoped(
-                    dots, plgpu.ACC((ROWS, _SUM_N), jnp.float32), plgpu.ACC((ROWS, d), jnp.float32)
-                )
+                with part_scope("dots"):
+                    sums, pvs = pl.run_scoped(
+                        dots, plgpu.ACC((ROWS, _SUM_N), jnp.float32), plgpu.ACC((ROWS, d), jnp.float32)
+                    )
                 return sums, mul_add(acc, alpha, pvs)
 
             return softmax_step(

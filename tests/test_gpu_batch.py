@@ -115,7 +115,7 @@ def test_digests_without_a_record_for_this_device_name_the_records_they_equal(tm
 def test_attention_trace_reader_shares_a_warpgroups_span_among_its_ranges():
     """benchmarks/attention_trace.py: a program's consumer and producer traces (Mosaic GPU's
     profiler events; trace id 1 + warpgroup + 3 x program) -> each range's count and cycles,
-    nested ranges inside their outer one, and the span outside every outermost range; an end
+    nested ranges inside their outer one (a tile's parts named after it), and the span outside every outermost range; an end
     without its start is refused."""
     import pytest
 
@@ -126,7 +126,8 @@ def test_attention_trace_reader_shares_a_warpgroups_span_among_its_ranges():
 
     events = [  # program 0: consumer warpgroup 0 (tid 1) and the producer (warpgroup 2, tid 3)
         ev("begin", "B", 10.0, 1), ev("begin", "E", 10.1, 1),
-        ev("walk", "B", 10.2, 1), ev("tile_full", "B", 10.25, 1), ev("tile_full", "E", 10.65, 1),
+        ev("walk", "B", 10.2, 1), ev("tile_full", "B", 10.25, 1), ev("qk", "B", 10.3, 1),
+        ev("qk", "E", 10.4, 1), ev("tile_full", "E", 10.65, 1),
         ev("walk", "E", 10.7, 1), ev("store", "B", 10.9, 1), ev("store", "E", 11.0, 1),
         ev("producer_loads", "B", 10.0, 3), ev("producer_loads", "E", 10.5, 3),
     ]  # fmt: skip
@@ -135,6 +136,7 @@ def test_attention_trace_reader_shares_a_warpgroups_span_among_its_ranges():
     assert cons["traces"] == 1 and abs(cons["span"] - 1000.0) < 1e-6
     assert cons["ranges"]["walk"][0] == 1 and abs(cons["ranges"]["walk"][1] - 500.0) < 1e-6
     assert abs(cons["ranges"]["tile_full"][1] - 400.0) < 1e-6  # (inside walk: not a gap)
+    assert abs(cons["ranges"]["tile_full/qk"][1] - 100.0) < 1e-6 and "qk" not in cons["ranges"]
     assert abs(cons["gaps"] - (1000.0 - 100.0 - 500.0 - 100.0)) < 1e-6
     assert prod["traces"] == 1 and abs(prod["gaps"]) < 1e-6
     with pytest.raises(ValueError, match="end of 'walk' without its start"):
