@@ -203,6 +203,15 @@ def _mgpu(c, zs, ps, variant, stages=3, overlap=False, launch=None, **kw):
 # p @ v (item 3), and combinations. Launch choices: each
 # must give the default launch's bits (``check_launches``) - interpret mode on CPU says so for
 # the walk, the H200 must say so for wgmma and the compiled barriers.
+_ENGINE = "pair, 3 stages, heaviest, one drain, dense rows, fold in SMEM, persistent, prefetch q, direct io, token walk"
+_ENGINE_LAUNCH = {
+    **_PAIR3,
+    "fold_in_smem": True,
+    "persistent": True,
+    "prefetch_q": True,
+    "direct_io": True,
+    "token_walk": True,
+}
 LAUNCHES = {
     "heaviest": {"order": "heaviest"},
     "one drain": {"one_drain": True},
@@ -270,7 +279,7 @@ LAUNCHES = {
     # transposes: since session 52 one copy a tile (the engine's); session 51's form, a copy a
     # token, was slower than the transposes at 16 and 21 tokens a tile (removed). (The consumers
     # taking turns on the tensor cores - FlashAttention-3's ping-pong - was 1.02-1.07x slower on
-    # the H100 and deadlocked on programs with empty items: removed.)
+    # the H100 and deadlocked on programs with empty items: removed; session 55's form below.)
     "pair, 3 stages, heaviest, one drain, dense rows, fold in SMEM, persistent, prefetch q, direct io": {
         **_PAIR3,
         "fold_in_smem": True,
@@ -280,14 +289,7 @@ LAUNCHES = {
     },
     # session 52: the walk tables from each token's first row (XLA work before the kernel: 18-31
     # us of each case above; the same segments, a narrower table) - the engine's since session 53
-    "pair, 3 stages, heaviest, one drain, dense rows, fold in SMEM, persistent, prefetch q, direct io, token walk": {
-        **_PAIR3,
-        "fold_in_smem": True,
-        "persistent": True,
-        "prefetch_q": True,
-        "direct_io": True,
-        "token_walk": True,
-    },
+    _ENGINE: _ENGINE_LAUNCH,
     # session 53: the engine's launch with each consumer's next q @ k.T issued before this
     # tile's softmax (``overlap``, FlashAttention-3's intra-warpgroup overlap): every check
     # PASSes, 1.01-1.28x slower on the H100 (RESULTS.md session 53) - not in the engine's launch
@@ -299,6 +301,11 @@ LAUNCHES = {
         "direct_io": True,
         "overlap": True,
     },
+    # session 55: the engine's launch with overlapped scores, and with the consumers taking
+    # turns to issue a tile's p @ v, p @ ones and the next q @ k.T (``pingpong``,
+    # FlashAttention-3's ping-pong schedule: one consumer's softmax while the other's dots run)
+    f"{_ENGINE}, overlapped": {**_ENGINE_LAUNCH, "overlap": True},
+    f"{_ENGINE}, overlapped, ping-pong": {**_ENGINE_LAUNCH, "overlap": True, "pingpong": True},
 }
 DEFAULT_VARIANT = ("into", "two")
 # Measurement probes: timed next to the launches, never bit-checked (they give other bits).

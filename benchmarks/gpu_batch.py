@@ -57,6 +57,15 @@ _S51 = [f"{_P42}, persistent, prefetch q{x}" for x in ("", ", direct io")]
 _DIRECT = "'BIJAX_MGPU_LAUNCHES=" + "|".join("=" + n for n in _S51) + "'"
 # ... and the session-52 launch with the walk tables from each token's first row (the engine's
 # since session 53) and with overlapped scores (slower, session 53)
+# ... and the engine's launch, with overlapped scores and with ping-pong turns too (session 55)
+_PINGPONG = (
+    "'BIJAX_MGPU_LAUNCHES="
+    + "|".join(
+        "=" + n
+        for n in (f"{_S51[1]}, token walk{x}" for x in ("", ", overlapped", ", overlapped, ping-pong"))
+    )
+    + "'"
+)
 _TOKEN_WALK = (
     "'BIJAX_MGPU_LAUNCHES="
     + "|".join("=" + n for n in (_S51[1], f"{_S51[1]}, token walk", f"{_S51[1]}, overlapped"))
@@ -271,6 +280,17 @@ STEPS = {
         _TOKEN_WALK,
         (200, 220),
         "the engine's prefill launch, the same with the walk tables from each token's first row, and with overlapped scores",
+    ),
+    **_launch_steps(
+        "s55",
+        _PINGPONG,
+        (200, 220),
+        "the engine's prefill launch, the same with overlapped scores, and with the consumers taking turns (ping-pong)",
+    ),
+    "attention-trace-pingpong": (
+        _py("attention_trace.py", "--levels", "parts", "--launch", "overlap=True,pingpong=True"),
+        150,
+        "the prefill kernel traced inside (tile parts) with overlapped scores and the consumers taking turns",
     ),
     "mgpu-fold-ptxas": (
         _with(_FOLD, "attention_mgpu.py", "--child", "ptxas"),

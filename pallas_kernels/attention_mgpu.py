@@ -327,7 +327,7 @@ def _kernel(
     a_in_smem: bool, overlap: bool, rounding: str, consumers: int, one_drain: bool, q_from_smem: bool,
     fold_in_smem: bool, work: tuple[int, int, int] | None, prefetch_q: bool,
     direct: tuple[int, int] | None, probe_unmasked: bool, inline_ex2: bool, probe_exact_exp: bool, probe_log2_scores: bool,
-    trace: str | None = None,
+    trace: str | None = None, pingpong: bool = False,
 ):  # fmt: skip
     item_scope, tile_scope, part_scope = _scopes(trace)
     if work is None:  # a program per (tile, head)
@@ -409,6 +409,7 @@ def _kernel(
         fold_smem,
         c0=0,
         after_walk=None,
+        turns=None,
     ):
         """The walk's compute side for one warpgroup's 64 rows: (the folded output [ROWS, D],
         the tile count after its walk). Its first tile is the ring's tile ``c0`` (slot c0 %
@@ -419,7 +420,9 @@ def _kernel(
         none) runs at the start of tile c; ``tile_done(slot)`` once tile c's wgmmas are done
         with its slot; ``zero_v_sync(zero)`` runs the zeroing of a slot's unseen V rows.
         ``fold_smem``: an fp32 [ROWS, D] SMEM buffer that holds the split fold's accumulator
-        between folds (None: it stays in registers, 64 a thread live through every tile)."""
+        between folds (None: it stays in registers, 64 a thread live through every tile).
+        ``turns`` (``pingpong``): (wait for this warpgroup's turn, give the other its turn),
+        around the issue of a tile's p @ ones and p @ v and the next tile's q @ k.T."""
         nseg = walk.nseg
 
         def fold_split(fold, state, use):
@@ -461,20 +464,26 @@ def _kernel(
             nslot = lax.rem(c + 1, stages)
 
             def scope(next_ref):
-                # Only the wait is conditional: a wgmma under a branch may be serialized by
-                # ptxas. After the last tile it reads a slot that holds no tile of this walk (a
-                # persistent program's producer may be filling it for the next item); unused.
-                pl.when(has_next)(lambda: plgpu.barrier_wait(k_bar.at[nslot]))
-                plgpu.wgmma(next_ref, q, k_smem.at[nslot].transpose((1, 0)))
+                def issue_next():
+                    # Only the wait is conditional: a wgmma under a branch may be serialized by
+                    # ptxas. After the last tile it reads a slot that holds no tile of this walk
+                    # (a persistent program's producer may be filling it for the next item);
+                    # unused.
+                    pl.when(has_next)(lambda: plgpu.barrier_wait(k_bar.at[nslot]))
+                    plgpu.wgmma(next_ref, q, k_smem.at[nslot].transpose((1, 0)))
 
-                new = tile_math(slot, s, state, ok, zero_v)
+                if turns is None:  # issued before this tile's softmax
+                    issue_next()
+                    new = tile_math(slot, s, state, ok, zero_v)
+                else:  # issued with this tile's p @ v, in this warpgroup's turn
+                    new = tile_math(slot, s, state, ok, zero_v, issue_next)
                 return new, next_ref[...]
 
             new, s = pl.run_scoped(scope, plgpu.ACC((ROWS, tile), jnp.float32))
             tile_done(slot)
             return new, s
 
-        def tile_math(slot, s, state, ok, zero_v):
+        def tile_math(slot, s, state, ok, zero_v, issue_next=None):
             with part_scope("wait_v"):
                 plgpu.barrier_wait(v_bar.at[slot])
             if zero_v is not None:
@@ -514,16 +523,29 @@ def _kernel(
 
                 return pl.run_scoped(dot, plgpu.ACC((ROWS, _SUM_N), jnp.float32))
 
+            def my_turn():  # (``pingpong``) wait for this warpgroup's turn to issue dots
+                if issue_next is not None:
+                    with part_scope("turn"):
+                        turns[0]()
+
+            def end_turn():  # (``pingpong``) the next tile's q @ k.T too, then the other's turn
+                if issue_next is not None:
+                    issue_next()
+                    turns[1]()
+
             def sum_and_update(acc, alpha, p):
-                """p @ ones and the new acc with one wait for both wgmmas (``one_drain``)."""
+                """p @ ones and the new acc with one wait for both wgmmas (``one_drain``; with
+                ``pingpong`` in this warpgroup's turn, with the next tile's q @ k.T)."""
                 alpha = lax.broadcast_in_dim(alpha, acc.shape, (0,))
                 p = operand(p)
                 if pv == "into":
 
                     def both(refs):
                         acc_ref, sum_ref = refs
+                        my_turn()
                         plgpu.wgmma(sum_ref, p, ones_smem)
                         plgpu.wgmma(acc_ref, p, v_smem.at[slot])
+                        end_turn()
 
                     zero = plgpu.layout_cast(jnp.full((ROWS, _SUM_N), 0.0, jnp.float32), wgmma_layout)
                     scaled = acc * alpha
@@ -532,8 +554,10 @@ def _kernel(
                     return sums, new
 
                 def dots(sum_ref, pv_ref):
+                    my_turn()
                     plgpu.wgmma(sum_ref, p, ones_smem)
                     plgpu.wgmma(pv_ref, p, v_smem.at[slot])
+                    end_turn()
                     return sum_ref[...], pv_ref[...]
 
                 with part_scope("dots"):
@@ -702,11 +726,13 @@ def _kernel(
 
     def body_specialized(
         k_smem, v_smem, ones_smem, qo_smem, rows_smem, segs_smem, a_smem, fold_smem, out_smem,
-        k_bar, v_bar, ones_bar, setup_bar, segs_free, q_bar, consumed_bar, zero_bar,
+        k_bar, v_bar, ones_bar, setup_bar, segs_free, q_bar, consumed_bar, zero_bar, turn_bar,
     ):  # fmt: skip
         """``consumers`` warpgroups compute (one 64-row tile each: tiles ``consumers * i + wg``)
         on the walk of their tiles' union; one more loads the KV tiles (FlashAttention-3's
         warp specialization). A slot is refilled once every consumer has finished with it.
+        ``turn_bar`` (``pingpong``): consumer w issues its dots once ``turn_bar[w]`` says it is
+        its turn and then gives the other its turn; consumer 1 gives consumer 0 the first.
 
         Persistent (``work`` = (items, programs, KV heads)): program p runs one work item a
         round, p in even rounds and programs - 1 - p in odd ones (item w: KV head w % heads
@@ -881,15 +907,24 @@ def _kernel(
                     walk, q, rpos, rseq, k_smem, v_smem, ones_smem, k_bar, v_bar, scratch,
                     lambda pf, c: pf, (), lambda slot: plgpu.barrier_arrive(consumed_bar.at[slot]),
                     zero_v_sync, None if fold_smem is None else fold_smem.at[wg], c,
-                    functools.partial(after_walk, b),
+                    functools.partial(after_walk, b), turns,
                 )  # fmt: skip
                 with item_scope("store"):
                     store(out, row_tile, hk)
                 return c
 
+            turns = None
+            if pingpong:  # FlashAttention-3's ping-pong: the consumers take turns issuing dots
+                turns = (
+                    lambda: plgpu.barrier_wait(turn_bar.at[wg]),
+                    lambda: plgpu.barrier_arrive(turn_bar.at[1 - wg]),
+                )
+                pl.when(wg == 1)(turns[1])  # consumer 0 has the first turn ...
             if prefetch_q:
                 pl.when(count > 0)(lambda: load_q(*item_of(0)))
             items(run, jnp.int32(0))
+            if pingpong:  # ... and is given one more than it takes: take it (none left over)
+                pl.when(wg == 0)(turns[0])
             plgpu.wait_smem_to_gmem(0)
 
     def a_operands(*lead):
@@ -946,6 +981,7 @@ def _kernel(
         plgpu.Barrier(num_arrivals=3, num_barriers=consumers),
         plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),
         plgpu.Barrier(num_arrivals=consumers),
+        plgpu.Barrier(num_arrivals=1, num_barriers=2) if pingpong else None,  # turns
         collective_axes="wg",
     )
 
@@ -987,6 +1023,7 @@ def tiles_mgpu(
     prefetch_q: bool = False,
     direct_io: bool = False,
     token_walk: bool = False,
+    pingpong: bool = False,
     probe_exact_exp: bool = False,
     probe_unmasked: bool = False,
     probe_log2_scores: bool = False,
@@ -1047,6 +1084,16 @@ def tiles_mgpu(
     item's segments copied while this item's tiles were issued - 1.00-1.01x slower on the
     H100, removed: the copy was not on the critical path.)
 
+    ``pingpong`` (with ``consumers=2``, ``overlap`` and ``one_drain``): FlashAttention-3's
+    ping-pong schedule. A consumer computes a tile's softmax, then - in its turn, through a
+    barrier a consumer each - issues the tile's p @ ones and p @ v and the next tile's q @ k.T
+    together and gives the other consumer its turn, then waits for its dots. So one consumer's
+    softmax runs while the other's dots do; without it both wait on the same K slot and run
+    dots and softmax at the same time (session 54's trace: a tile ~ their sum). Only when the
+    dots are issued changes. (Session 51's ``pingpong``, one rendezvous barrier passed twice a
+    tile, p @ v waited for before the next q @ k.T was issued: 1.02-1.07x slower on the H100,
+    and it deadlocked on empty items; removed.)
+
     ``probe_exact_exp`` is a measurement probe, not a launch choice: 2**y as the exact ``exp`` of
     y * ln 2 (libdevice's ``expf``, the exponential of NUMERICS_VERSION 5, with two multiplies
     more), other bits - about what the one-instruction ``EX2_PTX`` saved. ``probe_unmasked``,
@@ -1060,7 +1107,8 @@ def tiles_mgpu(
     cycles) of each item's ``begin`` / ``walk`` / ``finish`` / ``store`` and the producer's
     ``producer_setup`` / ``producer_loads`` (level "items"), or with those each KV tile
     (``tile_full``, ``tile_masked``), split fold (``fold``) and the producer's wait for a free
-    slot (level "tiles"); ``TRACE_RANGES`` ranges a warpgroup (``benchmarks/attention_trace.py``
+    slot (level "tiles"), or with those a tile's parts - ``wait_k``, ``qk``, ``wait_v``,
+    ``zero_v``, ``dots`` and (``pingpong``) ``turn`` (level "parts"); ``TRACE_RANGES`` ranges a warpgroup (``benchmarks/attention_trace.py``
     reads them). Nothing in the engine passes any of them."""
     why = supported(qg.dtype, qg.shape[-1], spec)
     if why is not None:
@@ -1097,6 +1145,8 @@ def tiles_mgpu(
         )
     if direct_io and not prefetch_q:
         raise ValueError("attention (Mosaic GPU tiles): direct_io needs prefetch_q (its output buffer)")
+    if pingpong and (consumers == 1 or not overlap or not one_drain):
+        raise ValueError("attention (Mosaic GPU tiles): pingpong needs consumers=2, overlap and one_drain")
     trace_level = None
     if probe_trace is not None:
         if not (isinstance(probe_trace, tuple) and len(probe_trace) == 2 and probe_trace[1] in TRACE_LEVELS):
@@ -1182,6 +1232,7 @@ def tiles_mgpu(
         probe_exact_exp=bool(probe_exact_exp),
         probe_log2_scores=bool(probe_log2_scores),
         trace=trace_level,
+        pingpong=bool(pingpong),
     )
     args = [segs, nseg, program_order, rpos, rseq, block_tables, q if direct is None else qg]
     if program_order is None:  # the program index is the tile's

@@ -118,6 +118,7 @@ def test_segments_are_each_tiles_sequences_ascending():
         ("into", "two", False, dict(attention_triton.MGPU_PREFILL_LAUNCH)),  # the engine's
         ("into", "two", False, {**dict(attention_triton.MGPU_PREFILL_LAUNCH), "persistent": 5}),
         ("into", "two", True, dict(attention_triton.MGPU_PREFILL_LAUNCH)),  # ... overlapped scores
+        ("into", "two", True, {**dict(attention_triton.MGPU_PREFILL_LAUNCH), "pingpong": True}),  # ... turns
         (
             "into",
             "two",
@@ -151,6 +152,22 @@ def test_cuda_lowering_is_one_mosaic_gpu_kernel(pv, rounding, overlap, launch):
     # the one exponential of every GPU kernel (the Triton kernels' inline assembly): ex2.approx.ftz,
     # and no math-dialect exp / exp2 (what a missed exp2 hook would lower to)
     assert EX2_PTX in text and "math.exp" not in text
+    if launch.get("pingpong"):  # the turns reach the kernel: another module than without them
+        plain = cuda_export(
+            lambda q, k, v, idx: tiles_mgpu(
+                q,
+                k,
+                v,
+                idx,
+                spec=spec,
+                pv=pv,
+                rounding=rounding,
+                overlap=overlap,
+                **{**launch, "pingpong": False},
+            ),
+            *args,
+        )
+        assert MOSAIC_GPU_CUSTOM_CALL in plain and plain != text
     if not launch:  # control: the timing probe's exact exp has no such instruction
         probe = cuda_export(
             lambda q, k, v, idx: tiles_mgpu(
@@ -223,6 +240,9 @@ def test_unsupported_calls_are_refused_by_name():
         tiles_mgpu(q, kc, kc, idx, spec=spec, consumers=2, direct_io=True)
     with pytest.raises(ValueError, match="q_from_smem needs consumers=2"):
         tiles_mgpu(q, kc, kc, idx, spec=spec, q_from_smem=True)
+    for launch in ({}, {"consumers": 2, "one_drain": True}, {"consumers": 2, "overlap": True}):
+        with pytest.raises(ValueError, match="pingpong needs consumers=2, overlap and one_drain"):
+            tiles_mgpu(q, kc, kc, idx, spec=spec, pingpong=True, **launch)
     for bad in ("/tmp", ("/tmp", "warps"), ["/tmp", "items"]):
         with pytest.raises(ValueError, match="probe_trace takes \\(directory, level\\)"):
             tiles_mgpu(q, kc, kc, idx, spec=spec, probe_trace=bad)
@@ -309,6 +329,8 @@ def test_launch_choices_keep_the_bits():
         # ... and the walk tables from each token's first row (narrower segment tables), with
         # each consumer's next q @ k.T issued before this tile's softmax
         {**_DIRECT, "persistent": 3, "token_walk": True, "overlap": True},
+        # ... and the consumers taking turns to issue their dots (FlashAttention-3's ping-pong)
+        {**_DIRECT, "persistent": 3, "overlap": True, "one_drain": True, "pingpong": True},
     ]
     for launch in launches:
         np.testing.assert_array_equal(run(**launch), base, err_msg=str(launch))
