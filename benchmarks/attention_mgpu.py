@@ -513,6 +513,9 @@ PTXAS_LAUNCHES = {
             "heaviest, dense rows, fold in SMEM",
             "pair, 3 stages, heaviest, one drain, dense rows, fold in SMEM",
             "pair, 3 stages, heaviest, one drain, dense rows, fold and q in SMEM",
+            _ENGINE,
+            f"{_ENGINE}, overlapped",
+            f"{_ENGINE}, overlapped, ping-pong",
         )
     },
 }
@@ -604,17 +607,22 @@ def ptxas_report():
         regs = re.findall(r"Used (\d+) registers", text)
         spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
         stack = re.findall(r"(\d+) bytes stack frame", text)
+        # ptxas's C7515-style note: wgmmas it had to serialize (no overlap of dots and softmax)
+        serialized = len(re.findall(r"wgmma[^\n]*serializ|serializ[^\n]*wgmma", text, re.IGNORECASE))
         rows.append(
             (
                 name,
                 ",".join(regs) or "?",
                 ",".join(f"{a}/{b}" for a, b in spills) or "?",
                 ",".join(stack) or "?",
+                str(serialized),
             )
         )
         check(f"[{name}] ptxas output found", bool(text.strip()), f"nothing in {out}")
-    print("\n| launch | registers | spill stores / loads (bytes) | stack frame (bytes) |")
-    print("|---|---|---|---|")
+    print(
+        "\n| launch | registers | spill stores / loads (bytes) | stack frame (bytes) | wgmma serialized notes |"
+    )
+    print("|---|---|---|---|---|")
     for r in rows:
         print("| " + " | ".join(r) + " |")
 

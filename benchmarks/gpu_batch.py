@@ -287,6 +287,11 @@ STEPS = {
         (200, 220),
         "the engine's prefill launch, the same with overlapped scores, and with the consumers taking turns (ping-pong)",
     ),
+    "mgpu-s55-ptxas": (
+        _with(_PINGPONG, "attention_mgpu.py", "--child", "ptxas"),
+        150,
+        "ptxas on the engine's prefill launch, with overlapped scores, with ping-pong: registers, spills, serialized wgmmas",
+    ),
     "attention-trace-pingpong": (
         _py("attention_trace.py", "--levels", "parts", "--launch", "overlap=True,pingpong=True"),
         150,
