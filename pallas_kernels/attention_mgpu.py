@@ -779,7 +779,15 @@ def _kernel(
             def run(k, ik, hk, b, c):
                 with item_scope("producer_setup"):
                     if work is not None:  # both consumers are done walking this buffer's last item
-                        pl.when(k >= nbuf)(lambda: plgpu.barrier_wait(segs_free.at[b]))
+
+                        @pl.when(k >= nbuf)
+                        def _():
+                            plgpu.barrier_wait(segs_free.at[b])
+                            # ... and so are this warpgroup's own reads of it: an empty item's
+                            # walk.begin() has no TMA after it to order it before the copy below
+                            # (a proxy fence; interpret mode's race detector found it missing)
+                            plgpu.commit_smem()
+
                     plgpu.copy_gmem_to_smem(segs_ref.at[ik], segs_smem.at[b], setup_bar.at[b])
                     plgpu.barrier_wait(setup_bar.at[b])
                 walk = _Walk(segs_smem.at[b], nseg_ref[ik], spec, tile, max_segs)
