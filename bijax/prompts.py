@@ -77,13 +77,16 @@ def tokenize(tokenizer, prompt) -> tuple[str | None, list[int]]:
     return None, ids
 
 
-def check_fits(prompt_tokens: int, max_tokens: int, max_model_len: int, name: str = "max_tokens") -> None:
+def check_fits(
+    prompt_tokens: int, max_tokens: int, max_model_len: int, name: str = "max_tokens", prompt: str = "prompt"
+) -> None:
     """Raises ValueError when a prompt of ``prompt_tokens`` plus ``max_tokens`` exceeds ``max_model_len``
-    (``name``: what the caller calls max_tokens, said in the message)."""
+    (``name``: what the caller calls max_tokens, ``prompt``: what it calls the prompt - the
+    messages of a chat request - said in the message)."""
     total = prompt_tokens + max_tokens
     if total > max_model_len:
         raise ValueError(
-            f"prompt ({prompt_tokens} tokens) + {name} ({max_tokens}) = {total} exceeds "
+            f"{prompt} ({prompt_tokens} tokens) + {name} ({max_tokens}) = {total} exceeds "
             f"max_model_len ({max_model_len})"
         )
 

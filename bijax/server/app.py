@@ -135,8 +135,10 @@ class Server:
         or max_tokens), in the message of a prompt and reply longer than max_model_len."""
         try:
             ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
-            if ids is not None and max_field != "max_tokens":  # (else the engine's message says it)
-                check_fits(len(ids), params.max_tokens, self.max_model_len, max_field)
+            if ids is not None and (max_field != "max_tokens" or field != "prompt"):
+                # (else the engine's message says it: a prompt and max_tokens, as sent)
+                what = "the templated messages" if field == "messages" else field
+                check_fits(len(ids), params.max_tokens, self.max_model_len, max_field, what)
             return self.loop.validate(prompt, params)
         except (ValueError, TypeError) as e:
             code = "context_length_exceeded" if "max_model_len" in str(e) or "KV blocks" in str(e) else None
@@ -202,7 +204,7 @@ def build_app(
         msg = f"internal error: {type(e).__name__}: {e}"
         return JSONResponse(ApiError(500, msg).body(), status_code=500)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # (load balancers probe with either)
     async def health():
         return Response(status_code=200 if srv.loop.alive else 503)
 

@@ -265,9 +265,12 @@ def prompts(value) -> list:
 
     if ids(value):
         return [value]
-    if all(isinstance(p, str) or (ids(p) and p) for p in value):
-        return value
-    raise bad
+    for i, p in enumerate(value):
+        if isinstance(p, list) and not p:
+            raise ApiError(400, f"prompt[{i}] is an empty list of token ids", param="prompt")
+        if not (isinstance(p, str) or ids(p)):
+            raise bad
+    return value
 
 
 def messages(value) -> list[dict]:

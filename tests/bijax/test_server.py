@@ -368,6 +368,7 @@ def test_tokenize_and_detokenize(smol):
         ({"prompt": [[1, 2], 3]}, 400, "prompt", "token ids"),
         ({"prompt": [70000]}, 400, "prompt", "vocabulary"),
         ({"prompt": ["Hi", ""]}, 400, "prompt", "prompt[1]: prompt is empty"),  # which of them
+        ({"prompt": [[1, 2], []]}, 400, "prompt", "prompt[1] is an empty list of token ids"),
         ({"prompt": "x", "frequency_penalty": 0.5}, 400, "frequency_penalty", "not supported"),
         ({"prompt": "x", "logit_bias": {"1": 0, "2": 5}}, 400, "logit_bias", "not supported"),
         # vLLM's fields bijax does not implement: refused, never silently ignored
@@ -434,6 +435,12 @@ def test_bad_chat_requests_bad_json_and_the_official_clients_errors(smol):
     got, r = smol.post("/v1/chat/completions", {"messages": MSGS, "max_completion_tokens": 10**6})
     assert got == 400 and r["error"]["code"] == "context_length_exceeded", r
     assert "max_completion_tokens (1000000)" in r["error"]["message"], r  # (the name it was sent as)
+    got, r = smol.post("/v1/chat/completions", {"messages": MSGS, "max_tokens": 10**6})
+    assert got == 400 and r["error"]["code"] == "context_length_exceeded", r
+    assert (
+        r["error"]["message"].startswith("the templated messages (")
+        and "max_tokens (1000000)" in r["error"]["message"]
+    ), r
     got, r = smol.post("/v1/chat/completions", {"messages": MSGS, "functions": [{"name": "f"}]})
     assert got == 400 and r["error"]["param"] == "functions", r
     with pytest.raises(openai.NotFoundError):
@@ -572,6 +579,9 @@ def test_api_key(smol):
     with pytest.raises(openai.AuthenticationError):
         smol.client(key="wrong").models.list()
     assert smol.get("/health")[0] == 200 and smol.get("/metrics")[0] == 200  # open without the key
+    head = urllib.request.Request(smol.url + "/health", method="HEAD")  # (load balancers' probe)
+    with urllib.request.urlopen(head, timeout=60) as r:
+        assert r.status == 200
     assert [m.id for m in smol.client().models.list().data] == ["smol", "smollm2-135m"]
 
 
