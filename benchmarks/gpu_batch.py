@@ -292,6 +292,11 @@ STEPS = {
         150,
         "ptxas on the engine's prefill launch, with overlapped scores, with ping-pong: registers, spills, serialized wgmmas",
     ),
+    "attention-trace-parts": (
+        _py("attention_trace.py", "--levels", "parts"),
+        150,
+        "the engine's prefill kernel traced inside, level parts only: where a KV tile's cycles go",
+    ),
     "attention-trace-pingpong": (
         _py("attention_trace.py", "--levels", "parts", "--launch", "overlap=True,pingpong=True"),
         150,
