@@ -62,7 +62,10 @@ _PINGPONG = (
     "'BIJAX_MGPU_LAUNCHES="
     + "|".join(
         "=" + n
-        for n in (f"{_S51[1]}, token walk{x}" for x in ("", ", overlapped", ", overlapped, ping-pong"))
+        for n in (
+            f"{_S51[1]}, token walk{x}"
+            for x in ("", ", overlapped", ", overlapped, ping-pong", ", ping-pong")
+        )
     )
     + "'"
 )
@@ -284,8 +287,8 @@ STEPS = {
     **_launch_steps(
         "s55",
         _PINGPONG,
-        (200, 220),
-        "the engine's prefill launch, the same with overlapped scores, and with the consumers taking turns (ping-pong)",
+        (260, 240),
+        "the engine's prefill launch, the same with overlapped scores, with turns (ping-pong) and with both",
     ),
     "mgpu-s55-ptxas": (
         _with(_PINGPONG, "attention_mgpu.py", "--child", "ptxas"),
@@ -301,6 +304,11 @@ STEPS = {
         _py("attention_trace.py", "--levels", "parts", "--launch", "overlap=True,pingpong=True"),
         150,
         "the prefill kernel traced inside (tile parts) with overlapped scores and the consumers taking turns",
+    ),
+    "attention-trace-turns": (
+        _py("attention_trace.py", "--levels", "parts", "--launch", "pingpong=True"),
+        150,
+        "the prefill kernel traced inside (tile parts) with the consumers taking turns, q @ k.T and the dots apart",
     ),
     "mgpu-fold-ptxas": (
         _with(_FOLD, "attention_mgpu.py", "--child", "ptxas"),

@@ -422,7 +422,8 @@ def _kernel(
         ``fold_smem``: an fp32 [ROWS, D] SMEM buffer that holds the split fold's accumulator
         between folds (None: it stays in registers, 64 a thread live through every tile).
         ``turns`` (``pingpong``): (wait for this warpgroup's turn, give the other its turn),
-        around the issue of a tile's p @ ones and p @ v and the next tile's q @ k.T."""
+        around the issue of a tile's p @ ones and p @ v (with ``overlap`` also the next tile's
+        q @ k.T; without, q @ k.T takes a turn of its own)."""
         nseg = walk.nseg
 
         def fold_split(fold, state, use):
@@ -441,9 +442,20 @@ def _kernel(
         def rows2(x, n):  # a row vector broadcast over n columns
             return lax.broadcast_in_dim(x, (ROWS, n), (0,))
 
+        def take_turn():  # (``pingpong``) wait for this warpgroup's turn to issue wgmmas
+            if turns is not None:
+                with part_scope("turn"):
+                    turns[0]()
+
+        def give_turn():  # (``pingpong``) the other warpgroup's turn
+            if turns is not None:
+                turns[1]()
+
         def qk(slot):
             def dot(acc_ref):
+                take_turn()  # (``pingpong`` without ``overlap``: q @ k.T in a turn of its own)
                 plgpu.wgmma(acc_ref, q, k_smem.at[slot].transpose((1, 0)))
+                give_turn()
                 return acc_ref[...]
 
             return pl.run_scoped(dot, plgpu.ACC((ROWS, tile), jnp.float32))
@@ -523,15 +535,13 @@ def _kernel(
 
                 return pl.run_scoped(dot, plgpu.ACC((ROWS, _SUM_N), jnp.float32))
 
-            def my_turn():  # (``pingpong``) wait for this warpgroup's turn to issue dots
-                if issue_next is not None:
-                    with part_scope("turn"):
-                        turns[0]()
+            def my_turn():
+                take_turn()
 
-            def end_turn():  # (``pingpong``) the next tile's q @ k.T too, then the other's turn
+            def end_turn():  # (``pingpong`` with ``overlap``: the next tile's q @ k.T too)
                 if issue_next is not None:
                     issue_next()
-                    turns[1]()
+                give_turn()
 
             def sum_and_update(acc, alpha, p):
                 """p @ ones and the new acc with one wait for both wgmmas (``one_drain``; with
@@ -1092,13 +1102,14 @@ def tiles_mgpu(
     item's segments copied while this item's tiles were issued - 1.00-1.01x slower on the
     H100, removed: the copy was not on the critical path.)
 
-    ``pingpong`` (with ``consumers=2``, ``overlap`` and ``one_drain``): FlashAttention-3's
-    ping-pong schedule. A consumer computes a tile's softmax, then - in its turn, through a
-    barrier a consumer each - issues the tile's p @ ones and p @ v and the next tile's q @ k.T
-    together and gives the other consumer its turn, then waits for its dots. So one consumer's
-    softmax runs while the other's dots do; without it both wait on the same K slot and run
-    dots and softmax at the same time (session 54's trace: a tile ~ their sum). Only when the
-    dots are issued changes. (Session 51's ``pingpong``, one rendezvous barrier passed twice a
+    ``pingpong`` (with ``consumers=2`` and ``one_drain``): FlashAttention-3's ping-pong
+    schedule. A consumer issues its wgmmas only in its turn (a barrier a consumer, consumer 1
+    giving consumer 0 the first), then gives the other consumer its turn and waits for them:
+    with ``overlap`` a tile's p @ ones and p @ v and the next tile's q @ k.T in one turn after
+    the tile's softmax; without it a tile's q @ k.T in one turn and its p @ ones and p @ v in the
+    next. So one consumer's softmax runs while the other's dots do; without turns both wait on
+    the same K slot and run dots and softmax at the same time (session 54's trace: a tile ~
+    their sum). Only when the dots are issued changes. (Session 51's ``pingpong``, one rendezvous barrier passed twice a
     tile, p @ v waited for before the next q @ k.T was issued: 1.02-1.07x slower on the H100,
     and it deadlocked on empty items; removed.)
 
@@ -1153,8 +1164,8 @@ def tiles_mgpu(
         )
     if direct_io and not prefetch_q:
         raise ValueError("attention (Mosaic GPU tiles): direct_io needs prefetch_q (its output buffer)")
-    if pingpong and (consumers == 1 or not overlap or not one_drain):
-        raise ValueError("attention (Mosaic GPU tiles): pingpong needs consumers=2, overlap and one_drain")
+    if pingpong and (consumers == 1 or not one_drain):
+        raise ValueError("attention (Mosaic GPU tiles): pingpong needs consumers=2 and one_drain")
     trace_level = None
     if probe_trace is not None:
         if not (isinstance(probe_trace, tuple) and len(probe_trace) == 2 and probe_trace[1] in TRACE_LEVELS):

@@ -119,6 +119,7 @@ def test_segments_are_each_tiles_sequences_ascending():
         ("into", "two", False, {**dict(attention_triton.MGPU_PREFILL_LAUNCH), "persistent": 5}),
         ("into", "two", True, dict(attention_triton.MGPU_PREFILL_LAUNCH)),  # ... overlapped scores
         ("into", "two", True, {**dict(attention_triton.MGPU_PREFILL_LAUNCH), "pingpong": True}),  # ... turns
+        ("into", "two", False, {**dict(attention_triton.MGPU_PREFILL_LAUNCH), "pingpong": True}),
         (
             "into",
             "two",
@@ -240,8 +241,8 @@ def test_unsupported_calls_are_refused_by_name():
         tiles_mgpu(q, kc, kc, idx, spec=spec, consumers=2, direct_io=True)
     with pytest.raises(ValueError, match="q_from_smem needs consumers=2"):
         tiles_mgpu(q, kc, kc, idx, spec=spec, q_from_smem=True)
-    for launch in ({}, {"consumers": 2, "one_drain": True}, {"consumers": 2, "overlap": True}):
-        with pytest.raises(ValueError, match="pingpong needs consumers=2, overlap and one_drain"):
+    for launch in ({}, {"one_drain": True}, {"consumers": 2, "overlap": True}):
+        with pytest.raises(ValueError, match="pingpong needs consumers=2 and one_drain"):
             tiles_mgpu(q, kc, kc, idx, spec=spec, pingpong=True, **launch)
     for bad in ("/tmp", ("/tmp", "warps"), ["/tmp", "items"]):
         with pytest.raises(ValueError, match="probe_trace takes \\(directory, level\\)"):
@@ -329,8 +330,10 @@ def test_launch_choices_keep_the_bits():
         # ... and the walk tables from each token's first row (narrower segment tables), with
         # each consumer's next q @ k.T issued before this tile's softmax
         {**_DIRECT, "persistent": 3, "token_walk": True, "overlap": True},
-        # ... and the consumers taking turns to issue their dots (FlashAttention-3's ping-pong)
+        # ... and the consumers taking turns to issue their dots (FlashAttention-3's ping-pong),
+        # with the next tile's scores issued with this tile's p @ v, or in turns of their own
         {**_DIRECT, "persistent": 3, "overlap": True, "one_drain": True, "pingpong": True},
+        {**_DIRECT, "persistent": 3, "one_drain": True, "pingpong": True},
     ]
     for launch in launches:
         np.testing.assert_array_equal(run(**launch), base, err_msg=str(launch))
