@@ -43,7 +43,8 @@ ITEM_RANGES = ("begin", "walk", "finish", "store")
 def intervals(events: list[dict]) -> dict[int, list[tuple[str, float, float, int]]]:
     """A trace's "B" / "E" events -> per trace id (a warpgroup of a program), its ranges in
     order of their start: (name, start, end, depth), times as the trace gives them. A tile
-    part's range (level "parts") is named after its tile's: "tile_full/qk"."""
+    part's range (level "parts") is named after its tile's or item's begin: "tile_full/qk",
+    "begin/q_wait"."""
     out: dict[int, list] = defaultdict(list)
     stacks: dict[int, list] = defaultdict(list)
     for e in events:
@@ -55,7 +56,7 @@ def intervals(events: list[dict]) -> dict[int, list[tuple[str, float, float, int
                 raise ValueError(f"trace {tid}: end of {e['name']!r} without its start")
             name, start, depth = stacks[tid].pop()
             parent = stacks[tid][-1][0] if stacks[tid] else ""
-            if parent.startswith("tile_"):
+            if parent.startswith("tile_") or parent == "begin":
                 name = f"{parent}/{name}"
             out[tid].append((name, start, e["ts"], depth))
     for ranges in out.values():

@@ -870,21 +870,29 @@ def _kernel(
                 and segments are in (and the next item's q loads started, ``prefetch_q``)."""
                 if not prefetch_q:  # (else the item before loaded it, or the loop's start)
                     load_q(ik, hk)
-                plgpu.barrier_wait(q_bar.at[wg])
+                with part_scope("q_wait"):
+                    plgpu.barrier_wait(q_bar.at[wg])
                 # q as wgmma's A operand: from its SMEM buffer (``q_from_smem``: 32 registers a
                 # thread fewer) or loaded into registers
-                if direct is not None and a_in_smem:  # (interpret mode reshapes no refs: a value's)
-                    scratch[0][...] = q_box[...].reshape(-1, d)[:ROWS]
-                    plgpu.commit_smem()
-                    q = scratch[0]
-                else:
-                    q = q_smem if q_from_smem else q_operand(q_smem, None if scratch is None else scratch[0])
-                rpos = plgpu.load(rows_smem.at[wg, 0], layout=row_layout)
-                rseq = plgpu.load(rows_smem.at[wg, 1], layout=row_layout)
+                with part_scope("q_load"):
+                    if direct is not None and a_in_smem:  # (interpret mode reshapes no refs: a value's)
+                        scratch[0][...] = q_box[...].reshape(-1, d)[:ROWS]
+                        plgpu.commit_smem()
+                        q = scratch[0]
+                    else:
+                        q = (
+                            q_smem
+                            if q_from_smem
+                            else q_operand(q_smem, None if scratch is None else scratch[0])
+                        )
+                    rpos = plgpu.load(rows_smem.at[wg, 0], layout=row_layout)
+                    rseq = plgpu.load(rows_smem.at[wg, 1], layout=row_layout)
                 if prefetch_q:  # q and the rows are in registers: the next item's load them now
-                    plgpu.commit_smem()  # (every thread's reads done: a warpgroup barrier)
-                    pl.when(k + 1 < count)(lambda: load_q(*item_of(k + 1)))
-                plgpu.barrier_wait(setup_bar.at[b])  # the walk (segments)
+                    with part_scope("next_q"):
+                        plgpu.commit_smem()  # (every thread's reads done: a warpgroup barrier)
+                        pl.when(k + 1 < count)(lambda: load_q(*item_of(k + 1)))
+                with part_scope("segs_wait"):
+                    plgpu.barrier_wait(setup_bar.at[b])  # the walk (segments)
                 if work is None:  # and, before the first item, the ones matrix (after q's loads)
                     plgpu.barrier_wait(ones_bar)
                 else:
@@ -1127,7 +1135,8 @@ def tiles_mgpu(
     ``producer_setup`` / ``producer_loads`` (level "items"), or with those each KV tile
     (``tile_full``, ``tile_masked``), split fold (``fold``) and the producer's wait for a free
     slot (level "tiles"), or with those a tile's parts - ``wait_k``, ``qk``, ``wait_v``,
-    ``zero_v``, ``dots`` and (``pingpong``) ``turn`` (level "parts"); ``TRACE_RANGES`` ranges a warpgroup (``benchmarks/attention_trace.py``
+    ``zero_v``, ``dots`` and (``pingpong``) ``turn`` - and an item's ``begin``'s (``q_wait``,
+    ``q_load``, ``next_q``, ``segs_wait``) (level "parts"); ``TRACE_RANGES`` ranges a warpgroup (``benchmarks/attention_trace.py``
     reads them). Nothing in the engine passes any of them."""
     why = supported(qg.dtype, qg.shape[-1], spec)
     if why is not None:
