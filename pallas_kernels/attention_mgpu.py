@@ -535,9 +535,6 @@ def _kernel(
 
                 return pl.run_scoped(dot, plgpu.ACC((ROWS, _SUM_N), jnp.float32))
 
-            def my_turn():
-                take_turn()
-
             def end_turn():  # (``pingpong`` with ``overlap``: the next tile's q @ k.T too)
                 if issue_next is not None:
                     issue_next()
@@ -552,7 +549,7 @@ def _kernel(
 
                     def both(refs):
                         acc_ref, sum_ref = refs
-                        my_turn()
+                        take_turn()
                         plgpu.wgmma(sum_ref, p, ones_smem)
                         plgpu.wgmma(acc_ref, p, v_smem.at[slot])
                         end_turn()
@@ -564,7 +561,7 @@ def _kernel(
                     return sums, new
 
                 def dots(sum_ref, pv_ref):
-                    my_turn()
+                    take_turn()
                     plgpu.wgmma(sum_ref, p, ones_smem)
                     plgpu.wgmma(pv_ref, p, v_smem.at[slot])
                     end_turn()
