@@ -204,6 +204,17 @@ def _launch_steps(name: str, env: str, limits: tuple[int, int], what: str) -> di
     }
 
 
+def _parts_trace(launch: str, what: str) -> tuple:
+    """attention_trace.py at level "parts" on the engine's prefill launch with ``launch``
+    (``k=v,...``) over it."""
+    extra = ("--launch", launch) if launch else ()
+    return (
+        _py("attention_trace.py", "--levels", "parts", *extra),
+        150,
+        f"the prefill kernel traced inside (tile parts), {what}",
+    )
+
+
 # name -> (command, time limit s, what it is for)
 STEPS = {
     "digests": (_py("gpu_digests.py"), 300, "engine bits vs the records (4 configs; ~210 s on an H100)"),
@@ -295,20 +306,12 @@ STEPS = {
         150,
         "ptxas on the engine's prefill launch, with overlapped scores, with ping-pong: registers, spills, serialized wgmmas",
     ),
-    "attention-trace-parts": (
-        _py("attention_trace.py", "--levels", "parts"),
-        150,
-        "the engine's prefill kernel traced inside, level parts only: where a KV tile's cycles go",
+    "attention-trace-parts": _parts_trace("", "the engine's launch: where a KV tile's cycles go"),
+    "attention-trace-pingpong": _parts_trace(
+        "overlap=True,pingpong=True", "with overlapped scores and the consumers taking turns"
     ),
-    "attention-trace-pingpong": (
-        _py("attention_trace.py", "--levels", "parts", "--launch", "overlap=True,pingpong=True"),
-        150,
-        "the prefill kernel traced inside (tile parts) with overlapped scores and the consumers taking turns",
-    ),
-    "attention-trace-turns": (
-        _py("attention_trace.py", "--levels", "parts", "--launch", "pingpong=True"),
-        150,
-        "the prefill kernel traced inside (tile parts) with the consumers taking turns, q @ k.T and the dots apart",
+    "attention-trace-turns": _parts_trace(
+        "pingpong=True", "with the consumers taking turns, q @ k.T and the dots apart"
     ),
     "mgpu-fold-ptxas": (
         _with(_FOLD, "attention_mgpu.py", "--child", "ptxas"),
