@@ -777,8 +777,7 @@ class Engine:
             if isinstance(ids, (str, bytes, dict)) or not isinstance(ids, Iterable):  # (text: its characters)
                 raise TypeError(f"token_ids[{i}] must be a list of int token ids, got {type(ids).__name__}")
             try:
-                # (an array as it is: tokenize takes numpy's and JAX's)
-                _, ids = self._tokenize(ids if hasattr(ids, "__array__") else list(ids))
+                _, ids = self._tokenize(ids)  # (any iterable of ids; numpy's and JAX's arrays)
             except TypeError as e:
                 raise TypeError(f"token_ids[{i}]: {e}") from None
             if not ids:

@@ -67,12 +67,13 @@ def tokenize(tokenizer, prompt) -> tuple[str | None, list[int]]:
             )
         return None, prompt.tolist()
     try:
-        ids = [int(t) for t in prompt]
+        items = list(prompt)  # (once: an iterator is read a single time)
+        ids = [int(t) for t in items]
     except (TypeError, ValueError):
         raise TypeError(
             f"a prompt must be a str or a list of int token ids, got {type(prompt).__name__}"
         ) from None
-    if any(not isinstance(t, (int, np.integer)) or isinstance(t, bool) for t in prompt):
+    if any(not isinstance(t, (int, np.integer)) or isinstance(t, bool) for t in items):
         raise TypeError("prompt token ids must be ints")
     return None, ids
 
