@@ -116,6 +116,14 @@ def _newest_trace(directory: str) -> dict:
         return json.load(f)
 
 
+def engine_launch(extra: dict) -> dict:
+    """The engine's prefill launch (``attention_triton.MGPU_PREFILL_LAUNCH``) with ``extra``'s
+    choices over it."""
+    from pallas_kernels import attention_triton
+
+    return {**dict(attention_triton.MGPU_PREFILL_LAUNCH), **extra}
+
+
 PARTS = ("wait_k", "qk", "wait_v", "dots")  # a full tile's parts the table shows (level "parts")
 
 
@@ -126,11 +134,11 @@ def run_case(
     import numpy as np
 
     from benchmarks.attention import kernel_us, prefill_case
-    from pallas_kernels import attention_mgpu, attention_triton
+    from pallas_kernels import attention_mgpu
 
     n, length, hq, hkv, d = CASES[name]
     c, q, idx, spec, qg, flops, _, cud = prefill_case(n, length, hq, hkv, d)
-    launch = {**attention_triton.MGPU_PREFILL_LAUNCH, **extra}
+    launch = engine_launch(extra)
     consumers = launch.get("consumers", 1)
 
     def kernel(q, k, v, trace=None):

@@ -139,5 +139,10 @@ def test_attention_trace_reader_shares_a_warpgroups_span_among_its_ranges():
     assert abs(cons["ranges"]["tile_full/qk"][1] - 100.0) < 1e-6 and "qk" not in cons["ranges"]
     assert abs(cons["gaps"] - (1000.0 - 100.0 - 500.0 - 100.0)) < 1e-6
     assert prod["traces"] == 1 and abs(prod["gaps"]) < 1e-6
+    from benchmarks.attention_trace import engine_launch
+    from benchmarks.kernel_modules import parse_launch
+
+    launch = engine_launch(parse_launch("overlap=True,pingpong=True,stages=2"))  # (--launch)
+    assert launch["pingpong"] is True and launch["stages"] == 2 and launch["consumers"] == 2
     with pytest.raises(ValueError, match="end of 'walk' without its start"):
         summarize({"traceEvents": [ev("walk", "E", 1.0, 1)]}, warpgroups=3, producer=2)
