@@ -311,6 +311,9 @@ LAUNCHES = {
     # ... and turns without overlapped scores: q @ k.T in a turn, p @ ones and p @ v in the next
     # (no next tile's scores held: 32 registers a thread fewer)
     f"{_ENGINE}, ping-pong": {**_ENGINE_LAUNCH, "pingpong": True},
+    # session 56: the full tiles without selects (``bare_full``: 64 a thread and tile fewer, the
+    # logit scaling mul.rn in every tile - the same values)
+    f"{_ENGINE}, bare full tiles": {**_ENGINE_LAUNCH, "bare_full": True},
 }
 DEFAULT_VARIANT = ("into", "two")
 # Measurement probes: timed next to the launches, never bit-checked (they give other bits).
@@ -322,6 +325,16 @@ DEFAULT_VARIANT = ("into", "two")
 # interpret-mode discrepancy that stopped it in session 44 was XLA's CPU contraction, not the
 # kernel's: attention_math.rounded_product).
 PROBES = {
+    # session 56: what a tile's softmax parts cost (the parts trace: the softmax is ~54% of a
+    # full tile) - its exponentials (no MUFU work), its rescale (64 multiplies a thread), both
+    **{
+        f"probe: {_ENGINE}, bare full tiles, no {what}": {**_ENGINE_LAUNCH, "bare_full": True, "probe_skip": skip}
+        for what, skip in (
+            ("exp", ("exp",)),
+            ("rescale", ("rescale",)),
+            ("exp or rescale", ("exp", "rescale")),
+        )
+    },
     "probe: pair, 3 stages, heaviest, one drain, dense rows, fold in SMEM, persistent, exact exp": {
         **_PAIR3,
         "fold_in_smem": True,
@@ -522,6 +535,7 @@ PTXAS_LAUNCHES = {
             f"{_ENGINE}, overlapped",
             f"{_ENGINE}, overlapped, ping-pong",
             f"{_ENGINE}, ping-pong",
+            f"{_ENGINE}, bare full tiles",
         )
     },
 }

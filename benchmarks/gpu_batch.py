@@ -69,6 +69,13 @@ _PINGPONG = (
     )
     + "'"
 )
+# ... and (session 56) the engine's launch with the full tiles' selects left out, and the
+# probes of its softmax parts (timing only)
+_BARE = (
+    "'BIJAX_MGPU_LAUNCHES="
+    + "|".join("=" + n for n in (f"{_S51[1]}, token walk", f"{_S51[1]}, token walk, bare full tiles"))
+    + "|bare full tiles, no'"
+)
 _TOKEN_WALK = (
     "'BIJAX_MGPU_LAUNCHES="
     + "|".join("=" + n for n in (_S51[1], f"{_S51[1]}, token walk", f"{_S51[1]}, overlapped"))
@@ -300,6 +307,17 @@ STEPS = {
         _PINGPONG,
         (260, 240),
         "the engine's prefill launch, the same with overlapped scores, with turns (ping-pong) and with both",
+    ),
+    **_launch_steps(
+        "s56",
+        _BARE,
+        (200, 240),
+        "the engine's prefill launch and the same with bare full tiles (+ probes: no exp, no rescale)",
+    ),
+    "mgpu-s56-ptxas": (
+        _with(_BARE, "attention_mgpu.py", "--child", "ptxas"),
+        150,
+        "ptxas on the engine's prefill launch and with bare full tiles: registers, spills, serialized wgmmas, SASS",
     ),
     "mgpu-s55-ptxas": (
         _with(_PINGPONG, "attention_mgpu.py", "--child", "ptxas"),

@@ -187,6 +187,10 @@ def softmax_step(
     definition of a tile's arithmetic outside the dots (``kv_tile_step`` is it with ``jnp.dot``;
     the Mosaic GPU kernel passes wgmma dots).
 
+    ``ok`` [R, N]: the keys a row sees; None: every key (no select built - the same values, as
+    long as nothing can fuse the logit scaling into the subtraction that follows it: pass a
+    ``scale_mul`` that rounds the product on its own, as the Mosaic GPU kernel's full tiles do).
+
     ``row_sum(p)`` -> ``p @ ones[N, 16]``. The numerator: ``pv(p)`` -> ``p @ v``, and the new acc
     is ``acc * alpha + pv`` - or ``update(acc, alpha, p)`` computes the new acc itself (the Mosaic
     GPU kernel's variants). ``mul_add(a, b, c)``: how ``l * alpha + row_sum`` is computed
@@ -200,12 +204,17 @@ def softmax_step(
     kernels always had (their lowered IR changes with ``exp2`` alone).
     """
     m, l, acc = state
-    s = jnp.where(ok, scores(s, spec, scale_mul), -jnp.inf)
+    s = scores(s, spec, scale_mul)
+    if ok is not None:
+        s = jnp.where(ok, s, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     e = exp2 if log2_scores else functools.partial(exp, exp2=exp2)
     alpha = e(m - m_safe)
-    p = jnp.where(ok, e(s - expand(m_safe, s)), 0.0).astype(p_dtype)
+    p = e(s - expand(m_safe, s))
+    if ok is not None:
+        p = jnp.where(ok, p, 0.0)
+    p = p.astype(p_dtype)
     if sum_and_update is not None:
         sums, acc = sum_and_update(acc, alpha, p)
         total = jnp.max(sums, axis=1)

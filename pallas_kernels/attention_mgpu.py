@@ -86,6 +86,7 @@ from pallas_kernels.attention_math import (
     full_tiles,
     key_mask,
     kv_tile,
+    rounded_product,
     row_tiles,
     softmax_step,
     split_used,
@@ -327,7 +328,8 @@ def _kernel(
     a_in_smem: bool, overlap: bool, rounding: str, consumers: int, one_drain: bool, q_from_smem: bool,
     fold_in_smem: bool, work: tuple[int, int, int] | None, prefetch_q: bool,
     direct: tuple[int, int] | None, probe_unmasked: bool, inline_ex2: bool, probe_exact_exp: bool, probe_log2_scores: bool,
-    trace: str | None = None, pingpong: bool = False,
+    trace: str | None = None, pingpong: bool = False, bare_full: bool = False,
+    probe_skip: tuple[str, ...] = (),
 ):  # fmt: skip
     item_scope, tile_scope, part_scope = _scopes(trace)
     if work is None:  # a program per (tile, head)
@@ -365,6 +367,11 @@ def _kernel(
         exp2 = lambda x: jnp.exp(x * math.log(2.0))  # noqa: E731 - timing only, other bits
     # (the base-2 probe: log2 e in the logit scale - timing only, other bits)
     step_spec = dataclasses.replace(spec, scale=spec.scale * LOG2E) if probe_log2_scores else spec
+    # ``bare_full``: full tiles build no selects, so the logit product is rounded on its own in
+    # every tile (nothing may fuse it into the subtraction after it; a select kept it apart)
+    scale_mul = None
+    if bare_full:
+        scale_mul = _mul_rn if inline_ex2 else rounded_product
 
     def mul_add(a, b, c):
         return a * b + c if fused_mul_add is None else fused_mul_add(a, b, c)
@@ -510,6 +517,12 @@ def _kernel(
                 plgpu.commit_smem()
                 return p_smem
 
+            def rescale(acc, alpha):  # (the probe skipping it: timing only, wrong values)
+                return acc if "rescale" in probe_skip else acc * alpha
+
+            def rescale_add(acc, alpha, pvs):
+                return acc + pvs if "rescale" in probe_skip else mul_add(acc, alpha, pvs)
+
             def update(acc, alpha, p):
                 alpha = lax.broadcast_in_dim(alpha, acc.shape, (0,))
                 p = operand(p)
@@ -518,13 +531,13 @@ def _kernel(
                     def into(acc_ref):
                         plgpu.wgmma(acc_ref, p, v_smem.at[slot])
 
-                    return pl.run_state(into)(plgpu.ACC.init(acc * alpha))
+                    return pl.run_state(into)(plgpu.ACC.init(rescale(acc, alpha)))
 
                 def pv_dot(acc_ref):
                     plgpu.wgmma(acc_ref, p, v_smem.at[slot])
                     return acc_ref[...]
 
-                return mul_add(acc, alpha, pl.run_scoped(pv_dot, plgpu.ACC((ROWS, d), jnp.float32)))
+                return rescale_add(acc, alpha, pl.run_scoped(pv_dot, plgpu.ACC((ROWS, d), jnp.float32)))
 
             def row_sum(p):
                 p = operand(p)
@@ -555,7 +568,7 @@ def _kernel(
                         end_turn()
 
                     zero = plgpu.layout_cast(jnp.full((ROWS, _SUM_N), 0.0, jnp.float32), wgmma_layout)
-                    scaled = acc * alpha
+                    scaled = rescale(acc, alpha)
                     with part_scope("dots"):
                         new, sums = pl.run_state(both)((plgpu.ACC.init(scaled), plgpu.ACC.init(zero)))
                     return sums, new
@@ -571,7 +584,7 @@ def _kernel(
                     sums, pvs = pl.run_scoped(
                         dots, plgpu.ACC((ROWS, _SUM_N), jnp.float32), plgpu.ACC((ROWS, d), jnp.float32)
                     )
-                return sums, mul_add(acc, alpha, pvs)
+                return sums, rescale_add(acc, alpha, pvs)
 
             return softmax_step(
                 state,
@@ -583,7 +596,8 @@ def _kernel(
                 row_sum=row_sum,
                 mul_add=fused_mul_add,
                 sum_and_update=sum_and_update if one_drain else None,
-                exp2=exp2,
+                exp2=(lambda x: x) if "exp" in probe_skip else exp2,  # (the probe: no MUFU)
+                scale_mul=scale_mul,
                 log2_scores=probe_log2_scores,
             )
 
@@ -639,8 +653,10 @@ def _kernel(
                             pl.when(partial)(lambda: zero_v_sync(functools.partial(zero, slot)))
 
                     else:  # every key visible to every row of the sequence (full_tiles)
-                        visible = start + (t + 1) * tile <= lo + 1
-                        ok = plgpu.layout_cast(jnp.full((ROWS, tile), visible), wgmma_layout)
+                        ok = None  # (``bare_full``: no select at all)
+                        if not bare_full:
+                            visible = start + (t + 1) * tile <= lo + 1
+                            ok = plgpu.layout_cast(jnp.full((ROWS, tile), visible), wgmma_layout)
                         zero_v = None
                     state, s = step(c, (t + 1 < num_tiles) | more, s, state, ok, zero_v)
                     return state, pf, c + 1, s
@@ -1047,6 +1063,8 @@ def tiles_mgpu(
     direct_io: bool = False,
     token_walk: bool = False,
     pingpong: bool = False,
+    bare_full: bool = False,
+    probe_skip: tuple[str, ...] = (),
     probe_exact_exp: bool = False,
     probe_unmasked: bool = False,
     probe_log2_scores: bool = False,
@@ -1117,6 +1135,14 @@ def tiles_mgpu(
     their sum). Only when the dots are issued changes. (Session 51's ``pingpong``, one rendezvous barrier passed twice a
     tile, p @ v waited for before the next q @ k.T was issued: 1.02-1.07x slower on the H100,
     and it deadlocked on empty items; removed.)
+    This form, measured (session 56, H100): 1.02-1.07x slower too - a tile's softmax (~1,250
+    cycles a consumer) is ~2.4x one consumer's wgmmas, so the turns have nothing to hide it
+    behind; kept for when the softmax is shorter.
+
+    ``bare_full``: the full KV tiles (every key visible to every row of the sequence) build no
+    select at all - not the scores' ``-inf`` nor the probabilities' ``0`` (64 selects a thread
+    and tile) - and the logit scaling is ``mul.rn`` in every tile, so no compiler can fuse it
+    into the subtraction that the selects used to keep it apart from: the same values.
 
     ``probe_exact_exp`` is a measurement probe, not a launch choice: 2**y as the exact ``exp`` of
     y * ln 2 (libdevice's ``expf``, the exponential of NUMERICS_VERSION 5, with two multiplies
@@ -1125,7 +1151,10 @@ def tiles_mgpu(
     wrong values) - what the masked tiles on the causal diagonal cost. ``probe_log2_scores``,
     a third: log2 e folded into the logit scale and each exponential of a tile step ``EX2_PTX``
     of the difference (one multiply an element less; the fold's exponentials as they are):
-    what a numerics change to base-2 logits would save, other bits. ``probe_trace`` (directory,
+    what a numerics change to base-2 logits would save, other bits. ``probe_skip``, a fifth
+    (wrong values): parts of a tile's softmax left out - "exp" (each exponential of a tile step
+    as its argument: no MUFU work), "rescale" (the accumulator not multiplied by the rescale
+    factor: 64 multiplies a thread and tile fewer) - what each costs. ``probe_trace`` (directory,
     level), a fourth, keeps the bits: Mosaic GPU's on-device profiler writes each call's trace
     (a JSON file in the directory; each range a warpgroup's ``globaltimer`` start and clock
     cycles) of each item's ``begin`` / ``walk`` / ``finish`` / ``store`` and the producer's
@@ -1172,6 +1201,8 @@ def tiles_mgpu(
         raise ValueError("attention (Mosaic GPU tiles): direct_io needs prefetch_q (its output buffer)")
     if pingpong and (consumers == 1 or not one_drain):
         raise ValueError("attention (Mosaic GPU tiles): pingpong needs consumers=2 and one_drain")
+    if not set(probe_skip) <= {"exp", "rescale"}:
+        raise ValueError(f"attention (Mosaic GPU tiles): probe_skip takes 'exp' and 'rescale', got {probe_skip!r}")
     trace_level = None
     if probe_trace is not None:
         if not (isinstance(probe_trace, tuple) and len(probe_trace) == 2 and probe_trace[1] in TRACE_LEVELS):
@@ -1258,6 +1289,8 @@ def tiles_mgpu(
         probe_log2_scores=bool(probe_log2_scores),
         trace=trace_level,
         pingpong=bool(pingpong),
+        bare_full=bool(bare_full),
+        probe_skip=tuple(probe_skip),
     )
     args = [segs, nseg, program_order, rpos, rseq, block_tables, q if direct is None else qg]
     if program_order is None:  # the program index is the tile's

@@ -309,7 +309,8 @@ def test_launch_choices_keep_the_bits():
     launches = [
         {"overlap": True, "stages": 2},
         {"consumers": 2, "stages": 4, "overlap": True, "order": "heaviest", "one_drain": True},
-        {"fold_in_smem": True, "order": "heaviest", "one_drain": True},
+        # (with the full tiles' selects left out: ``bare_full``)
+        {"fold_in_smem": True, "order": "heaviest", "one_drain": True, "bare_full": True},
         {"consumers": 2, "q_from_smem": True, "fold_in_smem": True, "order": "heaviest"},
         # persistent programs: one runs every work item (its ring and segment buffers wrap
         # around), three take turns; the next item's q loaded at an item's start, the output
@@ -353,6 +354,8 @@ def test_launch_choices_keep_the_bits():
     assert not np.array_equal(run(probe_unmasked=True), base)
     # nor does the base-2 logits probe (log2 e in the scale: other roundings)
     assert not np.array_equal(run(probe_log2_scores=True), base)
+    # nor does the probe leaving out the softmax's exponentials and rescale (what they cost)
+    assert not np.array_equal(run(probe_skip=("exp", "rescale")), base)
 
 
 @pytest.mark.parametrize(
