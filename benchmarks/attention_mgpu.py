@@ -328,7 +328,11 @@ PROBES = {
     # session 56: what a tile's softmax parts cost (the parts trace: the softmax is ~54% of a
     # full tile) - its exponentials (no MUFU work), its rescale (64 multiplies a thread), both
     **{
-        f"probe: {_ENGINE}, bare full tiles, no {what}": {**_ENGINE_LAUNCH, "bare_full": True, "probe_skip": skip}
+        f"probe: {_ENGINE}, bare full tiles, no {what}": {
+            **_ENGINE_LAUNCH,
+            "bare_full": True,
+            "probe_skip": skip,
+        }
         for what, skip in (
             ("exp", ("exp",)),
             ("rescale", ("rescale",)),

@@ -1202,7 +1202,9 @@ def tiles_mgpu(
     if pingpong and (consumers == 1 or not one_drain):
         raise ValueError("attention (Mosaic GPU tiles): pingpong needs consumers=2 and one_drain")
     if not set(probe_skip) <= {"exp", "rescale"}:
-        raise ValueError(f"attention (Mosaic GPU tiles): probe_skip takes 'exp' and 'rescale', got {probe_skip!r}")
+        raise ValueError(
+            f"attention (Mosaic GPU tiles): probe_skip takes 'exp' and 'rescale', got {probe_skip!r}"
+        )
     trace_level = None
     if probe_trace is not None:
         if not (isinstance(probe_trace, tuple) and len(probe_trace) == 2 and probe_trace[1] in TRACE_LEVELS):
