@@ -101,7 +101,7 @@ SWITCHES = {
                 "direct-io",
                 {**PAIR3, "fold_in_smem": True, "persistent": True, "prefetch_q": True, "direct_io": True},
             ),
-            (  # ... and the walk tables from each token's first row (the engine's, session 53)
+            (  # ... and the walk tables from each token's first row (session 53)
                 "token-walk",
                 {
                     **PAIR3,
@@ -110,6 +110,18 @@ SWITCHES = {
                     "prefetch_q": True,
                     "direct_io": True,
                     "token_walk": True,
+                },
+            ),
+            (  # ... and the full tiles without selects (the engine's, session 56)
+                "bare-full",
+                {
+                    **PAIR3,
+                    "fold_in_smem": True,
+                    "persistent": True,
+                    "prefetch_q": True,
+                    "direct_io": True,
+                    "token_walk": True,
+                    "bare_full": True,
                 },
             ),
         )

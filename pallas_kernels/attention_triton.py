@@ -97,7 +97,12 @@ PREFILL_KERNEL = "tiles_mgpu"
 # on an H100, same run, 0.99x / 0.98x / 0.96x / 0.99x the launch before on the four cases (the
 # tables 18.4 -> 12.9, 22.9 -> 17.4, 31.1 -> 18.7, 18.1 -> 16.6 us); its ten bit checks PASS and
 # the engine's four digests with it equal the records (RESULTS.md, session 53; not yet run on
-# an H200). The A/B switch's side before: direct-io.
+# an H200). The A/B switch's side before: direct-io. Since session 56 the full KV tiles build
+# no selects and the logit scaling is ``mul.rn`` in every tile (``bare_full``, the same values):
+# on an H100, same run, 0.937x / 0.938x / 0.956x / 0.918x the launch before on the four cases
+# (1.42x / 1.47x / 1.81x / 1.55x cuDNN); its ten bit checks PASS (RESULTS.md, session 56). The
+# engine's digests with it are not yet run (no device time was left): run `digests` first. The
+# A/B switch's side before: token-walk.
 MGPU_PREFILL_LAUNCH = (
     ("stages", 3),
     ("consumers", 2),
@@ -109,6 +114,7 @@ MGPU_PREFILL_LAUNCH = (
     ("prefetch_q", True),
     ("direct_io", True),
     ("token_walk", True),
+    ("bare_full", True),
 )
 # The decode kernel stores, and its combine folds, only the splits a token uses (same bits:
 # the others leave the fold unchanged). False: every split of the grid, as before 2026-12-02
