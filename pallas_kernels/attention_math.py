@@ -246,7 +246,8 @@ def kv_tile_step(state, q, k, v, ok, spec: AttentionSpec, exp2, scale_mul=None):
     A tile whose keys all rows see (``full_tiles``) passes ``ok`` as a per-tile scalar broadcast
     that is true (not a constant, not the mask): the selects stay where they are, so the compiler
     sees the same operations as in a masked tile (no select removed, no new multiply-add to fuse)
-    and only the mask's construction is saved.
+    and only the mask's construction is saved. (The Mosaic GPU kernel's ``bare_full`` leaves
+    them out, with the scaling as ``mul.rn``, which nothing fuses: see ``softmax_step``.)
     """
     hi = lax.Precision.HIGHEST
 

@@ -1151,10 +1151,7 @@ def tiles_mgpu(
     wrong values) - what the masked tiles on the causal diagonal cost. ``probe_log2_scores``,
     a third: log2 e folded into the logit scale and each exponential of a tile step ``EX2_PTX``
     of the difference (one multiply an element less; the fold's exponentials as they are):
-    what a numerics change to base-2 logits would save, other bits. ``probe_skip``, a fifth
-    (wrong values): parts of a tile's softmax left out - "exp" (each exponential of a tile step
-    as its argument: no MUFU work), "rescale" (the accumulator not multiplied by the rescale
-    factor: 64 multiplies a thread and tile fewer) - what each costs. ``probe_trace`` (directory,
+    what a numerics change to base-2 logits would save, other bits. ``probe_trace`` (directory,
     level), a fourth, keeps the bits: Mosaic GPU's on-device profiler writes each call's trace
     (a JSON file in the directory; each range a warpgroup's ``globaltimer`` start and clock
     cycles) of each item's ``begin`` / ``walk`` / ``finish`` / ``store`` and the producer's
@@ -1163,7 +1160,10 @@ def tiles_mgpu(
     slot (level "tiles"), or with those a tile's parts - ``wait_k``, ``qk``, ``wait_v``,
     ``zero_v``, ``dots`` and (``pingpong``) ``turn`` - and an item's ``begin``'s (``q_wait``,
     ``q_load``, ``next_q``, ``segs_wait``) (level "parts"); ``TRACE_RANGES`` ranges a warpgroup (``benchmarks/attention_trace.py``
-    reads them). Nothing in the engine passes any of them."""
+    reads them). ``probe_skip``, a fifth (wrong values): parts of a tile's softmax left out -
+    "exp" (each exponential of a tile step as its argument: no MUFU work), "rescale" (the
+    accumulator not multiplied by the rescale factor: 64 multiplies a thread and tile fewer) -
+    what each costs. Nothing in the engine passes any of them."""
     why = supported(qg.dtype, qg.shape[-1], spec)
     if why is not None:
         raise ValueError(f"attention (Mosaic GPU tiles): unsupported {why}")
