@@ -60,6 +60,15 @@ import sys
 # the pair launch at the 3 stages that fit with two folds in shared memory (D 128); also
 # benchmarks/attention_mgpu.py's launches
 PAIR3 = {"stages": 3, "consumers": 2, "order": "heaviest", "one_drain": True, "packing": "dense"}
+# the engine's prefill launch of session 53 (each token's first row for the walk tables)
+TOKEN_WALK = {
+    **PAIR3,
+    "fold_in_smem": True,
+    "persistent": True,
+    "prefetch_q": True,
+    "direct_io": True,
+    "token_walk": True,
+}
 SWITCHES = {
     # 1 << 30: no weight has this many programs, so the wide-launch rule is off
     "decode-launch": {"old": (("matmul_triton", "DECODE_WIDE_PROGRAMS", 1 << 30),), "new": ()},
@@ -101,29 +110,10 @@ SWITCHES = {
                 "direct-io",
                 {**PAIR3, "fold_in_smem": True, "persistent": True, "prefetch_q": True, "direct_io": True},
             ),
-            (  # ... and the walk tables from each token's first row (session 53)
-                "token-walk",
-                {
-                    **PAIR3,
-                    "fold_in_smem": True,
-                    "persistent": True,
-                    "prefetch_q": True,
-                    "direct_io": True,
-                    "token_walk": True,
-                },
-            ),
-            (  # ... and the full tiles without selects (the engine's, session 56)
-                "bare-full",
-                {
-                    **PAIR3,
-                    "fold_in_smem": True,
-                    "persistent": True,
-                    "prefetch_q": True,
-                    "direct_io": True,
-                    "token_walk": True,
-                    "bare_full": True,
-                },
-            ),
+            # ... and the walk tables from each token's first row (session 53)
+            ("token-walk", TOKEN_WALK),
+            # ... and the full tiles without selects (the engine's, session 56)
+            ("bare-full", {**TOKEN_WALK, "bare_full": True}),
         )
     },
     "decode-splits": {
