@@ -315,6 +315,9 @@ LAUNCHES = {
     # logit scaling mul.rn in every tile - the same values; 0.92-0.96x on the H100, the
     # engine's launch since; ``_ENGINE`` names the one before)
     f"{_ENGINE}, bare full tiles": {**_ENGINE_LAUNCH, "bare_full": True},
+    # session 57: ... and the masked tiles' key mask from each row's key range, without the
+    # probabilities' select (``lean_mask``: a masked tile was ~2x a full one)
+    f"{_ENGINE}, bare full tiles, lean mask": {**_ENGINE_LAUNCH, "bare_full": True, "lean_mask": True},
 }
 DEFAULT_VARIANT = ("into", "two")
 # Measurement probes: timed next to the launches, never bit-checked (they give other bits).
@@ -541,6 +544,7 @@ PTXAS_LAUNCHES = {
             f"{_ENGINE}, overlapped, ping-pong",
             f"{_ENGINE}, ping-pong",
             f"{_ENGINE}, bare full tiles",
+            f"{_ENGINE}, bare full tiles, lean mask",
         )
     },
 }
@@ -593,8 +597,10 @@ def ptxas_report():
     launches' consumers hold two score tiles' worth of registers each - do they spill? Each
     launch is compiled on a whole 4096-token prompt (32 / 8 heads) with ``MOSAIC_GPU_DUMP_TO``
     set to a fresh directory; the ``.ptxas`` files written there are printed, then a table.
-    The SASS is dumped too (``sass_spills``: where the STL / LDL sit) and, under ``$OUT``, every
-    dump (PTX, SASS) is kept in ``$OUT/ptxas/<launch>/``."""
+    The SASS is dumped too (``sass_spills``: where the STL / LDL sit) and, under ``$OUT``, each
+    launch's PTX is kept as ``$OUT/ptxas/<launch>.ptx`` (a device call brings back 8 files: the
+    SASS is made from it off the device - ptxas and nvdisasm from NVIDIA's wheels, any x86
+    machine: ``benchmarks/attention_plan.md``, session 57)."""
     import glob
     import os
     import re
@@ -618,9 +624,12 @@ def ptxas_report():
         finally:
             for k in ("MOSAIC_GPU_DUMP_TO", *dumps):
                 del os.environ[k]
-        if os.environ.get("OUT"):  # the dumps come back with the call ($OUT/ptxas/<launch>/)
-            keep = os.path.join(os.environ["OUT"], "ptxas", re.sub(r"[^a-z0-9]+", "-", name.lower()))
-            shutil.copytree(out, keep, dirs_exist_ok=True)
+        if os.environ.get("OUT"):  # the PTX comes back with the call ($OUT/ptxas/<launch>.ptx)
+            keep = os.path.join(os.environ["OUT"], "ptxas")
+            os.makedirs(keep, exist_ok=True)
+            for i, f in enumerate(sorted(glob.glob(os.path.join(out, "*.ptx")))):
+                slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+                shutil.copy(f, os.path.join(keep, f"{slug}{'-' + str(i) if i else ''}.ptx"))
         for f in sorted(
             g for g in glob.glob(os.path.join(out, "*")) if "sass" in os.path.basename(g).lower()
         ):

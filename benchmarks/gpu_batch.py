@@ -76,6 +76,18 @@ _BARE = (
     + "|".join("=" + n for n in (f"{_S51[1]}, token walk", f"{_S51[1]}, token walk, bare full tiles"))
     + "|bare full tiles, no'"
 )
+# ... and (session 57) the engine's launch (bare full tiles) with the masked tiles' lean key mask
+_LEAN = (
+    "'BIJAX_MGPU_LAUNCHES="
+    + "|".join(
+        "=" + n
+        for n in (
+            f"{_S51[1]}, token walk, bare full tiles",
+            f"{_S51[1]}, token walk, bare full tiles, lean mask",
+        )
+    )
+    + "'"
+)
 _TOKEN_WALK = (
     "'BIJAX_MGPU_LAUNCHES="
     + "|".join("=" + n for n in (_S51[1], f"{_S51[1]}, token walk", f"{_S51[1]}, overlapped"))
@@ -314,6 +326,17 @@ STEPS = {
         (200, 240),
         "the engine's prefill launch and the same with bare full tiles (+ probes: no exp, no rescale)",
     ),
+    **_launch_steps(
+        "s57",
+        _LEAN,
+        (200, 200),
+        "the engine's prefill launch and the same with the masked tiles' lean key mask",
+    ),
+    "mgpu-s57-ptxas": (
+        _with(_LEAN, "attention_mgpu.py", "--child", "ptxas"),
+        150,
+        "ptxas on the engine's prefill launch and with the lean key mask: registers, spills; PTX under $OUT/ptxas/",
+    ),
     "mgpu-s56-ptxas": (
         _with(_BARE, "attention_mgpu.py", "--child", "ptxas"),
         150,
@@ -328,6 +351,7 @@ STEPS = {
     "attention-trace-pingpong": _parts_trace(
         "overlap=True,pingpong=True", "with overlapped scores and the consumers taking turns"
     ),
+    "attention-trace-lean": _parts_trace("lean_mask=True", "the engine's launch with the lean key mask"),
     "attention-trace-turns": _parts_trace(
         "pingpong=True", "with the consumers taking turns, q @ k.T and the dots apart"
     ),

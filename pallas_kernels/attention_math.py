@@ -121,6 +121,16 @@ def key_mask(j, pos, ctx, window: int | None):
     return ok
 
 
+def key_range(pos, ctx, window: int | None, mine):
+    """``key_mask`` as each row's range of visible keys: ``(first, last)``, key j visible iff
+    first <= j <= last (``mine`` False: last = -1, nothing - keys are >= 0). The same set as
+    ``key_mask(j, pos, ctx, window) & mine``, built once a row instead of once a key: a masked
+    tile then needs one compare a key and side (the Mosaic GPU kernel's ``lean_mask``)."""
+    last = jnp.where(mine, jnp.minimum(pos, ctx - 1), -1)
+    first = None if window is None else pos - window + 1
+    return first, last
+
+
 def split_used(split: int, pos, spec: AttentionSpec):
     """Whether a token at ``pos`` has any visible key in ``split`` (False for padding)."""
     used = (pos >= 0) & (split * spec.split_size <= pos)
@@ -182,6 +192,7 @@ def softmax_step(
     exp2,
     scale_mul=None,
     log2_scores=False,
+    select_p=True,
 ):
     """The online-softmax step over one KV tile, from the raw q.k dots ``s`` [R, N]: the one
     definition of a tile's arithmetic outside the dots (``kv_tile_step`` is it with ``jnp.dot``;
@@ -198,7 +209,10 @@ def softmax_step(
     multiply-add). ``sum_and_update(acc, alpha, p)`` -> (``p @ ones``, the new acc): both dots
     at once (the Mosaic GPU kernel's one wait for both wgmmas), the same values as ``row_sum``
     then ``update``. ``exp2``: 2**x (``exp``'s; required, so that no kernel can fall back to
-    another exponential). ``scale_mul``: as ``scores``'. ``log2_scores`` (a timing probe's, other
+    another exponential). ``scale_mul``: as ``scores``'. ``select_p``: False leaves out
+    the select of p at keys ``ok`` hides (the Mosaic GPU kernel's ``lean_mask``): their scores are
+    already -inf, and exp of -inf minus a finite or +inf max is exactly +0, the select's value (a
+    row whose max is NaN is NaN either way). ``log2_scores`` (a timing probe's, other
     bits): the logits are already in base 2 (log2 e folded into the scale), so each exponential
     is ``exp2`` of the difference, one multiply less. Without the Mosaic hooks the operations come in the order the Triton
     kernels always had (their lowered IR changes with ``exp2`` alone).
@@ -212,7 +226,7 @@ def softmax_step(
     e = exp2 if log2_scores else functools.partial(exp, exp2=exp2)
     alpha = e(m - m_safe)
     p = e(s - expand(m_safe, s))
-    if ok is not None:
+    if ok is not None and select_p:
         p = jnp.where(ok, p, 0.0)
     p = p.astype(p_dtype)
     if sum_and_update is not None:

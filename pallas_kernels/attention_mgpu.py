@@ -85,6 +85,7 @@ from pallas_kernels.attention_math import (
     fold_step,
     full_tiles,
     key_mask,
+    key_range,
     kv_tile,
     rounded_product,
     row_tiles,
@@ -329,7 +330,7 @@ def _kernel(
     fold_in_smem: bool, work: tuple[int, int, int] | None, prefetch_q: bool,
     direct: tuple[int, int] | None, probe_unmasked: bool, inline_ex2: bool, probe_exact_exp: bool, probe_log2_scores: bool,
     trace: str | None = None, pingpong: bool = False, bare_full: bool = False,
-    probe_skip: tuple[str, ...] = (),
+    lean_mask: bool = False, probe_skip: tuple[str, ...] = (),
 ):  # fmt: skip
     item_scope, tile_scope, part_scope = _scopes(trace)
     if work is None:  # a program per (tile, head)
@@ -599,6 +600,7 @@ def _kernel(
                 exp2=(lambda x: x) if "exp" in probe_skip else exp2,  # (the probe: no MUFU)
                 scale_mul=scale_mul,
                 log2_scores=probe_log2_scores,
+                select_p=not lean_mask,
             )
 
         def empty_state():
@@ -614,6 +616,7 @@ def _kernel(
             first_split, end_split = walk.splits(lo, hi)
             pos2 = rows2(rpos, tile)
             mine2 = rows2(mine, tile)
+            first_key, last_key = key_range(rpos, ctx, spec.window, mine)  # (``lean_mask``)
 
             def one_split(split, carry):
                 fold, pf, c, s = carry
@@ -628,11 +631,17 @@ def _kernel(
                     state, pf, c, s = x
                     pf = prefetch(pf, c + stages - 1)
                     tile_start = start + t * tile
-                    if masked:
+                    if masked and lean_mask:  # each row's key range: one compare a key and side
+                        col = plgpu.broadcasted_iota(jnp.int32, (ROWS, tile), 1, layout=wgmma_layout)
+                        ok = col <= rows2(last_key - tile_start, tile)
+                        if first_key is not None:
+                            ok &= col >= rows2(first_key - tile_start, tile)
+                    elif masked:
                         j = tile_start + plgpu.broadcasted_iota(
                             jnp.int32, (ROWS, tile), 1, layout=wgmma_layout
                         )
                         ok = key_mask(j, pos2, ctx, spec.window) & mine2
+                    if masked:
                         # keys some row of this sequence sees; the rest of V is zeroed
                         seen_hi = jnp.minimum(hi, ctx - 1)
                         seen_lo = 0 if spec.window is None else lo - spec.window + 1
@@ -1064,6 +1073,7 @@ def tiles_mgpu(
     token_walk: bool = False,
     pingpong: bool = False,
     bare_full: bool = False,
+    lean_mask: bool = False,
     probe_skip: tuple[str, ...] = (),
     probe_exact_exp: bool = False,
     probe_unmasked: bool = False,
@@ -1143,6 +1153,11 @@ def tiles_mgpu(
     select at all - not the scores' ``-inf`` nor the probabilities' ``0`` (64 selects a thread
     and tile) - and the logit scaling is ``mul.rn`` in every tile, so no compiler can fuse it
     into the subtraction that the selects used to keep it apart from: the same values.
+
+    ``lean_mask``: the masked KV tiles (the causal diagonal's, a window's edge) build the key mask
+    from each row's range of visible keys (``key_range``: one compare a key and side, against
+    ~5 integer operations a key for ``key_mask``) and leave out the probabilities' select (their
+    scores are -inf: exp gives exactly +0, the select's value): the same values.
 
     ``probe_exact_exp`` is a measurement probe, not a launch choice: 2**y as the exact ``exp`` of
     y * ln 2 (libdevice's ``expf``, the exponential of NUMERICS_VERSION 5, with two multiplies
@@ -1292,6 +1307,7 @@ def tiles_mgpu(
         trace=trace_level,
         pingpong=bool(pingpong),
         bare_full=bool(bare_full),
+        lean_mask=bool(lean_mask),
         probe_skip=tuple(probe_skip),
     )
     args = [segs, nseg, program_order, rpos, rseq, block_tables, q if direct is None else qg]

@@ -100,9 +100,9 @@ PREFILL_KERNEL = "tiles_mgpu"
 # an H200). The A/B switch's side before: direct-io. Since session 56 the full KV tiles build
 # no selects and the logit scaling is ``mul.rn`` in every tile (``bare_full``, the same values):
 # on an H100, same run, 0.937x / 0.938x / 0.956x / 0.918x the launch before on the four cases
-# (1.42x / 1.47x / 1.81x / 1.55x cuDNN); its ten bit checks PASS (RESULTS.md, session 56). The
-# engine's digests with it are not yet run (no device time was left): run `digests` first. The
-# A/B switch's side before: token-walk.
+# (1.42x / 1.47x / 1.81x / 1.55x cuDNN); its ten bit checks PASS (RESULTS.md, session 56) and
+# the engine's four digests with it equal the records (H100, session 57; not yet run on an
+# H200). The A/B switch's side before: token-walk.
 MGPU_PREFILL_LAUNCH = (
     ("stages", 3),
     ("consumers", 2),

@@ -505,6 +505,28 @@ def _kernel_stores(fn, *args):
     return found
 
 
+@pytest.mark.parametrize("window", [None, 5])
+def test_key_range_is_key_mask(window):
+    """``key_range`` (each row's first / last visible key: the Mosaic kernel's ``lean_mask``) is
+    ``key_mask & mine`` at every key, position, context and ownership - padding positions (-1),
+    keys past the context, window edges. Control: a range one key short differs."""
+    from pallas_kernels.attention_math import key_mask, key_range
+
+    j = np.arange(0, 24)[None, :]
+    pos, ctx = np.meshgrid(np.arange(-1, 20), np.arange(1, 22), indexing="ij")
+    pos, ctx = pos.reshape(-1, 1), ctx.reshape(-1, 1)
+    for mine in (np.ones_like(pos, bool), (pos % 3 != 0)):
+        want = np.asarray(key_mask(j, pos, ctx, window) & mine)
+        first, last = key_range(pos, ctx, window, mine)
+        got = j <= np.asarray(last)
+        if window is not None:
+            got &= j >= np.asarray(first)
+        np.testing.assert_array_equal(got, want)
+        assert not np.array_equal(
+            j <= np.asarray(last) - 1 if window is None else got & (j <= np.asarray(last) - 1), want
+        )
+
+
 def test_decode_rows_in_registers_store_only_the_groups_rows(monkeypatch):
     """With ``DECODE_ROWS_IN_REGISTERS`` every store of the decode kernel and its combine is
     masked to the group's rows (a 3-head group in a 16-row dot): an unmasked store of the padded

@@ -309,8 +309,9 @@ def test_launch_choices_keep_the_bits():
     launches = [
         {"overlap": True, "stages": 2},
         {"consumers": 2, "stages": 4, "overlap": True, "order": "heaviest", "one_drain": True},
-        # (with the full tiles' selects left out: ``bare_full``)
-        {"fold_in_smem": True, "order": "heaviest", "one_drain": True, "bare_full": True},
+        # (with the full tiles' selects left out: ``bare_full``; the masked tiles' key mask
+        # from each row's key range, no select of p: ``lean_mask``)
+        {"fold_in_smem": True, "order": "heaviest", "one_drain": True, "bare_full": True, "lean_mask": True},
         {"consumers": 2, "q_from_smem": True, "fold_in_smem": True, "order": "heaviest"},
         # persistent programs: one runs every work item (its ring and segment buffers wrap
         # around), three take turns; the next item's q loaded at an item's start, the output
@@ -327,6 +328,7 @@ def test_launch_choices_keep_the_bits():
             "one_drain": True,
             "prefetch_q": True,
             "direct_io": True,
+            "lean_mask": True,
         },
         # ... and the walk tables from each token's first row (narrower segment tables), with
         # each consumer's next q @ k.T issued before this tile's softmax
