@@ -318,6 +318,23 @@ LAUNCHES = {
     # session 57: ... and the masked tiles' key mask from each row's key range, without the
     # probabilities' select (``lean_mask``: a masked tile was ~2x a full one)
     f"{_ENGINE}, bare full tiles, lean mask": {**_ENGINE_LAUNCH, "bare_full": True, "lean_mask": True},
+    # ... with the row sums' 16 columns carried apart until the split's fold (``wide_sum``: no
+    # shuffles between a tile's dots and the next q @ k.T), with q as an SMEM operand (no 32
+    # register moves a tile before q @ k.T), and with overlapped scores again
+    **{
+        f"{_ENGINE}, bare full tiles, lean mask{name}": {
+            **_ENGINE_LAUNCH,
+            "bare_full": True,
+            "lean_mask": True,
+            **extra,
+        }
+        for name, extra in (
+            (", wide sum", {"wide_sum": True}),
+            (", wide sum, q from SMEM", {"wide_sum": True, "q_from_smem": True}),
+            (", q from SMEM", {"q_from_smem": True}),
+            (", wide sum, overlapped", {"wide_sum": True, "overlap": True}),
+        )
+    },
 }
 DEFAULT_VARIANT = ("into", "two")
 # Measurement probes: timed next to the launches, never bit-checked (they give other bits).
@@ -545,6 +562,9 @@ PTXAS_LAUNCHES = {
             f"{_ENGINE}, ping-pong",
             f"{_ENGINE}, bare full tiles",
             f"{_ENGINE}, bare full tiles, lean mask",
+            f"{_ENGINE}, bare full tiles, lean mask, wide sum",
+            f"{_ENGINE}, bare full tiles, lean mask, wide sum, q from SMEM",
+            f"{_ENGINE}, bare full tiles, lean mask, wide sum, overlapped",
         )
     },
 }

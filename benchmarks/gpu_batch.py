@@ -88,6 +88,22 @@ _LEAN = (
     )
     + "'"
 )
+# ... and (later) with the row sums' columns apart (wide sum), q from SMEM, overlapped scores
+_LEAN_NAME = f"{_S51[1]}, token walk, bare full tiles, lean mask"
+_WIDE = (
+    "'BIJAX_MGPU_LAUNCHES="
+    + "|".join(
+        "=" + n
+        for n in (
+            _LEAN_NAME,
+            *(
+                f"{_LEAN_NAME}{x}"
+                for x in (", wide sum", ", wide sum, q from SMEM", ", q from SMEM", ", wide sum, overlapped")
+            ),
+        )
+    )
+    + "'"
+)
 _TOKEN_WALK = (
     "'BIJAX_MGPU_LAUNCHES="
     + "|".join("=" + n for n in (_S51[1], f"{_S51[1]}, token walk", f"{_S51[1]}, overlapped"))
@@ -336,6 +352,17 @@ STEPS = {
         _with(_LEAN, "attention_mgpu.py", "--child", "ptxas"),
         150,
         "ptxas on the engine's prefill launch and with the lean key mask: registers, spills; PTX under $OUT/ptxas/",
+    ),
+    **_launch_steps(
+        "s57b",
+        _WIDE,
+        (330, 240),
+        "the engine's launch with the lean key mask, and with the row sums' columns apart (wide sum), q from SMEM, overlapped scores",
+    ),
+    "mgpu-s57b-ptxas": (
+        _with(_WIDE, "attention_mgpu.py", "--child", "ptxas"),
+        200,
+        "ptxas on the lean-mask launch, with wide sum, q from SMEM, overlapped scores; PTX under $OUT/ptxas/",
     ),
     "mgpu-s56-ptxas": (
         _with(_BARE, "attention_mgpu.py", "--child", "ptxas"),

@@ -193,6 +193,7 @@ def softmax_step(
     scale_mul=None,
     log2_scores=False,
     select_p=True,
+    wide_sum=False,
 ):
     """The online-softmax step over one KV tile, from the raw q.k dots ``s`` [R, N]: the one
     definition of a tile's arithmetic outside the dots (``kv_tile_step`` is it with ``jnp.dot``;
@@ -212,7 +213,12 @@ def softmax_step(
     another exponential). ``scale_mul``: as ``scores``'. ``select_p``: False leaves out
     the select of p at keys ``ok`` hides (the Mosaic GPU kernel's ``lean_mask``): their scores are
     already -inf, and exp of -inf minus a finite or +inf max is exactly +0, the select's value (a
-    row whose max is NaN is NaN either way). ``log2_scores`` (a timing probe's, other
+    row whose max is NaN is NaN either way). ``wide_sum`` (with ``sum_and_update``): l is
+    [R, 16], each column of ``p @ ones`` carried on its own (``l * alpha + sums`` column by
+    column) and reduced by the caller once its walk ends (``jnp.max(l, axis=1)``) - the same
+    values as the max each step, the columns being the same values (each the dot of p's row and
+    a column of ones), without the per-tile reduction across a row's threads (the Mosaic GPU
+    kernel's ``wide_sum``). ``log2_scores`` (a timing probe's, other
     bits): the logits are already in base 2 (log2 e folded into the scale), so each exponential
     is ``exp2`` of the difference, one multiply less. Without the Mosaic hooks the operations come in the order the Triton
     kernels always had (their lowered IR changes with ``exp2`` alone).
@@ -231,6 +237,9 @@ def softmax_step(
     p = p.astype(p_dtype)
     if sum_and_update is not None:
         sums, acc = sum_and_update(acc, alpha, p)
+        if wide_sum:
+            alpha = expand(alpha, sums)
+            return m_new, l * alpha + sums if mul_add is None else mul_add(l, alpha, sums), acc
         total = jnp.max(sums, axis=1)
         return m_new, l * alpha + total if mul_add is None else mul_add(l, alpha, total), acc
     numerator = None if update is not None else pv(p)

@@ -330,7 +330,7 @@ def _kernel(
     fold_in_smem: bool, work: tuple[int, int, int] | None, prefetch_q: bool,
     direct: tuple[int, int] | None, probe_unmasked: bool, inline_ex2: bool, probe_exact_exp: bool, probe_log2_scores: bool,
     trace: str | None = None, pingpong: bool = False, bare_full: bool = False,
-    lean_mask: bool = False, probe_skip: tuple[str, ...] = (),
+    lean_mask: bool = False, wide_sum: bool = False, probe_skip: tuple[str, ...] = (),
 ):  # fmt: skip
     item_scope, tile_scope, part_scope = _scopes(trace)
     if work is None:  # a program per (tile, head)
@@ -601,12 +601,14 @@ def _kernel(
                 scale_mul=scale_mul,
                 log2_scores=probe_log2_scores,
                 select_p=not lean_mask,
+                wide_sum=wide_sum,
             )
 
-        def empty_state():
+        def empty_state(wide=False):  # (``wide``: l as [ROWS, 16], ``wide_sum``'s walk state)
+            zero_l = jnp.full((ROWS, _SUM_N) if wide else (ROWS,), 0.0, jnp.float32)
             return (
                 plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout),
-                plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), row_layout),
+                plgpu.layout_cast(zero_l, wgmma_layout if wide else row_layout),
                 plgpu.layout_cast(jnp.full((ROWS, d), 0.0, jnp.float32), wgmma_layout),
             )
 
@@ -671,13 +673,16 @@ def _kernel(
                     return state, pf, c + 1, s
 
                 a, b = full_tiles(start, first, num_tiles, lo, hi, tile, spec.window)
-                x = (empty_state(), pf, c, s)
+                x = (empty_state(wide_sum), pf, c, s)
                 masked = not probe_unmasked  # (the probe: every tile as a full one, wrong values)
                 x = lax.fori_loop(first, a, functools.partial(tile_step, masked), x)
                 x = lax.fori_loop(a, b, functools.partial(tile_step, False), x)
                 x = lax.fori_loop(b, num_tiles, functools.partial(tile_step, masked), x)
                 with tile_scope("fold"):
-                    fold = fold_split(fold, x[0], split_used(split, rpos, spec) & mine)
+                    state = x[0]
+                    if wide_sum:  # the row sums' columns are the same values: any is the max
+                        state = (state[0], jnp.max(state[1], axis=1), state[2])
+                    fold = fold_split(fold, state, split_used(split, rpos, spec) & mine)
                 return fold, *x[1:]
 
             return lax.fori_loop(first_split, end_split, one_split, carry)
@@ -1074,6 +1079,7 @@ def tiles_mgpu(
     pingpong: bool = False,
     bare_full: bool = False,
     lean_mask: bool = False,
+    wide_sum: bool = False,
     probe_skip: tuple[str, ...] = (),
     probe_exact_exp: bool = False,
     probe_unmasked: bool = False,
@@ -1159,6 +1165,11 @@ def tiles_mgpu(
     ~5 integer operations a key for ``key_mask``) and leave out the probabilities' select (their
     scores are -inf: exp gives exactly +0, the select's value): the same values.
 
+    ``wide_sum`` (with ``one_drain``): a walk carries each of the 16 columns of ``p @ ones`` as
+    its own running sum (``softmax_step``'s ``wide_sum``) and takes their max once, before the
+    split's fold - not a max across a row's 4 threads (2 shuffles a row) after every tile's
+    dots, where it held up the next tile's q @ k.T: the same values.
+
     ``probe_exact_exp`` is a measurement probe, not a launch choice: 2**y as the exact ``exp`` of
     y * ln 2 (libdevice's ``expf``, the exponential of NUMERICS_VERSION 5, with two multiplies
     more), other bits - about what the one-instruction ``EX2_PTX`` saved. ``probe_unmasked``,
@@ -1216,6 +1227,8 @@ def tiles_mgpu(
         raise ValueError("attention (Mosaic GPU tiles): direct_io needs prefetch_q (its output buffer)")
     if pingpong and (consumers == 1 or not one_drain):
         raise ValueError("attention (Mosaic GPU tiles): pingpong needs consumers=2 and one_drain")
+    if wide_sum and not one_drain:
+        raise ValueError("attention (Mosaic GPU tiles): wide_sum needs one_drain")
     if not set(probe_skip) <= {"exp", "rescale"}:
         raise ValueError(
             f"attention (Mosaic GPU tiles): probe_skip takes 'exp' and 'rescale', got {probe_skip!r}"
@@ -1308,6 +1321,7 @@ def tiles_mgpu(
         pingpong=bool(pingpong),
         bare_full=bool(bare_full),
         lean_mask=bool(lean_mask),
+        wide_sum=bool(wide_sum),
         probe_skip=tuple(probe_skip),
     )
     args = [segs, nseg, program_order, rpos, rseq, block_tables, q if direct is None else qg]

@@ -244,6 +244,8 @@ def test_unsupported_calls_are_refused_by_name():
     for launch in ({}, {"one_drain": True}, {"consumers": 2, "overlap": True}):
         with pytest.raises(ValueError, match="pingpong needs consumers=2 and one_drain"):
             tiles_mgpu(q, kc, kc, idx, spec=spec, pingpong=True, **launch)
+    with pytest.raises(ValueError, match="wide_sum needs one_drain"):
+        tiles_mgpu(q, kc, kc, idx, spec=spec, wide_sum=True)
     for bad in ("/tmp", ("/tmp", "warps"), ["/tmp", "items"]):
         with pytest.raises(ValueError, match="probe_trace takes \\(directory, level\\)"):
             tiles_mgpu(q, kc, kc, idx, spec=spec, probe_trace=bad)
@@ -310,8 +312,16 @@ def test_launch_choices_keep_the_bits():
         {"overlap": True, "stages": 2},
         {"consumers": 2, "stages": 4, "overlap": True, "order": "heaviest", "one_drain": True},
         # (with the full tiles' selects left out: ``bare_full``; the masked tiles' key mask
-        # from each row's key range, no select of p: ``lean_mask``)
-        {"fold_in_smem": True, "order": "heaviest", "one_drain": True, "bare_full": True, "lean_mask": True},
+        # from each row's key range, no select of p: ``lean_mask``;
+        # and the row sums' columns carried apart until the split's fold: ``wide_sum``)
+        {
+            "fold_in_smem": True,
+            "order": "heaviest",
+            "one_drain": True,
+            "bare_full": True,
+            "lean_mask": True,
+            "wide_sum": True,
+        },
         {"consumers": 2, "q_from_smem": True, "fold_in_smem": True, "order": "heaviest"},
         # persistent programs: one runs every work item (its ring and segment buffers wrap
         # around), three take turns; the next item's q loaded at an item's start, the output
@@ -329,6 +339,7 @@ def test_launch_choices_keep_the_bits():
             "prefetch_q": True,
             "direct_io": True,
             "lean_mask": True,
+            "wide_sum": True,
         },
         # ... and the walk tables from each token's first row (narrower segment tables), with
         # each consumer's next q @ k.T issued before this tile's softmax
