@@ -112,8 +112,11 @@ SWITCHES = {
             ),
             # ... and the walk tables from each token's first row (session 53)
             ("token-walk", TOKEN_WALK),
-            # ... and the full tiles without selects (the engine's, session 56)
+            # ... and the full tiles without selects (session 56)
             ("bare-full", {**TOKEN_WALK, "bare_full": True}),
+            # ... and the masked tiles' lean key mask, the row sums' columns apart (the
+            # engine's, session 57)
+            ("lean-wide", {**TOKEN_WALK, "bare_full": True, "lean_mask": True, "wide_sum": True}),
         )
     },
     "decode-splits": {

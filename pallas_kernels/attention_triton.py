@@ -102,7 +102,12 @@ PREFILL_KERNEL = "tiles_mgpu"
 # on an H100, same run, 0.937x / 0.938x / 0.956x / 0.918x the launch before on the four cases
 # (1.42x / 1.47x / 1.81x / 1.55x cuDNN); its ten bit checks PASS (RESULTS.md, session 56) and
 # the engine's four digests with it equal the records (H100, session 57; not yet run on an
-# H200). The A/B switch's side before: token-walk.
+# H200). Since session 57 the masked tiles build the key mask from each row's key range and
+# leave out the select of p (``lean_mask``), and a walk carries the row sums' 16 columns apart
+# until the split's fold (``wide_sum``) - the same values: on an H100, same run, 0.98x / 0.99x
+# / 0.96x / 0.96x the launch before on the four cases (1.38x / 1.44x / 1.71x / 1.44x cuDNN);
+# both PASS the ten bit checks (RESULTS.md, session 57). The A/B switch's side before:
+# bare-full.
 MGPU_PREFILL_LAUNCH = (
     ("stages", 3),
     ("consumers", 2),
@@ -115,6 +120,8 @@ MGPU_PREFILL_LAUNCH = (
     ("direct_io", True),
     ("token_walk", True),
     ("bare_full", True),
+    ("lean_mask", True),
+    ("wide_sum", True),
 )
 # The decode kernel stores, and its combine folds, only the splits a token uses (same bits:
 # the others leave the fold unchanged). False: every split of the grid, as before 2026-12-02
