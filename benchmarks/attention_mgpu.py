@@ -333,6 +333,14 @@ LAUNCHES = {
             (", wide sum, q from SMEM", {"wide_sum": True, "q_from_smem": True}),
             (", q from SMEM", {"q_from_smem": True}),
             (", wide sum, overlapped", {"wide_sum": True, "overlap": True}),
+            # ... (overlapped: each tile waited out a whole K load in the 2-slot ring) with a K
+            # ring one slot longer than the V ring (``k_ahead``), and with ping-pong on top
+            (", wide sum, K ahead", {"wide_sum": True, "k_ahead": True}),
+            (", wide sum, K ahead, overlapped", {"wide_sum": True, "k_ahead": True, "overlap": True}),
+            (
+                ", wide sum, K ahead, overlapped, ping-pong",
+                {"wide_sum": True, "k_ahead": True, "overlap": True, "pingpong": True},
+            ),
         )
     },
 }

@@ -104,6 +104,16 @@ _WIDE = (
     )
     + "'"
 )
+# ... and (session 57, later) the overlapped scores from a K ring a slot longer (K ahead)
+_KA = f"{_LEAN_NAME}, wide sum"
+_KAHEAD_TIMING = (
+    "'BIJAX_MGPU_LAUNCHES="
+    + "|".join(
+        "=" + n for n in (_KA, f"{_KA}, K ahead, overlapped", f"{_KA}, K ahead, overlapped, ping-pong")
+    )
+    + "'"
+)
+_KAHEAD_BITS = f"'BIJAX_MGPU_LAUNCHES=={_KA}, K ahead, overlapped'"
 _TOKEN_WALK = (
     "'BIJAX_MGPU_LAUNCHES="
     + "|".join("=" + n for n in (_S51[1], f"{_S51[1]}, token walk", f"{_S51[1]}, overlapped"))
@@ -358,6 +368,19 @@ STEPS = {
         _WIDE,
         (330, 240),
         "the engine's launch with the lean key mask, and with the row sums' columns apart (wide sum), q from SMEM, overlapped scores",
+    ),
+    "mgpu-s57c-timing": (
+        _with(_KAHEAD_TIMING, "attention_mgpu.py", "--child", "launch-timing"),
+        200,
+        "the engine's launch vs overlapped scores from a K ring a slot longer (K ahead), and with ping-pong: kernel time",
+    ),
+    "mgpu-s57c-launches": (
+        _with(_KAHEAD_BITS, "attention_mgpu.py", "--child", "launches"),
+        200,
+        "overlapped scores from a K ring a slot longer (K ahead) == the default launch's bits",
+    ),
+    "attention-trace-kahead": _parts_trace(
+        "k_ahead=True,overlap=True", "the engine's launch with overlapped scores from a K ring a slot longer"
     ),
     "mgpu-s57b-ptxas": (
         _with(_WIDE, "attention_mgpu.py", "--child", "ptxas"),

@@ -152,6 +152,7 @@ def can_run(dtype, head_dim: int, spec: AttentionSpec, *, block_size: int, group
             launch.get("consumers", 1),
             launch.get("fold_in_smem", False),
             launch.get("prefetch_q", False),
+            k_ahead=launch.get("k_ahead", False),
         )
     except ValueError:
         return False
@@ -179,17 +180,21 @@ def _stages(
     out_buffer: bool = False,
     qo_rows: int = ROWS,
     trace: bool = False,
+    k_ahead: bool = False,
 ) -> int:
     """Ring slots: as asked, fewer where the program would not fit (two programs per SM with one
     warpgroup; one with warp specialization, which also holds each consumer's q), at least 2.
     ``fold_in_smem``: each warpgroup also holds its split fold's fp32 accumulator;
     ``out_buffer``: and its output's staging buffer (``prefetch_q``). ``qo_rows``: the rows of
     each q / output buffer (``direct_io``'s whole tokens: up to 112). ``trace``: and the
-    profiler's buffer (``probe_trace``)."""
+    profiler's buffer (``probe_trace``). ``k_ahead``: the K ring has one slot more than the V
+    ring (``stages`` counts the V ring's)."""
     per_stage = 2 * tile * d * itemsize
     fixed = tile * _SUM_N * itemsize + 4 * 1024  # ones; rows, segments, barriers
     if trace:
         fixed += (consumers + (consumers > 1)) * TRACE_RANGES * 16
+    if k_ahead:
+        fixed += tile * d * itemsize
     if fold_in_smem:
         fixed += consumers * ROWS * d * 4
     if out_buffer:
@@ -330,9 +335,13 @@ def _kernel(
     fold_in_smem: bool, work: tuple[int, int, int] | None, prefetch_q: bool,
     direct: tuple[int, int] | None, probe_unmasked: bool, inline_ex2: bool, probe_exact_exp: bool, probe_log2_scores: bool,
     trace: str | None = None, pingpong: bool = False, bare_full: bool = False,
-    lean_mask: bool = False, wide_sum: bool = False, probe_skip: tuple[str, ...] = (),
+    lean_mask: bool = False, wide_sum: bool = False, k_stages: int | None = None,
+    probe_skip: tuple[str, ...] = (),
 ):  # fmt: skip
     item_scope, tile_scope, part_scope = _scopes(trace)
+    # ``k_ahead``: the K ring's slots (the V ring has ``stages``); tile c is in K slot
+    # c % k_stages and V slot c % stages
+    k_stages = stages if k_stages is None else k_stages
     if work is None:  # a program per (tile, head)
         i = lax.axis_index("tile") if order_ref is None else order_ref[lax.axis_index("tile")]
         h = lax.axis_index("head")
@@ -379,23 +388,36 @@ def _kernel(
 
     def issue(walk, cur, c, k_smem, v_smem, k_bar, v_bar, ready=None, h=h):
         """TMA the KV tile at ``cur`` of KV head ``h`` into slot c % stages (one copy per page);
-        ``ready()``, if given, runs between the block-table reads and the copies (the wait for
-        a free slot)."""
+        ``ready(ring)``, if given, runs between the block-table reads and the copies (the wait
+        for a free slot: ring "kv" - or with ``k_ahead`` "k" before the K copies and "v" before
+        the V copies, K slot c % k_stages)."""
         seg, split, t = cur
         seq, _, _, _ = walk.segment(seg)
         tile_start = split * spec.split_size + t * tile
         slot = lax.rem(c, stages)
+        kslot = lax.rem(c, k_stages)
         # every page's row first: a copy is preceded by a warpgroup barrier, so reading
         # the block table between copies would serialize its loads
         rows0 = [
             bt_ref[seq, jnp.minimum(tile_start // block_size + p, max_blocks - 1)] * block_size
             for p in range(pages)
         ]
+        pages_at = [
+            (pl.ds(row0, block_size), pl.ds(p * block_size, block_size)) for p, row0 in enumerate(rows0)
+        ]
+        if k_stages != stages:  # (``k_ahead``: each ring's slot waited for on its own)
+            if ready is not None:
+                ready("k")
+            for src, dst in pages_at:
+                plgpu.copy_gmem_to_smem(k_ref.at[src, h], k_smem.at[kslot, dst], k_bar.at[kslot])
+            if ready is not None:
+                ready("v")
+            for src, dst in pages_at:
+                plgpu.copy_gmem_to_smem(v_ref.at[src, h], v_smem.at[slot, dst], v_bar.at[slot])
+            return
         if ready is not None:
-            ready()
-        for p, row0 in enumerate(rows0):
-            src = pl.ds(row0, block_size)
-            dst = pl.ds(p * block_size, block_size)
+            ready("kv")
+        for src, dst in pages_at:
             plgpu.copy_gmem_to_smem(k_ref.at[src, h], k_smem.at[slot, dst], k_bar.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[src, h], v_smem.at[slot, dst], v_bar.at[slot])
 
@@ -425,8 +447,8 @@ def _kernel(
         ``after_walk()``, if given, runs once the walk's last wgmma is done, before the fold's
         accumulator is read back and normalized.
         ``prefetch(pf, c)`` (the single-warpgroup kernel's own loads; ``pf`` its cursor, () if
-        none) runs at the start of tile c; ``tile_done(slot)`` once tile c's wgmmas are done
-        with its slot; ``zero_v_sync(zero)`` runs the zeroing of a slot's unseen V rows.
+        none) runs at the start of tile c; ``tile_done(c)`` once tile c's wgmmas are done
+        with its slots; ``zero_v_sync(zero)`` runs the zeroing of a slot's unseen V rows.
         ``fold_smem``: an fp32 [ROWS, D] SMEM buffer that holds the split fold's accumulator
         between folds (None: it stays in registers, 64 a thread live through every tile).
         ``turns`` (``pingpong``): (wait for this warpgroup's turn, give the other its turn),
@@ -472,16 +494,16 @@ def _kernel(
             """Tile c: (new state, the scores of tile c + 1 if ``overlap``). With ``overlap`` the
             wgmma of the next tile's q @ k.T runs while this tile's softmax does (its scores
             ``s`` were made by the step before); without, this step makes its own."""
-            slot = lax.rem(c, stages)
+            slot, kslot = lax.rem(c, stages), lax.rem(c, k_stages)
             if not overlap:
                 with tile_scope("wait_k"):
-                    plgpu.barrier_wait(k_bar.at[slot])
+                    plgpu.barrier_wait(k_bar.at[kslot])
                 with part_scope("qk"):
-                    scores = qk(slot)
+                    scores = qk(kslot)
                 new = tile_math(slot, scores, state, ok, zero_v)
-                tile_done(slot)
+                tile_done(c)
                 return new, s
-            nslot = lax.rem(c + 1, stages)
+            nslot = lax.rem(c + 1, k_stages)
 
             def scope(next_ref):
                 def issue_next():
@@ -500,7 +522,7 @@ def _kernel(
                 return new, next_ref[...]
 
             new, s = pl.run_scoped(scope, plgpu.ACC((ROWS, tile), jnp.float32))
-            tile_done(slot)
+            tile_done(c)
             return new, s
 
         def tile_math(slot, s, state, ok, zero_v, issue_next=None):
@@ -693,7 +715,7 @@ def _kernel(
             def first_scores(acc_ref):
                 @pl.when(nseg > 0)
                 def _():
-                    slot0 = lax.rem(jnp.int32(c0), stages)
+                    slot0 = lax.rem(jnp.int32(c0), k_stages)
                     plgpu.barrier_wait(k_bar.at[slot0])
                     plgpu.wgmma(acc_ref, q, k_smem.at[slot0].transpose((1, 0)))
 
@@ -753,7 +775,7 @@ def _kernel(
             pf = prefetch(pf, jnp.int32(c))
         out, _ = consume(
             walk, q, rpos, rseq, k_smem, v_smem, ones_smem, k_bar, v_bar, a_smem,
-            prefetch, pf, lambda slot: None, lambda zero: zero(), fold_smem,
+            prefetch, pf, lambda c: None, lambda zero: zero(), fold_smem,
         )  # fmt: skip
         o_smem = k_smem.at[0, pl.ds(0, ROWS)]  # every load has been consumed: slot 0 is free
         o_smem[...] = out
@@ -764,12 +786,15 @@ def _kernel(
     def body_specialized(
         k_smem, v_smem, ones_smem, qo_smem, rows_smem, segs_smem, a_smem, fold_smem, out_smem,
         k_bar, v_bar, ones_bar, setup_bar, segs_free, q_bar, consumed_bar, zero_bar, turn_bar,
+        consumed_k_bar,
     ):  # fmt: skip
         """``consumers`` warpgroups compute (one 64-row tile each: tiles ``consumers * i + wg``)
         on the walk of their tiles' union; one more loads the KV tiles (FlashAttention-3's
         warp specialization). A slot is refilled once every consumer has finished with it.
         ``turn_bar`` (``pingpong``): consumer w issues its dots once ``turn_bar[w]`` says it is
         its turn and then gives the other its turn; consumer 1 gives consumer 0 the first.
+        ``consumed_k_bar`` (``k_ahead``): the K ring's own "slot consumed" barriers (else
+        ``consumed_bar`` tells of both rings).
 
         Persistent (``work`` = (items, programs, KV heads)): program p runs one work item a
         round, p in even rounds and programs - 1 - p in odd ones (item w: KV head w % heads
@@ -834,9 +859,14 @@ def _kernel(
                     slot = lax.rem(c, stages)
                     nxt = walk.advance(cur)  # the walk and the block-table reads before the wait
 
-                    def ready():
+                    def ready(ring):
                         with tile_scope("producer_slot_wait"):
-                            pl.when(c >= stages)(lambda: plgpu.barrier_wait(consumed_bar.at[slot]))
+                            if ring == "k":
+                                kslot = lax.rem(c, k_stages)
+                                wait = lambda: plgpu.barrier_wait(consumed_k_bar.at[kslot])  # noqa: E731
+                                pl.when(c >= k_stages)(wait)
+                            else:
+                                pl.when(c >= stages)(lambda: plgpu.barrier_wait(consumed_bar.at[slot]))
 
                     issue(walk, cur, c, k_smem, v_smem, k_bar, v_bar, ready, h=hk)
                     return nxt, c + 1
@@ -848,6 +878,9 @@ def _kernel(
             for j in range(stages):  # wait out the last tiles: every completed phase is seen
                 c = n - stages + j
                 pl.when(c >= 0)(lambda c=c: plgpu.barrier_wait(consumed_bar.at[lax.rem(c, stages)]))
+            for j in range(k_stages if k_stages != stages else 0):  # (and the K ring's)
+                c = n - k_stages + j
+                pl.when(c >= 0)(lambda c=c: plgpu.barrier_wait(consumed_k_bar.at[lax.rem(c, k_stages)]))
             if work is not None:  # and the last items' segment buffers
                 for j in range(nbuf):
                     k = count - nbuf + j
@@ -872,6 +905,12 @@ def _kernel(
                 pl.when(wg == 0)(zero)
                 plgpu.barrier_arrive(zero_bar)
                 plgpu.barrier_wait(zero_bar)
+
+            def tile_done(c):
+                """Tile c's slots are free for the producer (this consumer's part)."""
+                plgpu.barrier_arrive(consumed_bar.at[lax.rem(c, stages)])
+                if k_stages != stages:
+                    plgpu.barrier_arrive(consumed_k_bar.at[lax.rem(c, k_stages)])
 
             def load_q(ik, hk):
                 """TMA item (ik, hk)'s q and row positions / sequences into this warpgroup's
@@ -958,7 +997,7 @@ def _kernel(
                 walk = _Walk(segs_smem.at[b], nseg_ref[ik], spec, tile, max_segs)
                 out, c = consume(
                     walk, q, rpos, rseq, k_smem, v_smem, ones_smem, k_bar, v_bar, scratch,
-                    lambda pf, c: pf, (), lambda slot: plgpu.barrier_arrive(consumed_bar.at[slot]),
+                    lambda pf, c: pf, (), tile_done,
                     zero_v_sync, None if fold_smem is None else fold_smem.at[wg], c,
                     functools.partial(after_walk, b), turns,
                 )  # fmt: skip
@@ -1017,7 +1056,7 @@ def _kernel(
         qo_buffer = plgpu.SMEM((consumers, ROWS, d), dtype, transforms=transforms)
     pl.run_scoped(
         body_specialized,
-        plgpu.SMEM((stages, tile, d), dtype, transforms=transforms),
+        plgpu.SMEM((k_stages, tile, d), dtype, transforms=transforms),
         plgpu.SMEM((stages, tile, d), dtype, transforms=transforms),
         plgpu.SMEM((tile, _SUM_N), dtype, transforms=sum_transforms),
         qo_buffer,
@@ -1026,7 +1065,7 @@ def _kernel(
         a_operands(consumers),
         plgpu.SMEM((consumers, ROWS, d), jnp.float32) if fold_in_smem else None,
         qo_buffer if prefetch_q else None,
-        plgpu.Barrier(num_arrivals=pages, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=pages, num_barriers=k_stages),
         plgpu.Barrier(num_arrivals=pages, num_barriers=stages),
         plgpu.Barrier(num_arrivals=1),  # the ones matrix
         plgpu.Barrier(num_arrivals=1, num_barriers=1 if work is None else 2),  # segments
@@ -1035,6 +1074,8 @@ def _kernel(
         plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),
         plgpu.Barrier(num_arrivals=consumers),
         plgpu.Barrier(num_arrivals=1, num_barriers=2) if pingpong else None,  # turns
+        # (``k_ahead``) the K ring's slots consumed
+        plgpu.Barrier(num_arrivals=consumers, num_barriers=k_stages) if k_stages != stages else None,
         collective_axes="wg",
     )
 
@@ -1080,6 +1121,7 @@ def tiles_mgpu(
     bare_full: bool = False,
     lean_mask: bool = False,
     wide_sum: bool = False,
+    k_ahead: bool = False,
     probe_skip: tuple[str, ...] = (),
     probe_exact_exp: bool = False,
     probe_unmasked: bool = False,
@@ -1170,6 +1212,13 @@ def tiles_mgpu(
     split's fold - not a max across a row's 4 threads (2 shuffles a row) after every tile's
     dots, where it held up the next tile's q @ k.T: the same values.
 
+    ``k_ahead`` (with ``consumers=2``): the K ring has one slot more than the V ring, each with
+    its own "consumed" barriers, so that the producer loads a tile's K a tile earlier than its
+    V - what ``overlap`` needs: its next tile's q @ k.T waits for K one tile ahead, which in a
+    2-slot ring (D 128 with the fold and q / output buffers in SMEM) is the slot the tile
+    before has only just released, so every tile waited out a whole load (session 57: why
+    overlapped scores were 1.3x slower). Where it does not fit, the V ring has fewer slots.
+
     ``probe_exact_exp`` is a measurement probe, not a launch choice: 2**y as the exact ``exp`` of
     y * ln 2 (libdevice's ``expf``, the exponential of NUMERICS_VERSION 5, with two multiplies
     more), other bits - about what the one-instruction ``EX2_PTX`` saved. ``probe_unmasked``,
@@ -1229,6 +1278,8 @@ def tiles_mgpu(
         raise ValueError("attention (Mosaic GPU tiles): pingpong needs consumers=2 and one_drain")
     if wide_sum and not one_drain:
         raise ValueError("attention (Mosaic GPU tiles): wide_sum needs one_drain")
+    if k_ahead and consumers == 1:
+        raise ValueError("attention (Mosaic GPU tiles): k_ahead needs consumers=2 (a producer's rings)")
     if not set(probe_skip) <= {"exp", "rescale"}:
         raise ValueError(
             f"attention (Mosaic GPU tiles): probe_skip takes 'exp' and 'rescale', got {probe_skip!r}"
@@ -1279,7 +1330,7 @@ def tiles_mgpu(
     qo_rows = ROWS if direct is None else _box_tokens(direct[1], d, qg.dtype.itemsize) * direct[1]
     stages = _stages(
         tile, d, qg.dtype.itemsize, stages, consumers, bool(fold_in_smem), bool(prefetch_q), qo_rows,
-        trace=trace_level is not None,
+        trace=trace_level is not None, k_ahead=bool(k_ahead),
     )  # fmt: skip
     kwargs = {} if interpret is None else {"interpret": interpret}
     if trace_level is not None:
@@ -1322,6 +1373,7 @@ def tiles_mgpu(
         bare_full=bool(bare_full),
         lean_mask=bool(lean_mask),
         wide_sum=bool(wide_sum),
+        k_stages=stages + bool(k_ahead),
         probe_skip=tuple(probe_skip),
     )
     args = [segs, nseg, program_order, rpos, rseq, block_tables, q if direct is None else qg]

@@ -244,6 +244,8 @@ def test_unsupported_calls_are_refused_by_name():
     for launch in ({}, {"one_drain": True}, {"consumers": 2, "overlap": True}):
         with pytest.raises(ValueError, match="pingpong needs consumers=2 and one_drain"):
             tiles_mgpu(q, kc, kc, idx, spec=spec, pingpong=True, **launch)
+    with pytest.raises(ValueError, match="k_ahead needs consumers=2"):
+        tiles_mgpu(q, kc, kc, idx, spec=spec, k_ahead=True)
     with pytest.raises(ValueError, match="wide_sum needs one_drain"):
         tiles_mgpu(q, kc, kc, idx, spec=spec, wide_sum=True)
     for bad in ("/tmp", ("/tmp", "warps"), ["/tmp", "items"]):
@@ -342,12 +344,13 @@ def test_launch_choices_keep_the_bits():
             "wide_sum": True,
         },
         # ... and the walk tables from each token's first row (narrower segment tables), with
-        # each consumer's next q @ k.T issued before this tile's softmax
-        {**_DIRECT, "persistent": 3, "token_walk": True, "overlap": True},
+        # each consumer's next q @ k.T issued before this tile's softmax, from a K ring one
+        # slot longer than the V ring (``k_ahead``)
+        {**_DIRECT, "persistent": 3, "token_walk": True, "overlap": True, "k_ahead": True},
         # ... and the consumers taking turns to issue their dots (FlashAttention-3's ping-pong),
         # with the next tile's scores issued with this tile's p @ v, or in turns of their own
         {**_DIRECT, "persistent": 3, "overlap": True, "one_drain": True, "pingpong": True},
-        {**_DIRECT, "persistent": 3, "one_drain": True, "pingpong": True},
+        {**_DIRECT, "persistent": 3, "one_drain": True, "pingpong": True, "k_ahead": True},
     ]
     for launch in launches:
         np.testing.assert_array_equal(run(**launch), base, err_msg=str(launch))
