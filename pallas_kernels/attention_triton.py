@@ -104,10 +104,11 @@ PREFILL_KERNEL = "tiles_mgpu"
 # the engine's four digests with it equal the records (H100, session 57; not yet run on an
 # H200). Since session 57 the masked tiles build the key mask from each row's key range and
 # leave out the select of p (``lean_mask``), and a walk carries the row sums' 16 columns apart
-# until the split's fold (``wide_sum``) - the same values: on an H100, same run, 0.98x / 0.99x
-# / 0.96x / 0.96x the launch before on the four cases (1.38x / 1.44x / 1.71x / 1.44x cuDNN);
-# both PASS the ten bit checks (RESULTS.md, session 57). The A/B switch's side before:
-# bare-full.
+# until the split's fold (``wide_sum``) - the same values: on an H100, 0.98x / 0.98x / 0.95x /
+# 0.93x the launch before on the four cases (each step timed against the one before in one
+# run; 1.38x / 1.44x / 1.71x / 1.44x cuDNN); both PASS the ten bit checks and the engine's
+# digests with them equal the records (RESULTS.md, session 57; not yet run on an H200). The
+# A/B switch's side before: bare-full.
 MGPU_PREFILL_LAUNCH = (
     ("stages", 3),
     ("consumers", 2),
