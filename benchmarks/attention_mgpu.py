@@ -319,8 +319,9 @@ LAUNCHES = {
     # probabilities' select (``lean_mask``: a masked tile was ~2x a full one)
     f"{_ENGINE}, bare full tiles, lean mask": {**_ENGINE_LAUNCH, "bare_full": True, "lean_mask": True},
     # ... with the row sums' 16 columns carried apart until the split's fold (``wide_sum``: no
-    # shuffles between a tile's dots and the next q @ k.T), with q as an SMEM operand (no 32
-    # register moves a tile before q @ k.T), and with overlapped scores again
+    # shuffles between a tile's dots and the next q @ k.T; the engine's since session 57), and
+    # with overlapped scores again. (q as an SMEM operand - no 32 register moves a tile before
+    # q @ k.T - is refused with ``prefetch_q``: a second q buffer does not fit.)
     **{
         f"{_ENGINE}, bare full tiles, lean mask{name}": {
             **_ENGINE_LAUNCH,
@@ -330,8 +331,6 @@ LAUNCHES = {
         }
         for name, extra in (
             (", wide sum", {"wide_sum": True}),
-            (", wide sum, q from SMEM", {"wide_sum": True, "q_from_smem": True}),
-            (", q from SMEM", {"q_from_smem": True}),
             (", wide sum, overlapped", {"wide_sum": True, "overlap": True}),
             # ... (overlapped: each tile waited out a whole K load in the 2-slot ring) with a K
             # ring one slot longer than the V ring (``k_ahead``), and with ping-pong on top
@@ -571,7 +570,6 @@ PTXAS_LAUNCHES = {
             f"{_ENGINE}, bare full tiles",
             f"{_ENGINE}, bare full tiles, lean mask",
             f"{_ENGINE}, bare full tiles, lean mask, wide sum",
-            f"{_ENGINE}, bare full tiles, lean mask, wide sum, q from SMEM",
             f"{_ENGINE}, bare full tiles, lean mask, wide sum, overlapped",
         )
     },

@@ -88,7 +88,7 @@ _LEAN = (
     )
     + "'"
 )
-# ... and (later) with the row sums' columns apart (wide sum), q from SMEM, overlapped scores
+# ... and (later) with the row sums' columns apart (wide sum), and overlapped scores
 _LEAN_NAME = f"{_S51[1]}, token walk, bare full tiles, lean mask"
 _WIDE = (
     "'BIJAX_MGPU_LAUNCHES="
@@ -96,10 +96,7 @@ _WIDE = (
         "=" + n
         for n in (
             _LEAN_NAME,
-            *(
-                f"{_LEAN_NAME}{x}"
-                for x in (", wide sum", ", wide sum, q from SMEM", ", q from SMEM", ", wide sum, overlapped")
-            ),
+            *(f"{_LEAN_NAME}{x}" for x in (", wide sum", ", wide sum, overlapped")),
         )
     )
     + "'"
@@ -249,6 +246,12 @@ def _launch_steps(name: str, env: str, limits: tuple[int, int], what: str) -> di
     }
 
 
+def _ptxas(env: str, limit: int, what: str) -> tuple:
+    """attention_mgpu.py's ptxas report (registers, spills; each launch's PTX under
+    ``$OUT/ptxas/``) for the launches ``env`` selects."""
+    return (_with(env, "attention_mgpu.py", "--child", "ptxas"), limit, f"ptxas on {what}")
+
+
 def _parts_trace(launch: str, what: str) -> tuple:
     """attention_trace.py at level "parts" on the engine's prefill launch with ``launch``
     (``k=v,...``) over it."""
@@ -358,16 +361,16 @@ STEPS = {
         (200, 200),
         "the engine's prefill launch and the same with the masked tiles' lean key mask",
     ),
-    "mgpu-s57-ptxas": (
-        _with(_LEAN, "attention_mgpu.py", "--child", "ptxas"),
+    "mgpu-s57-ptxas": _ptxas(
+        _LEAN,
         150,
-        "ptxas on the engine's prefill launch and with the lean key mask: registers, spills; PTX under $OUT/ptxas/",
+        "the engine's prefill launch and with the lean key mask: registers, spills; PTX under $OUT/ptxas/",
     ),
     **_launch_steps(
         "s57b",
         _WIDE,
         (330, 240),
-        "the engine's launch with the lean key mask, and with the row sums' columns apart (wide sum), q from SMEM, overlapped scores",
+        "the engine's launch with the lean key mask, and with the row sums' columns apart (wide sum), and overlapped scores",
     ),
     "mgpu-s57c-timing": (
         _with(_KAHEAD_TIMING, "attention_mgpu.py", "--child", "launch-timing"),
@@ -382,20 +385,20 @@ STEPS = {
     "attention-trace-kahead": _parts_trace(
         "k_ahead=True,overlap=True", "the engine's launch with overlapped scores from a K ring a slot longer"
     ),
-    "mgpu-s57b-ptxas": (
-        _with(_WIDE, "attention_mgpu.py", "--child", "ptxas"),
+    "mgpu-s57b-ptxas": _ptxas(
+        _WIDE,
         200,
-        "ptxas on the lean-mask launch, with wide sum, q from SMEM, overlapped scores; PTX under $OUT/ptxas/",
+        "the lean-mask launch, with wide sum, and overlapped scores; PTX under $OUT/ptxas/",
     ),
-    "mgpu-s56-ptxas": (
-        _with(_BARE, "attention_mgpu.py", "--child", "ptxas"),
+    "mgpu-s56-ptxas": _ptxas(
+        _BARE,
         150,
-        "ptxas on the engine's prefill launch and with bare full tiles: registers, spills, serialized wgmmas, SASS",
+        "the engine's prefill launch and with bare full tiles: registers, spills, serialized wgmmas, SASS",
     ),
-    "mgpu-s55-ptxas": (
-        _with(_PINGPONG, "attention_mgpu.py", "--child", "ptxas"),
+    "mgpu-s55-ptxas": _ptxas(
+        _PINGPONG,
         150,
-        "ptxas on the engine's prefill launch, with overlapped scores, with ping-pong: registers, spills, serialized wgmmas",
+        "the engine's prefill launch, with overlapped scores, with ping-pong: registers, spills, serialized wgmmas",
     ),
     "attention-trace-parts": _parts_trace("", "the engine's launch: where a KV tile's cycles go"),
     "attention-trace-pingpong": _parts_trace(
