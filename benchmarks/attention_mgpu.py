@@ -340,6 +340,12 @@ LAUNCHES = {
                 ", wide sum, K ahead, overlapped, ping-pong",
                 {"wide_sum": True, "k_ahead": True, "overlap": True, "pingpong": True},
             ),
+            # ... and FlashAttention-3's schedule: a tile's p @ v waited for only at the next
+            # tile's rescale (``defer_pv``; written in session 57, not yet run on a GPU)
+            (
+                ", wide sum, K ahead, overlapped, deferred p @ v",
+                {"wide_sum": True, "k_ahead": True, "overlap": True, "defer_pv": True},
+            ),
         )
     },
 }
@@ -571,6 +577,8 @@ PTXAS_LAUNCHES = {
             f"{_ENGINE}, bare full tiles, lean mask",
             f"{_ENGINE}, bare full tiles, lean mask, wide sum",
             f"{_ENGINE}, bare full tiles, lean mask, wide sum, overlapped",
+            f"{_ENGINE}, bare full tiles, lean mask, wide sum, K ahead, overlapped",
+            f"{_ENGINE}, bare full tiles, lean mask, wide sum, K ahead, overlapped, deferred p @ v",
         )
     },
 }

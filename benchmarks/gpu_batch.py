@@ -111,6 +111,15 @@ _KAHEAD_TIMING = (
     + "'"
 )
 _KAHEAD_BITS = f"'BIJAX_MGPU_LAUNCHES=={_KA}, K ahead, overlapped'"
+# ... and FlashAttention-3's schedule on top (p @ v waited for at the next tile: ``defer_pv``)
+_DEFER = (
+    "'BIJAX_MGPU_LAUNCHES="
+    + "|".join(
+        "=" + n for n in (_KA, f"{_KA}, K ahead, overlapped", f"{_KA}, K ahead, overlapped, deferred p @ v")
+    )
+    + "'"
+)
+_DEFER_ONLY = f"'BIJAX_MGPU_LAUNCHES=={_KA}, K ahead, overlapped, deferred p @ v'"
 _TOKEN_WALK = (
     "'BIJAX_MGPU_LAUNCHES="
     + "|".join("=" + n for n in (_S51[1], f"{_S51[1]}, token walk", f"{_S51[1]}, overlapped"))
@@ -381,6 +390,21 @@ STEPS = {
         _with(_KAHEAD_BITS, "attention_mgpu.py", "--child", "launches"),
         200,
         "overlapped scores from a K ring a slot longer (K ahead) == the default launch's bits",
+    ),
+    "mgpu-s57d-ptxas": _ptxas(
+        _DEFER_ONLY,
+        120,
+        "the deferred p @ v launch (FlashAttention-3's schedule): registers, spills; PTX under $OUT/ptxas/ (SASS off the device)",
+    ),
+    "mgpu-s57d-timing": (
+        _with(_DEFER, "attention_mgpu.py", "--child", "launch-timing"),
+        200,
+        "the engine's launch vs overlapped scores (K ahead) vs the deferred p @ v on top: kernel time",
+    ),
+    "mgpu-s57d-launches": (
+        _with(_DEFER_ONLY, "attention_mgpu.py", "--child", "launches"),
+        200,
+        "the deferred p @ v launch == the default launch's bits (its 28/4 checks are refused: K ahead does not fit)",
     ),
     "attention-trace-kahead": _parts_trace(
         "k_ahead=True,overlap=True", "the engine's launch with overlapped scores from a K ring a slot longer"

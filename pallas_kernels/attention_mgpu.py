@@ -336,7 +336,7 @@ def _kernel(
     direct: tuple[int, int] | None, probe_unmasked: bool, inline_ex2: bool, probe_exact_exp: bool, probe_log2_scores: bool,
     trace: str | None = None, pingpong: bool = False, bare_full: bool = False,
     lean_mask: bool = False, wide_sum: bool = False, k_stages: int | None = None,
-    probe_skip: tuple[str, ...] = (),
+    defer_pv: bool = False, probe_skip: tuple[str, ...] = (),
 ):  # fmt: skip
     item_scope, tile_scope, part_scope = _scopes(trace)
     # ``k_ahead``: the K ring's slots (the V ring has ``stages``); tile c is in K slot
@@ -447,14 +447,18 @@ def _kernel(
         ``after_walk()``, if given, runs once the walk's last wgmma is done, before the fold's
         accumulator is read back and normalized.
         ``prefetch(pf, c)`` (the single-warpgroup kernel's own loads; ``pf`` its cursor, () if
-        none) runs at the start of tile c; ``tile_done(c)`` once tile c's wgmmas are done
-        with its slots; ``zero_v_sync(zero)`` runs the zeroing of a slot's unseen V rows.
+        none) runs at the start of tile c; ``tile_done(c, ring)`` once tile c's wgmmas are
+        done with its slots (ring "kv"; ``defer_pv``: "k" after its q @ k.T, "v" after its
+        p @ v); ``zero_v_sync(zero)`` runs the zeroing of a slot's unseen V rows.
         ``fold_smem``: an fp32 [ROWS, D] SMEM buffer that holds the split fold's accumulator
         between folds (None: it stays in registers, 64 a thread live through every tile).
         ``turns`` (``pingpong``): (wait for this warpgroup's turn, give the other its turn),
         around the issue of a tile's p @ ones and p @ v (with ``overlap`` also the next tile's
         q @ k.T; without, q @ k.T takes a turn of its own)."""
         nseg = walk.nseg
+        # (``defer_pv``) the split's register accumulator, held across its tiles, and how the
+        # current tile frees the V slot of the tile before it (set while the walk is traced)
+        deferred = {}
 
         def fold_split(fold, state, use):
             """``fold_step`` with the fold's accumulator in registers or in ``fold_smem`` (each
@@ -519,18 +523,24 @@ def _kernel(
                     new = tile_math(slot, s, state, ok, zero_v)
                 else:  # issued with this tile's p @ v, in this warpgroup's turn
                     new = tile_math(slot, s, state, ok, zero_v, issue_next)
+                if defer_pv:  # (this tile's p @ v, the newest group, may still run)
+                    return new, plgpu.wgmma_accumulator_load(next_ref, wait_n=1)
                 return new, next_ref[...]
 
             new, s = pl.run_scoped(scope, plgpu.ACC((ROWS, tile), jnp.float32))
-            tile_done(c)
+            tile_done(c, "k" if defer_pv else "kv")  # (``defer_pv``: V once p @ v is done)
             return new, s
 
         def tile_math(slot, s, state, ok, zero_v, issue_next=None):
-            with part_scope("wait_v"):
-                plgpu.barrier_wait(v_bar.at[slot])
-            if zero_v is not None:
-                with part_scope("zero_v"):
-                    zero_v(slot)
+            def v_ready():
+                with part_scope("wait_v"):
+                    plgpu.barrier_wait(v_bar.at[slot])
+                if zero_v is not None:
+                    with part_scope("zero_v"):
+                        zero_v(slot)
+
+            if not defer_pv:
+                v_ready()
 
             def operand(p):
                 if not a_in_smem:
@@ -576,9 +586,34 @@ def _kernel(
                     issue_next()
                 give_turn()
 
+            def sum_and_update_deferred(acc, alpha, p):
+                """``defer_pv``: wait for the tile before's p @ v (the next tile's q @ k.T may
+                still run), free its V slot, rescale acc in its register accumulator, and issue
+                this tile's p @ ones and p @ v; wait for p @ ones only. The same operations as
+                ``sum_and_update``'s "into" form, in the same order: p @ v accumulates into
+                acc * alpha."""
+                del acc  # (held in the split's accumulator across its tiles)
+                acc_ref, release_before = deferred["acc"], deferred["release"]
+                alpha = lax.broadcast_in_dim(alpha, (ROWS, d), (0,))
+                p = operand(p)
+                before = plgpu.wgmma_accumulator_load(acc_ref, wait_n=1)
+                release_before()
+                acc_ref[...] = rescale(before, alpha)
+                v_ready()
+
+                def dots(sum_ref):
+                    plgpu.wgmma(sum_ref, p, ones_smem)
+                    plgpu.wgmma(acc_ref, p, v_smem.at[slot])
+                    return plgpu.wgmma_accumulator_load(sum_ref, wait_n=1)
+
+                with part_scope("dots"):
+                    return pl.run_scoped(dots, plgpu.ACC((ROWS, _SUM_N), jnp.float32)), None
+
             def sum_and_update(acc, alpha, p):
                 """p @ ones and the new acc with one wait for both wgmmas (``one_drain``; with
                 ``pingpong`` in this warpgroup's turn, with the next tile's q @ k.T)."""
+                if defer_pv:
+                    return sum_and_update_deferred(acc, alpha, p)
                 alpha = lax.broadcast_in_dim(alpha, acc.shape, (0,))
                 p = operand(p)
                 if pv == "into":
@@ -655,6 +690,8 @@ def _kernel(
                     state, pf, c, s = x
                     pf = prefetch(pf, c + stages - 1)
                     tile_start = start + t * tile
+                    if defer_pv:  # (the split's first tile has no tile before it in flight)
+                        deferred["release"] = lambda: pl.when(t > first)(lambda: tile_done(c - 1, "v"))
                     if masked and lean_mask:  # each row's key range: one compare a key and side
                         col = plgpu.broadcasted_iota(jnp.int32, (ROWS, tile), 1, layout=wgmma_layout)
                         ok = col <= rows2(last_key - tile_start, tile)
@@ -695,11 +732,27 @@ def _kernel(
                     return state, pf, c + 1, s
 
                 a, b = full_tiles(start, first, num_tiles, lo, hi, tile, spec.window)
-                x = (empty_state(wide_sum), pf, c, s)
                 masked = not probe_unmasked  # (the probe: every tile as a full one, wrong values)
-                x = lax.fori_loop(first, a, functools.partial(tile_step, masked), x)
-                x = lax.fori_loop(a, b, functools.partial(tile_step, False), x)
-                x = lax.fori_loop(b, num_tiles, functools.partial(tile_step, masked), x)
+
+                def tiles(x):
+                    x = lax.fori_loop(first, a, functools.partial(tile_step, masked), x)
+                    x = lax.fori_loop(a, b, functools.partial(tile_step, False), x)
+                    return lax.fori_loop(b, num_tiles, functools.partial(tile_step, masked), x)
+
+                x = (empty_state(wide_sum), pf, c, s)
+                if defer_pv:  # the split's accumulator in registers across its tiles
+
+                    def scoped(acc_ref):
+                        acc_ref[...] = x[0][2]
+                        deferred["acc"] = acc_ref
+                        (m, l, _), *rest = tiles(((x[0][0], x[0][1], None), *x[1:]))
+                        acc = acc_ref[...]  # (the last tile's p @ v waited for: its V is free)
+                        pl.when(num_tiles > first)(lambda: tile_done(rest[1] - 1, "v"))
+                        return ((m, l, acc), *rest)
+
+                    x = pl.run_scoped(scoped, plgpu.ACC((ROWS, d), jnp.float32))
+                else:
+                    x = tiles(x)
                 with tile_scope("fold"):
                     state = x[0]
                     if wide_sum:  # the row sums' columns are the same values: any is the max
@@ -775,7 +828,7 @@ def _kernel(
             pf = prefetch(pf, jnp.int32(c))
         out, _ = consume(
             walk, q, rpos, rseq, k_smem, v_smem, ones_smem, k_bar, v_bar, a_smem,
-            prefetch, pf, lambda c: None, lambda zero: zero(), fold_smem,
+            prefetch, pf, lambda c, ring="kv": None, lambda zero: zero(), fold_smem,
         )  # fmt: skip
         o_smem = k_smem.at[0, pl.ds(0, ROWS)]  # every load has been consumed: slot 0 is free
         o_smem[...] = out
@@ -906,10 +959,12 @@ def _kernel(
                 plgpu.barrier_arrive(zero_bar)
                 plgpu.barrier_wait(zero_bar)
 
-            def tile_done(c):
-                """Tile c's slots are free for the producer (this consumer's part)."""
-                plgpu.barrier_arrive(consumed_bar.at[lax.rem(c, stages)])
-                if k_stages != stages:
+            def tile_done(c, ring="kv"):
+                """Tile c's slots in ``ring`` ("kv", or with ``k_ahead`` "k" / "v" alone) are
+                free for the producer (this consumer's part)."""
+                if ring != "k":
+                    plgpu.barrier_arrive(consumed_bar.at[lax.rem(c, stages)])
+                if k_stages != stages and ring != "v":
                     plgpu.barrier_arrive(consumed_k_bar.at[lax.rem(c, k_stages)])
 
             def load_q(ik, hk):
@@ -1122,6 +1177,7 @@ def tiles_mgpu(
     lean_mask: bool = False,
     wide_sum: bool = False,
     k_ahead: bool = False,
+    defer_pv: bool = False,
     probe_skip: tuple[str, ...] = (),
     probe_exact_exp: bool = False,
     probe_unmasked: bool = False,
@@ -1219,6 +1275,15 @@ def tiles_mgpu(
     before has only just released, so every tile waited out a whole load (session 57: why
     overlapped scores were 1.3x slower). Where it does not fit, the V ring has fewer slots.
 
+    ``defer_pv`` (with ``overlap``, ``one_drain``, ``k_ahead`` and ``pv="into"``):
+    FlashAttention-3's schedule - a tile's p @ v is not waited for at its end but at the next
+    tile's rescale, after that tile's scores, max and exponentials: the accumulator stays in
+    registers across a split's tiles (a wgmma accumulator scoped around them, rescaled in
+    place), a tile's V slot is freed only once its p @ v is done, and V is waited for just
+    before the dots. The same operations in the same order (p @ v accumulates into
+    acc * alpha): the same values. No interpret mode (its interpreter has no accumulator store,
+    and runs a wgmma when it is issued).
+
     ``probe_exact_exp`` is a measurement probe, not a launch choice: 2**y as the exact ``exp`` of
     y * ln 2 (libdevice's ``expf``, the exponential of NUMERICS_VERSION 5, with two multiplies
     more), other bits - about what the one-instruction ``EX2_PTX`` saved. ``probe_unmasked``,
@@ -1280,6 +1345,11 @@ def tiles_mgpu(
         raise ValueError("attention (Mosaic GPU tiles): wide_sum needs one_drain")
     if k_ahead and consumers == 1:
         raise ValueError("attention (Mosaic GPU tiles): k_ahead needs consumers=2 (a producer's rings)")
+    if defer_pv and not (overlap and one_drain and k_ahead and pv == "into" and not pingpong):
+        raise ValueError(
+            "attention (Mosaic GPU tiles): defer_pv needs overlap, one_drain, k_ahead and "
+            'pv="into", without pingpong'
+        )
     if not set(probe_skip) <= {"exp", "rescale"}:
         raise ValueError(
             f"attention (Mosaic GPU tiles): probe_skip takes 'exp' and 'rescale', got {probe_skip!r}"
@@ -1374,6 +1444,7 @@ def tiles_mgpu(
         lean_mask=bool(lean_mask),
         wide_sum=bool(wide_sum),
         k_stages=stages + bool(k_ahead),
+        defer_pv=bool(defer_pv),
         probe_skip=tuple(probe_skip),
     )
     args = [segs, nseg, program_order, rpos, rseq, block_tables, q if direct is None else qg]
