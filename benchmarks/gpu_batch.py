@@ -37,6 +37,12 @@ def _startup(rows: str):
     return _py("startup.py", "--rows", rows)
 
 
+def _launches(*names: str) -> str:
+    """The environment setting (for ``_with``) that selects attention_mgpu.py's launches by
+    their whole names."""
+    return "'BIJAX_MGPU_LAUNCHES=" + "|".join("=" + n for n in names) + "'"
+
+
 _FOLD = "BIJAX_MGPU_LAUNCHES=fold|stages=2"  # attention_mgpu.py's launches with the fold in SMEM
 # the session-42 launch, its persistent form (the engine's since session 43), prefetch q (early
 # q: session 44, out) and the base-2 logits probe (session 45: what folding log2 e would save)
@@ -77,49 +83,17 @@ _BARE = (
     + "|bare full tiles, no'"
 )
 # ... and (session 57) the engine's launch (bare full tiles) with the masked tiles' lean key mask
-_LEAN = (
-    "'BIJAX_MGPU_LAUNCHES="
-    + "|".join(
-        "=" + n
-        for n in (
-            f"{_S51[1]}, token walk, bare full tiles",
-            f"{_S51[1]}, token walk, bare full tiles, lean mask",
-        )
-    )
-    + "'"
-)
-# ... and (later) with the row sums' columns apart (wide sum), and overlapped scores
 _LEAN_NAME = f"{_S51[1]}, token walk, bare full tiles, lean mask"
-_WIDE = (
-    "'BIJAX_MGPU_LAUNCHES="
-    + "|".join(
-        "=" + n
-        for n in (
-            _LEAN_NAME,
-            *(f"{_LEAN_NAME}{x}" for x in (", wide sum", ", wide sum, overlapped")),
-        )
-    )
-    + "'"
-)
-# ... and (session 57, later) the overlapped scores from a K ring a slot longer (K ahead)
+_LEAN = _launches(f"{_S51[1]}, token walk, bare full tiles", _LEAN_NAME)
+# ... and (later) with the row sums' columns apart (wide sum), and overlapped scores
+_WIDE = _launches(_LEAN_NAME, f"{_LEAN_NAME}, wide sum", f"{_LEAN_NAME}, wide sum, overlapped")
+# ... and the overlapped scores from a K ring a slot longer (K ahead)
 _KA = f"{_LEAN_NAME}, wide sum"
-_KAHEAD_TIMING = (
-    "'BIJAX_MGPU_LAUNCHES="
-    + "|".join(
-        "=" + n for n in (_KA, f"{_KA}, K ahead, overlapped", f"{_KA}, K ahead, overlapped, ping-pong")
-    )
-    + "'"
-)
-_KAHEAD_BITS = f"'BIJAX_MGPU_LAUNCHES=={_KA}, K ahead, overlapped'"
+_KAHEAD_TIMING = _launches(_KA, f"{_KA}, K ahead, overlapped", f"{_KA}, K ahead, overlapped, ping-pong")
+_KAHEAD_BITS = _launches(f"{_KA}, K ahead, overlapped")
 # ... and FlashAttention-3's schedule on top (p @ v waited for at the next tile: ``defer_pv``)
-_DEFER = (
-    "'BIJAX_MGPU_LAUNCHES="
-    + "|".join(
-        "=" + n for n in (_KA, f"{_KA}, K ahead, overlapped", f"{_KA}, K ahead, overlapped, deferred p @ v")
-    )
-    + "'"
-)
-_DEFER_ONLY = f"'BIJAX_MGPU_LAUNCHES=={_KA}, K ahead, overlapped, deferred p @ v'"
+_DEFER = _launches(_KA, f"{_KA}, K ahead, overlapped", f"{_KA}, K ahead, overlapped, deferred p @ v")
+_DEFER_ONLY = _launches(f"{_KA}, K ahead, overlapped, deferred p @ v")
 _TOKEN_WALK = (
     "'BIJAX_MGPU_LAUNCHES="
     + "|".join("=" + n for n in (_S51[1], f"{_S51[1]}, token walk", f"{_S51[1]}, overlapped"))
@@ -238,12 +212,15 @@ _AB.update(
 )
 
 
-def _launch_steps(name: str, env: str, limits: tuple[int, int], what: str) -> dict:
+def _launch_steps(
+    name: str, env: str, limits: tuple[int, int], what: str, bits_env: str | None = None
+) -> dict:
     """``mgpu-<name>-launches`` (bits against the default launch) and ``mgpu-<name>-timing``
-    (kernel time next to the default launch, Triton and cuDNN) for the launches ``env`` selects."""
+    (kernel time next to the default launch, Triton and cuDNN) for the launches ``env`` selects
+    (``bits_env``: the bits step's own, e.g. the new launch alone)."""
     return {
         f"mgpu-{name}-launches": (
-            _with(env, "attention_mgpu.py", "--child", "launches"),
+            _with(bits_env or env, "attention_mgpu.py", "--child", "launches"),
             limits[0],
             f"{what} == the default launch's bits",
         ),
@@ -381,30 +358,24 @@ STEPS = {
         (330, 240),
         "the engine's launch with the lean key mask, and with the row sums' columns apart (wide sum), and overlapped scores",
     ),
-    "mgpu-s57c-timing": (
-        _with(_KAHEAD_TIMING, "attention_mgpu.py", "--child", "launch-timing"),
-        200,
-        "the engine's launch vs overlapped scores from a K ring a slot longer (K ahead), and with ping-pong: kernel time",
-    ),
-    "mgpu-s57c-launches": (
-        _with(_KAHEAD_BITS, "attention_mgpu.py", "--child", "launches"),
-        200,
-        "overlapped scores from a K ring a slot longer (K ahead) == the default launch's bits",
+    **_launch_steps(
+        "s57c",
+        _KAHEAD_TIMING,
+        (200, 200),
+        "overlapped scores from a K ring a slot longer (K ahead), and with ping-pong (bits: the first alone)",
+        bits_env=_KAHEAD_BITS,
     ),
     "mgpu-s57d-ptxas": _ptxas(
         _DEFER_ONLY,
         120,
         "the deferred p @ v launch (FlashAttention-3's schedule): registers, spills; PTX under $OUT/ptxas/ (SASS off the device)",
     ),
-    "mgpu-s57d-timing": (
-        _with(_DEFER, "attention_mgpu.py", "--child", "launch-timing"),
-        200,
-        "the engine's launch vs overlapped scores (K ahead) vs the deferred p @ v on top: kernel time",
-    ),
-    "mgpu-s57d-launches": (
-        _with(_DEFER_ONLY, "attention_mgpu.py", "--child", "launches"),
-        200,
-        "the deferred p @ v launch == the default launch's bits (its 28/4 checks are refused: K ahead does not fit)",
+    **_launch_steps(
+        "s57d",
+        _DEFER,
+        (200, 200),
+        "overlapped scores (K ahead) and the deferred p @ v on top (bits: the deferred alone; its 28/4 checks are refused: K ahead does not fit)",
+        bits_env=_DEFER_ONLY,
     ),
     "attention-trace-kahead": _parts_trace(
         "k_ahead=True,overlap=True", "the engine's launch with overlapped scores from a K ring a slot longer"
