@@ -386,11 +386,12 @@ def _kernel(
     def mul_add(a, b, c):
         return a * b + c if fused_mul_add is None else fused_mul_add(a, b, c)
 
-    def issue(walk, cur, c, k_smem, v_smem, k_bar, v_bar, ready=None, h=h):
+    def issue(walk, cur, c, k_smem, v_smem, k_bar, v_bar, ready=None, h=h, ring="kv"):
         """TMA the KV tile at ``cur`` of KV head ``h`` into slot c % stages (one copy per page);
         ``ready(ring)``, if given, runs between the block-table reads and the copies (the wait
         for a free slot: ring "kv" - or with ``k_ahead`` "k" before the K copies and "v" before
-        the V copies, K slot c % k_stages)."""
+        the V copies, K slot c % k_stages). ``ring`` (``k_ahead``): "k" or "v" copies only
+        that half of the tile."""
         seg, split, t = cur
         seq, _, _, _ = walk.segment(seg)
         tile_start = split * spec.split_size + t * tile
@@ -406,14 +407,16 @@ def _kernel(
             (pl.ds(row0, block_size), pl.ds(p * block_size, block_size)) for p, row0 in enumerate(rows0)
         ]
         if k_stages != stages:  # (``k_ahead``: each ring's slot waited for on its own)
-            if ready is not None:
-                ready("k")
-            for src, dst in pages_at:
-                plgpu.copy_gmem_to_smem(k_ref.at[src, h], k_smem.at[kslot, dst], k_bar.at[kslot])
-            if ready is not None:
-                ready("v")
-            for src, dst in pages_at:
-                plgpu.copy_gmem_to_smem(v_ref.at[src, h], v_smem.at[slot, dst], v_bar.at[slot])
+            if ring != "v":
+                if ready is not None:
+                    ready("k")
+                for src, dst in pages_at:
+                    plgpu.copy_gmem_to_smem(k_ref.at[src, h], k_smem.at[kslot, dst], k_bar.at[kslot])
+            if ring != "k":
+                if ready is not None:
+                    ready("v")
+                for src, dst in pages_at:
+                    plgpu.copy_gmem_to_smem(v_ref.at[src, h], v_smem.at[slot, dst], v_bar.at[slot])
             return
         if ready is not None:
             ready("kv")
@@ -662,10 +665,19 @@ def _kernel(
             )
 
         def empty_state(wide=False):  # (``wide``: l as [ROWS, 16], ``wide_sum``'s walk state)
-            zero_l = jnp.full((ROWS, _SUM_N) if wide else (ROWS,), 0.0, jnp.float32)
+            # (the launches with and without ``wide_sum`` build these constants in the orders
+            # they were measured with, so that their lowered modules - and module hashes - stay
+            # the measured ones)
+            if wide_sum:
+                zero_l = jnp.full((ROWS, _SUM_N) if wide else (ROWS,), 0.0, jnp.float32)
+                return (
+                    plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout),
+                    plgpu.layout_cast(zero_l, wgmma_layout if wide else row_layout),
+                    plgpu.layout_cast(jnp.full((ROWS, d), 0.0, jnp.float32), wgmma_layout),
+                )
             return (
                 plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout),
-                plgpu.layout_cast(zero_l, wgmma_layout if wide else row_layout),
+                plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), row_layout),
                 plgpu.layout_cast(jnp.full((ROWS, d), 0.0, jnp.float32), wgmma_layout),
             )
 
@@ -907,10 +919,9 @@ def _kernel(
                     plgpu.barrier_wait(setup_bar.at[b])
                 walk = _Walk(segs_smem.at[b], nseg_ref[ik], spec, tile, max_segs)
 
-                def load(x):
-                    cur, c = x
-                    slot = lax.rem(c, stages)
-                    nxt = walk.advance(cur)  # the walk and the block-table reads before the wait
+                def ready_for(c, slot):
+                    """The wait for tile c's slot (``slot``: c % stages) in a ring (``issue``'s
+                    ``ready``)."""
 
                     def ready(ring):
                         with tile_scope("producer_slot_wait"):
@@ -921,11 +932,28 @@ def _kernel(
                             else:
                                 pl.when(c >= stages)(lambda: plgpu.barrier_wait(consumed_bar.at[slot]))
 
-                    issue(walk, cur, c, k_smem, v_smem, k_bar, v_bar, ready, h=hk)
+                    return ready
+
+                def load_ring(cur, c, ring, slot=None):
+                    slot = lax.rem(c, stages) if slot is None else slot
+                    issue(walk, cur, c, k_smem, v_smem, k_bar, v_bar, ready_for(c, slot), h=hk, ring=ring)
+
+                def load(x):
+                    cur, c = x
+                    slot = lax.rem(c, stages)
+                    nxt = walk.advance(cur)  # the walk and the block-table reads before the wait
+                    if k_stages == stages:
+                        load_ring(cur, c, "kv", slot)
+                    else:  # (``k_ahead``) the next tile's K before this tile's V: K a tile ahead
+                        pl.when(nxt[0] < walk.nseg)(lambda: load_ring(nxt, c + 1, "k"))
+                        load_ring(cur, c, "v", slot)
                     return nxt, c + 1
 
                 with item_scope("producer_loads"):
-                    return lax.while_loop(lambda x: x[0][0] < walk.nseg, load, (walk.begin(), c))[1]
+                    first = walk.begin()
+                    if k_stages != stages:  # (the item's first K)
+                        pl.when(first[0] < walk.nseg)(lambda: load_ring(first, c, "k"))
+                    return lax.while_loop(lambda x: x[0][0] < walk.nseg, load, (first, c))[1]
 
             n = items(run, jnp.int32(0))
             for j in range(stages):  # wait out the last tiles: every completed phase is seen
@@ -1269,8 +1297,8 @@ def tiles_mgpu(
     dots, where it held up the next tile's q @ k.T: the same values.
 
     ``k_ahead`` (with ``consumers=2``): the K ring has one slot more than the V ring, each with
-    its own "consumed" barriers, so that the producer loads a tile's K a tile earlier than its
-    V - what ``overlap`` needs: its next tile's q @ k.T waits for K one tile ahead, which in a
+    its own "consumed" barriers, and the producer loads a tile's K a tile earlier than its V
+    (the next tile's K, then this tile's V) - what ``overlap`` needs: its next tile's q @ k.T waits for K one tile ahead, which in a
     2-slot ring (D 128 with the fold and q / output buffers in SMEM) is the slot the tile
     before has only just released, so every tile waited out a whole load (session 57: why
     overlapped scores were 1.3x slower). Where it does not fit, the V ring has fewer slots.
