@@ -665,21 +665,15 @@ def _kernel(
             )
 
         def empty_state(wide=False):  # (``wide``: l as [ROWS, 16], ``wide_sum``'s walk state)
-            # (the launches with and without ``wide_sum`` build these constants in the orders
-            # they were measured with, so that their lowered modules - and module hashes - stay
-            # the measured ones)
-            if wide_sum:
-                zero_l = jnp.full((ROWS, _SUM_N) if wide else (ROWS,), 0.0, jnp.float32)
-                return (
-                    plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout),
-                    plgpu.layout_cast(zero_l, wgmma_layout if wide else row_layout),
-                    plgpu.layout_cast(jnp.full((ROWS, d), 0.0, jnp.float32), wgmma_layout),
-                )
-            return (
-                plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout),
-                plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), row_layout),
-                plgpu.layout_cast(jnp.full((ROWS, d), 0.0, jnp.float32), wgmma_layout),
-            )
+            def zero_l():
+                return jnp.full((ROWS, _SUM_N) if wide else (ROWS,), 0.0, jnp.float32)
+
+            # (the launches with ``wide_sum`` were measured with l's zeros built first: each
+            # launch's lowered module - its module hash - stays the measured one)
+            l0 = zero_l() if wide_sum else None
+            m0 = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout)
+            l0 = plgpu.layout_cast(zero_l() if l0 is None else l0, wgmma_layout if wide else row_layout)
+            return m0, l0, plgpu.layout_cast(jnp.full((ROWS, d), 0.0, jnp.float32), wgmma_layout)
 
         def one_segment(sidx, carry):
             seq, lo, hi, ctx = walk.segment(sidx)
@@ -687,7 +681,8 @@ def _kernel(
             first_split, end_split = walk.splits(lo, hi)
             pos2 = rows2(rpos, tile)
             mine2 = rows2(mine, tile)
-            first_key, last_key = key_range(rpos, ctx, spec.window, mine)  # (``lean_mask``)
+            if lean_mask:  # (each row's visible keys as a range)
+                first_key, last_key = key_range(rpos, ctx, spec.window, mine)
 
             def one_split(split, carry):
                 fold, pf, c, s = carry
@@ -1298,10 +1293,11 @@ def tiles_mgpu(
 
     ``k_ahead`` (with ``consumers=2``): the K ring has one slot more than the V ring, each with
     its own "consumed" barriers, and the producer loads a tile's K a tile earlier than its V
-    (the next tile's K, then this tile's V) - what ``overlap`` needs: its next tile's q @ k.T waits for K one tile ahead, which in a
-    2-slot ring (D 128 with the fold and q / output buffers in SMEM) is the slot the tile
-    before has only just released, so every tile waited out a whole load (session 57: why
-    overlapped scores were 1.3x slower). Where it does not fit, the V ring has fewer slots.
+    (the next tile's K, then this tile's V) - what ``overlap`` needs: its next tile's q @ k.T
+    waits for K one tile ahead, which in a 2-slot ring (D 128 with the fold and q / output
+    buffers in SMEM) is the slot the tile before has only just released, so every tile waited
+    out a whole load (session 57: why overlapped scores were 1.3x slower). Where it does not
+    fit, the V ring has fewer slots.
 
     ``defer_pv`` (with ``overlap``, ``one_drain``, ``k_ahead`` and ``pv="into"``):
     FlashAttention-3's schedule - a tile's p @ v is not waited for at its end but at the next
