@@ -469,7 +469,13 @@ def check_launches():
     for what, case, zs, ps, kw in cases:
         want = bits(_mgpu(case, zs, ps, DEFAULT_VARIANT, **kw))
         for name in runs:
-            got = bits(_mgpu(case, zs, ps, DEFAULT_VARIANT, launch=LAUNCHES[name], **kw))
+            try:
+                got = bits(_mgpu(case, zs, ps, DEFAULT_VARIANT, launch=LAUNCHES[name], **kw))
+            except ValueError as err:  # a launch that does not fit this shape says so: not run
+                if "shared memory" not in str(err):
+                    raise
+                print(f"REFUSED [{name}] {what}: {err}")
+                continue
             _compare(f"[{name}] {what}", got, want, ps)
 
 

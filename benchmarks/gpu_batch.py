@@ -377,6 +377,18 @@ STEPS = {
         "overlapped scores (K ahead) and the deferred p @ v on top (bits: the deferred alone; its 28/4 checks are refused: K ahead does not fit)",
         bits_env=_DEFER_ONLY,
     ),
+    "mgpu-s58-ptxas": _ptxas(
+        _DEFER_ONLY,
+        120,
+        "the deferred p @ v launch, every wgmma group waited for at the rescale (session 57's form: serialized by ptxas, C7514): registers, spills, serialized notes",
+    ),
+    **_launch_steps(
+        "s58",
+        _DEFER,
+        (240, 200),
+        "overlapped scores (K ahead) and the deferred p @ v on top, every group waited for at the rescale (bits: the deferred alone; 28/4 refused: K ahead does not fit)",
+        bits_env=_DEFER_ONLY,
+    ),
     "attention-trace-kahead": _parts_trace(
         "k_ahead=True,overlap=True", "the engine's launch with overlapped scores from a K ring a slot longer"
     ),

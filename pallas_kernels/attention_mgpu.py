@@ -590,8 +590,7 @@ def _kernel(
                 give_turn()
 
             def sum_and_update_deferred(acc, alpha, p):
-                """``defer_pv``: wait for the tile before's p @ v (the next tile's q @ k.T may
-                still run), free its V slot, rescale acc in its register accumulator, and issue
+                """``defer_pv``: wait for the tile before's p @ v, free its V slot, rescale acc in its register accumulator, and issue
                 this tile's p @ ones and p @ v; wait for p @ ones only. The same operations as
                 ``sum_and_update``'s "into" form, in the same order: p @ v accumulates into
                 acc * alpha."""
@@ -599,7 +598,11 @@ def _kernel(
                 acc_ref, release_before = deferred["acc"], deferred["release"]
                 alpha = lax.broadcast_in_dim(alpha, (ROWS, d), (0,))
                 p = operand(p)
-                before = plgpu.wgmma_accumulator_load(acc_ref, wait_n=1)
+                # Every group waited for, the next tile's q @ k.T too (issued before this
+                # tile's softmax, so done by now): with a group in flight at each of a tile's
+                # waits, ptxas serializes every wgmma of the kernel (its note C7514; 1.10x
+                # slower on the H100, session 58). Only p @ v stays in flight across tiles.
+                before = plgpu.wgmma_accumulator_load(acc_ref, wait_n=0)
                 release_before()
                 acc_ref[...] = rescale(before, alpha)
                 v_ready()
