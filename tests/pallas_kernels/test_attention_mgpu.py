@@ -104,6 +104,14 @@ def test_segments_are_each_tiles_sequences_ascending():
     seqs, nseg = segments(rseq, rpos)
     assert nseg.tolist() == [2, 0]
     assert seqs[0, :2].tolist() == [1, 3]  # sequence 0 has only a padding row
+    # random tiles: each tile's distinct sequences of valid rows, ascending, then 2**30
+    rng = np.random.default_rng(0)
+    rseq = rng.integers(0, 9, (16, 48)).astype(np.int32)
+    rpos = np.where(rng.random((16, 48)) < 0.3, -1, 7).astype(np.int32)
+    seqs, nseg = segments(jnp.asarray(rseq), jnp.asarray(rpos))
+    for t in range(16):
+        want = sorted(set(rseq[t][rpos[t] >= 0].tolist()))
+        assert nseg[t] == len(want) and seqs[t].tolist() == want + [2**30] * (48 - len(want))
 
 
 @pytest.mark.parametrize(
