@@ -290,6 +290,7 @@ STEPS = {
             "pair-all-dense-fold-persistent-prefetch-q",
             "direct-io",
             "token-walk",
+            "deferred-pv",
         )
     },
     "mgpu-bits": (_py("attention_mgpu.py", "--child", "bits"), 270, "Mosaic attention == Triton bits"),
