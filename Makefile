@@ -10,7 +10,7 @@ PYTHON312 := $(shell \
   else root=$$(pyenv root 2>/dev/null || echo $$HOME/.pyenv); \
        ls -d $$root/versions/3.12.*/bin/python3.12 2>/dev/null | sort -V | tail -n 1; fi)
 
-.PHONY: demo test lint bench-cpu clean
+.PHONY: demo test lint bench-cpu ptx-tools clean
 
 $(PY):
 	@if [ -z "$(PYTHON312)" ]; then \
@@ -48,6 +48,18 @@ lint: $(STAMP)
 
 bench-cpu: $(STAMP)
 	$(PY) benchmarks/cpu_kernels.py
+
+# For benchmarks/ptx_offline.py (ptxas's report of the Mosaic GPU kernels without a GPU): this
+# jax version's CUDA plugin and PJRT wheels, and ptxas 13.0 (the device's CUDA), unpacked into
+# .ptx-tools/site (~150 MB download). Not needed by demo or test.
+PTX_TOOLS := .ptx-tools
+ptx-tools: $(STAMP)
+	@JAXV=$$($(PY) -c 'import jax; print(jax.__version__)') && \
+	$(PY) -m pip download --quiet --no-deps --only-binary=:all: -d $(PTX_TOOLS)/wheels \
+	  jax-cuda13-plugin==$$JAXV jax-cuda13-pjrt==$$JAXV nvidia-cuda-nvcc==13.0.88 && \
+	for w in $(PTX_TOOLS)/wheels/*.whl; do $(PY) -m zipfile -e $$w $(PTX_TOOLS)/site; done && \
+	chmod +x $(PTX_TOOLS)/site/nvidia/cu13/bin/* && \
+	echo "ptx-tools: $(PTX_TOOLS)/site ready (benchmarks/ptx_offline.py)"
 
 clean:
 	rm -rf $(VENV) .pytest_cache
