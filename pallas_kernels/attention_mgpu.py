@@ -590,10 +590,10 @@ def _kernel(
                 give_turn()
 
             def sum_and_update_deferred(acc, alpha, p):
-                """``defer_pv``: wait for the tile before's p @ v, free its V slot, rescale acc in its register accumulator, and issue
-                this tile's p @ ones and p @ v; wait for p @ ones only. The same operations as
-                ``sum_and_update``'s "into" form, in the same order: p @ v accumulates into
-                acc * alpha."""
+                """``defer_pv``: wait for the tile before's p @ v, free its V slot, rescale acc
+                in its register accumulator, and issue this tile's p @ ones and p @ v; wait for
+                p @ ones only. The same operations as ``sum_and_update``'s "into" form, in the
+                same order: p @ v accumulates into acc * alpha."""
                 del acc  # (held in the split's accumulator across its tiles)
                 acc_ref, release_before = deferred["acc"], deferred["release"]
                 alpha = lax.broadcast_in_dim(alpha, (ROWS, d), (0,))
