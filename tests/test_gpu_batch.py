@@ -146,3 +146,22 @@ def test_attention_trace_reader_shares_a_warpgroups_span_among_its_ranges():
     assert launch["pingpong"] is True and launch["stages"] == 2 and launch["consumers"] == 2
     with pytest.raises(ValueError, match="end of 'walk' without its start"):
         summarize({"traceEvents": [ev("walk", "E", 1.0, 1)]}, warpgroups=3, producer=2)
+
+
+def test_ptx_offline_report_reads_registers_spills_and_serialized_wgmma_notes():
+    """benchmarks/ptx_offline.py's reading of ptxas's output (the text of session 58's device
+    run): registers, spill bytes, and the notes that say every wgmma was serialized."""
+    from benchmarks.ptx_offline import report
+
+    serialized = (
+        "ptxas info    : (C7514) Potential Performance Loss: wgmma.mma_async instructions are "
+        "serialized due to non wgmma instructions reading accumulator registers of  a wgmma\n"
+        "ptxas warning : Registers are spilled to local memory in function 'k', 12 bytes spill "
+        "stores, 16 bytes spill loads\n"
+        "    8 bytes stack frame, 12 bytes spill stores, 16 bytes spill loads\n"
+        "ptxas info    : Used 168 registers, used 16 barriers, 8 bytes cumulative stack size\n"
+    )
+    assert report(serialized) == ("168", "12/16,12/16", 1)
+    clean = "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\nptxas info    : Used 168 registers\n"
+    assert report(clean) == ("168", "0/0", 0)
+    assert report("")[0] == "?"  # nothing written: no registers to report
