@@ -647,6 +647,8 @@ def ptxas_report():
     import shutil
     import tempfile
 
+    from benchmarks.ptx_offline import report as ptxas_summary
+
     c = Case(1, 4096, 32, 8, 128, seed=2)
     ps, zs = np.arange(4096), np.zeros(4096, np.int32)
     rows = []
@@ -678,20 +680,11 @@ def ptxas_report():
             )
         text = "".join(open(f).read() for f in sorted(glob.glob(os.path.join(out, "*.ptxas"))))
         print(f"\n## ptxas, {name}\n{text.strip() or '(no .ptxas file written)'}", flush=True)
-        regs = re.findall(r"Used (\d+) registers", text)
-        spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+        # (registers, spills, ptxas's C7514 / C7515 notes: wgmmas it had to serialize - no
+        # overlap of dots and softmax; read as ptx_offline.py reads its own compiles)
+        regs, spills, serialized = ptxas_summary(text)
         stack = re.findall(r"(\d+) bytes stack frame", text)
-        # ptxas's C7515-style note: wgmmas it had to serialize (no overlap of dots and softmax)
-        serialized = len(re.findall(r"wgmma[^\n]*serializ|serializ[^\n]*wgmma", text, re.IGNORECASE))
-        rows.append(
-            (
-                name,
-                ",".join(regs) or "?",
-                ",".join(f"{a}/{b}" for a, b in spills) or "?",
-                ",".join(stack) or "?",
-                str(serialized),
-            )
-        )
+        rows.append((name, regs, spills, ",".join(stack) or "?", str(serialized)))
         check(f"[{name}] ptxas output found", bool(text.strip()), f"nothing in {out}")
     print(
         "\n| launch | registers | spill stores / loads (bytes) | stack frame (bytes) | wgmma serialized notes |"

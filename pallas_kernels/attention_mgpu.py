@@ -1313,8 +1313,11 @@ def tiles_mgpu(
     registers across a split's tiles (a wgmma accumulator scoped around them, rescaled in
     place), a tile's V slot is freed only once its p @ v is done, and V is waited for just
     before the dots. The same operations in the same order (p @ v accumulates into
-    acc * alpha): the same values. No interpret mode (its interpreter has no accumulator store,
-    and runs a wgmma when it is issued).
+    acc * alpha): the same values. The rescale waits for every wgmma group (p @ v stays in flight
+    only from a tile's end through the next tile's softmax): with a group in flight at each of a
+    tile's waits ptxas serialized every wgmma of the kernel (note C7514, session 58). No
+    interpret mode (its interpreter has no accumulator store, and runs a wgmma when it is
+    issued).
 
     ``probe_exact_exp`` is a measurement probe, not a launch choice: 2**y as the exact ``exp`` of
     y * ln 2 (libdevice's ``expf``, the exponential of NUMERICS_VERSION 5, with two multiplies
