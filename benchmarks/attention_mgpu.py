@@ -341,7 +341,8 @@ LAUNCHES = {
                 {"wide_sum": True, "k_ahead": True, "overlap": True, "pingpong": True},
             ),
             # ... and FlashAttention-3's schedule: a tile's p @ v waited for only at the next
-            # tile's rescale (``defer_pv``; written in session 57, not yet run on a GPU)
+            # tile's rescale (``defer_pv``; session 58's first run: ptxas serialized it, C7514 -
+            # the rescale now waits for every group, not yet timed)
             (
                 ", wide sum, K ahead, overlapped, deferred p @ v",
                 {"wide_sum": True, "k_ahead": True, "overlap": True, "defer_pv": True},
