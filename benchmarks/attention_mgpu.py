@@ -347,6 +347,14 @@ LAUNCHES = {
                 ", wide sum, K ahead, overlapped, deferred p @ v",
                 {"wide_sum": True, "k_ahead": True, "overlap": True, "defer_pv": True},
             ),
+            # ... session 59: each consumer's output staged in its own fold rows (``out_in_fold``:
+            # 2 x 21 KB less SMEM at 28 / 4 - 3 V slots instead of 2 there, and room for
+            # ``k_ahead``, which did not fit at 28 / 4), alone and under the deferred p @ v
+            (", wide sum, output in fold", {"wide_sum": True, "out_in_fold": True}),
+            (
+                ", wide sum, K ahead, overlapped, deferred p @ v, output in fold",
+                {"wide_sum": True, "k_ahead": True, "overlap": True, "defer_pv": True, "out_in_fold": True},
+            ),
         )
     },
 }

@@ -94,6 +94,17 @@ _KAHEAD_BITS = _launches(f"{_KA}, K ahead, overlapped")
 # ... and FlashAttention-3's schedule on top (p @ v waited for at the next tile: ``defer_pv``)
 _DEFER = _launches(_KA, f"{_KA}, K ahead, overlapped", f"{_KA}, K ahead, overlapped, deferred p @ v")
 _DEFER_ONLY = _launches(f"{_KA}, K ahead, overlapped, deferred p @ v")
+# ... and (session 59) each consumer's output in its own fold rows (``out_in_fold``: room for K
+# ahead at 28 / 4), alone and under the deferred p @ v
+_FOLD_OUT = _launches(
+    _KA,
+    f"{_KA}, output in fold",
+    f"{_KA}, K ahead, overlapped, deferred p @ v",
+    f"{_KA}, K ahead, overlapped, deferred p @ v, output in fold",
+)
+_FOLD_OUT_BITS = _launches(
+    f"{_KA}, output in fold", f"{_KA}, K ahead, overlapped, deferred p @ v, output in fold"
+)
 _TOKEN_WALK = (
     "'BIJAX_MGPU_LAUNCHES="
     + "|".join("=" + n for n in (_S51[1], f"{_S51[1]}, token walk", f"{_S51[1]}, overlapped"))
@@ -389,6 +400,13 @@ STEPS = {
         (240, 200),
         "overlapped scores (K ahead) and the deferred p @ v on top, every group waited for at the rescale (bits: the deferred alone; 28/4 refused: K ahead does not fit)",
         bits_env=_DEFER_ONLY,
+    ),
+    **_launch_steps(
+        "s59",
+        _FOLD_OUT,
+        (300, 240),
+        "the output staged in the fold's SMEM, alone and under the deferred p @ v (there the only way K ahead fits at 28/4)",
+        bits_env=_FOLD_OUT_BITS,
     ),
     "attention-trace-kahead": _parts_trace(
         "k_ahead=True,overlap=True", "the engine's launch with overlapped scores from a K ring a slot longer"

@@ -153,6 +153,7 @@ def can_run(dtype, head_dim: int, spec: AttentionSpec, *, block_size: int, group
             launch.get("fold_in_smem", False),
             launch.get("prefetch_q", False),
             k_ahead=launch.get("k_ahead", False),
+            out_in_fold=launch.get("out_in_fold", False),
         )
     except ValueError:
         return False
@@ -170,6 +171,35 @@ def _box_tokens(group: int, d: int, itemsize: int) -> int:
     return tokens
 
 
+def out_in_fold_layout(group: int, d: int, itemsize: int, consumers: int = 2) -> tuple[tuple[int, ...], int]:
+    """``out_in_fold``: the output boxes in the split fold's SMEM - that buffer [consumers, 64,
+    D] fp32 seen as one [tokens, G, D] buffer of the output's dtype - as (each consumer's first
+    token, the view's tokens). Consumer c's box (``_box_tokens``) starts at the first token on
+    a 1 KB boundary (the swizzle's pattern) at or past the start of c's own fold rows, and ends
+    before they do: a consumer's output never shares a byte with another consumer's fold, only
+    with its own, whose lifetime it follows."""
+    token, part = group * d * itemsize, ROWS * d * 4
+    box = _box_tokens(group, d, itemsize)
+    bases = []
+    for c in range(consumers):
+        first = -(-c * part // token)
+        while first * token % 1024:
+            first += 1
+        if (first + box) * token > (c + 1) * part:
+            raise ValueError(
+                f"attention (Mosaic GPU tiles): out_in_fold: a {box}-token output box of {group} heads "
+                f"at head_dim {d} does not fit in a warpgroup's {part // 1024} KB of fold"
+            )
+        bases.append(first)
+    return tuple(bases), bases[-1] + box
+
+
+def _wait_box_stored():
+    """(``out_in_fold``) Before an item's walk writes its fold: the output store of the item
+    before has read its box, which lies in these fold rows."""
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
 def _stages(
     tile: int,
     d: int,
@@ -181,6 +211,7 @@ def _stages(
     qo_rows: int = ROWS,
     trace: bool = False,
     k_ahead: bool = False,
+    out_in_fold: bool = False,
 ) -> int:
     """Ring slots: as asked, fewer where the program would not fit (two programs per SM with one
     warpgroup; one with warp specialization, which also holds each consumer's q), at least 2.
@@ -188,7 +219,8 @@ def _stages(
     ``out_buffer``: and its output's staging buffer (``prefetch_q``). ``qo_rows``: the rows of
     each q / output buffer (``direct_io``'s whole tokens: up to 112). ``trace``: and the
     profiler's buffer (``probe_trace``). ``k_ahead``: the K ring has one slot more than the V
-    ring (``stages`` counts the V ring's)."""
+    ring (``stages`` counts the V ring's). ``out_in_fold``: the output's staging buffer lies in
+    the fold's."""
     per_stage = 2 * tile * d * itemsize
     fixed = tile * _SUM_N * itemsize + 4 * 1024  # ones; rows, segments, barriers
     if trace:
@@ -197,7 +229,7 @@ def _stages(
         fixed += tile * d * itemsize
     if fold_in_smem:
         fixed += consumers * ROWS * d * 4
-    if out_buffer:
+    if out_buffer and not out_in_fold:
         fixed += consumers * qo_rows * d * itemsize
     budget = _SMEM_BYTES
     if consumers > 1:
@@ -336,7 +368,7 @@ def _kernel(
     direct: tuple[int, int] | None, probe_unmasked: bool, inline_ex2: bool, probe_exact_exp: bool, probe_log2_scores: bool,
     trace: str | None = None, pingpong: bool = False, bare_full: bool = False,
     lean_mask: bool = False, wide_sum: bool = False, k_stages: int | None = None,
-    defer_pv: bool = False, probe_skip: tuple[str, ...] = (),
+    defer_pv: bool = False, probe_skip: tuple[str, ...] = (), out_bases: tuple[int, ...] | None = None,
 ):  # fmt: skip
     item_scope, tile_scope, part_scope = _scopes(trace)
     # ``k_ahead``: the K ring's slots (the V ring has ``stages``); tile c is in K slot
@@ -969,8 +1001,9 @@ def _kernel(
             """A [tokens, G, D] buffer's first 64 rows, as one [64, D] view."""
             return box.reshape(box.shape[0] * box.shape[1], d).at[pl.ds(0, ROWS)]
 
-        @pl.when(wg < consumers)
-        def _consumer():
+        def _consumer(fold_c, out_c):
+            """A consumer warpgroup's items, with its fold rows (``fold_in_smem``; else None) and
+            its output's staging buffer (``prefetch_q``; else None)."""
             plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
             q_smem = qo_smem.at[wg]
             q_box = q_smem  # (``direct``: [tokens, G, D], a TMA box; q_smem its first 64 rows)
@@ -1051,7 +1084,7 @@ def _kernel(
                 buffer, while the next item starts) or through q's buffer."""
                 if prefetch_q:
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # (the last store has read it)
-                    out_box = out_smem.at[wg]
+                    out_box = out_c
                     if direct is not None and a_in_smem:  # (interpret mode: as q)
                         pad = out_box.shape[0] * out_box.shape[1] - ROWS
                         out_box[...] = jnp.pad(out, ((0, pad), (0, 0))).reshape(out_box.shape)
@@ -1061,7 +1094,7 @@ def _kernel(
                         out_box[...] = out
                     plgpu.commit_smem()
                     if direct is None:
-                        plgpu.copy_smem_to_gmem(out_smem.at[wg], o_ref.at[row_tile, hk])
+                        plgpu.copy_smem_to_gmem(out_box, o_ref.at[row_tile, hk])
                         return
                     tq = direct[0]  # one copy into the output [T, Hkv, G, D] (TMA drops rows past T)
                     plgpu.copy_smem_to_gmem(out_box.at[pl.ds(0, tq)], o_ref.at[pl.ds(row_tile * tq, tq), hk])
@@ -1076,10 +1109,12 @@ def _kernel(
                 with item_scope("begin"):
                     q, rpos, rseq = begin(k, ik, hk, b)
                 walk = _Walk(segs_smem.at[b], nseg_ref[ik], spec, tile, max_segs)
+                if out_bases is not None:
+                    _wait_box_stored()
                 out, c = consume(
                     walk, q, rpos, rseq, k_smem, v_smem, ones_smem, k_bar, v_bar, scratch,
                     lambda pf, c: pf, (), tile_done,
-                    zero_v_sync, None if fold_smem is None else fold_smem.at[wg], c,
+                    zero_v_sync, fold_c, c,
                     functools.partial(after_walk, b), turns,
                 )  # fmt: skip
                 with item_scope("store"):
@@ -1099,6 +1134,23 @@ def _kernel(
             if pingpong:  # ... and is given one more than it takes: take it (none left over)
                 pl.when(wg == 0)(turns[0])
             plgpu.wait_smem_to_gmem(0)
+
+        if out_bases is None:
+            pl.when(wg < consumers)(
+                lambda: _consumer(
+                    None if fold_smem is None else fold_smem.at[wg],
+                    None if out_smem is None else out_smem.at[wg],
+                )
+            )
+        elif not a_in_smem:  # (``out_in_fold``) one union: consumer c's box at token out_bases[c]
+            fold_all, out_all = fold_smem
+            box = _box_tokens(direct[1], d, dtype.itemsize)
+            pl.when(wg < consumers)(
+                lambda: _consumer(fold_all.at[wg], out_all.at[pl.ds(out_bases[1] * wg, box)])
+            )
+        else:  # interpret mode: a union a consumer, each its own code (see ``_fold_buffers``)
+            for c, union in enumerate(fold_smem):
+                pl.when(wg == c)(functools.partial(_consumer, *union))
 
     def a_operands(*lead):
         """Interpret mode's SMEM copies of wgmma's A operands (q, p), ``lead`` x each; else None."""
@@ -1124,6 +1176,29 @@ def _kernel(
             plgpu.Barrier(num_arrivals=5),
         )
         return
+
+    def _fold_buffers():
+        """(the fold's buffer, the output's staging buffer): [consumers, 64, D] fp32 (with
+        ``fold_in_smem``) and ``qo_buffer`` (with ``prefetch_q``), or (``out_in_fold``) one
+        ``RefUnion`` of the fold and a [tokens, G, D] view over it holding each consumer's box
+        inside its own fold rows (``out_in_fold_layout``), and None. Interpret mode's race
+        detector takes every access through one alias group of a union to overlap every access
+        through another, whatever its bytes; so there each consumer has a union of its own (its
+        fold rows and its box): the race check then sees each consumer's fold against its own
+        output, and ``out_in_fold_layout`` keeps the consumers' bytes apart."""
+        fold = plgpu.SMEM((consumers, ROWS, d), jnp.float32) if fold_in_smem else None
+        if out_bases is None:
+            return fold, qo_buffer if prefetch_q else None
+        box = _box_tokens(direct[1], d, dtype.itemsize)
+        if a_in_smem:
+            one = plgpu.SMEM((ROWS, d), jnp.float32)
+            return tuple(
+                plgpu.RefUnion(one, plgpu.SMEM((box, direct[1], d), dtype, transforms=row_transforms))
+                for _ in range(consumers)
+            ), None
+        view = plgpu.SMEM((out_bases[-1] + box, direct[1], d), dtype, transforms=row_transforms)
+        return plgpu.RefUnion(fold, view), None
+
     # q (and with ``prefetch_q`` the output's staging buffer); with ``direct`` [tokens, G, D] in
     # 1-row tiles (8-row tiles would not take a token's G rows at any row): whole tokens that
     # cover a tile's 64 rows, a copy's box
@@ -1144,8 +1219,7 @@ def _kernel(
         plgpu.SMEM((consumers, 2, ROWS), jnp.int32),
         plgpu.SMEM((1 if work is None else 2, 4, max_segs), jnp.int32),
         a_operands(consumers),
-        plgpu.SMEM((consumers, ROWS, d), jnp.float32) if fold_in_smem else None,
-        qo_buffer if prefetch_q else None,
+        *_fold_buffers(),
         plgpu.Barrier(num_arrivals=pages, num_barriers=k_stages),
         plgpu.Barrier(num_arrivals=pages, num_barriers=stages),
         plgpu.Barrier(num_arrivals=1),  # the ones matrix
@@ -1209,6 +1283,7 @@ def tiles_mgpu(
     wide_sum: bool = False,
     k_ahead: bool = False,
     defer_pv: bool = False,
+    out_in_fold: bool = False,
     probe_skip: tuple[str, ...] = (),
     probe_exact_exp: bool = False,
     probe_unmasked: bool = False,
@@ -1243,9 +1318,8 @@ def tiles_mgpu(
     ``prefetch_q`` (with ``persistent`` and ``fold_in_smem``): a consumer loads its next item's q
     (and rows) as soon as this item's are in registers - the load is in flight for the whole
     walk - and stages its output in a buffer of its own, stored by TMA while the next item
-    starts (16 KB a warpgroup at D 128, out of the ring: 2 stages there, not 3). (The fold's
-    SMEM could hold it once read back, as a ``RefUnion``; but one union spans both warpgroups'
-    buffers, and interpret mode's race detector cannot tell their halves apart. ``early_q``,
+    starts (16 KB a warpgroup at D 128, out of the ring: 2 stages there, not 3; see
+    ``out_in_fold`` for a place in the fold's SMEM). (``early_q``,
     which loaded the next q only after a walk and stored the output from registers, was
     measured in session 44 - 0.97x on 4096-token prompts, 1.03x elsewhere - and removed.)
 
@@ -1306,6 +1380,13 @@ def tiles_mgpu(
     buffers in SMEM) is the slot the tile before has only just released, so every tile waited
     out a whole load (session 57: why overlapped scores were 1.3x slower). Where it does not
     fit, the V ring has fewer slots.
+
+    ``out_in_fold`` (with ``direct_io``): a consumer stages its output in its own fold rows
+    (``out_in_fold_layout``: a ``RefUnion``), not in a buffer of its own - the output is
+    written once the fold is read back, and an item's walk starts (its first fold write) once
+    the item before's output store has read the box - saving 2 x 21 KB at 28 / 4 heads, where
+    ``k_ahead`` does not fit otherwise (236 KB against 226). Only where the output waits
+    changes. Where the rows do not go straight to the output (no ``direct``), it has no effect.
 
     ``defer_pv`` (with ``overlap``, ``one_drain``, ``k_ahead`` and ``pv="into"``):
     FlashAttention-3's schedule - a tile's p @ v is not waited for at its end but at the next
@@ -1380,6 +1461,8 @@ def tiles_mgpu(
         raise ValueError("attention (Mosaic GPU tiles): wide_sum needs one_drain")
     if k_ahead and consumers == 1:
         raise ValueError("attention (Mosaic GPU tiles): k_ahead needs consumers=2 (a producer's rings)")
+    if out_in_fold and not direct_io:
+        raise ValueError("attention (Mosaic GPU tiles): out_in_fold needs direct_io (its output boxes)")
     if defer_pv and not (overlap and one_drain and k_ahead and pv == "into" and not pingpong):
         raise ValueError(
             "attention (Mosaic GPU tiles): defer_pv needs overlap, one_drain, k_ahead and "
@@ -1433,9 +1516,12 @@ def tiles_mgpu(
     ones = jnp.ones((tile, _SUM_N), qg.dtype)
     rows_view = (num_blocks * block_size, hkv, d)
     qo_rows = ROWS if direct is None else _box_tokens(direct[1], d, qg.dtype.itemsize) * direct[1]
+    out_bases = None
+    if out_in_fold and direct is not None:  # (else the tiles' rows: a buffer of their own)
+        out_bases = out_in_fold_layout(direct[1], d, qg.dtype.itemsize, consumers)[0]
     stages = _stages(
         tile, d, qg.dtype.itemsize, stages, consumers, bool(fold_in_smem), bool(prefetch_q), qo_rows,
-        trace=trace_level is not None, k_ahead=bool(k_ahead),
+        trace=trace_level is not None, k_ahead=bool(k_ahead), out_in_fold=out_bases is not None,
     )  # fmt: skip
     kwargs = {} if interpret is None else {"interpret": interpret}
     if trace_level is not None:
@@ -1481,6 +1567,7 @@ def tiles_mgpu(
         k_stages=stages + bool(k_ahead),
         defer_pv=bool(defer_pv),
         probe_skip=tuple(probe_skip),
+        out_bases=out_bases,
     )
     args = [segs, nseg, program_order, rpos, rseq, block_tables, q if direct is None else qg]
     if program_order is None:  # the program index is the tile's

@@ -114,6 +114,45 @@ def test_segments_are_each_tiles_sequences_ascending():
         assert nseg[t] == len(want) and seqs[t].tolist() == want + [2**30] * (48 - len(want))
 
 
+def test_out_in_fold_keeps_each_consumers_bytes_apart():
+    """``out_in_fold``: each consumer's output box lies inside its own fold rows, on a 1 KB
+    boundary (the swizzle's pattern), for every query group and head dim it takes - so no
+    consumer's output shares a byte with the other's fold (interpret mode's race detector, one
+    union a consumer there, cannot see this) - or the layout is refused by name. It is what
+    lets ``k_ahead`` fit at 28 / 4 heads, D 128. Control: the boxes one after another, as in a
+    staging buffer of their own, fail the same check."""
+
+    def inside(bases, group, d):
+        """Whether every consumer's box is 1 KB-aligned and inside its own fold rows."""
+        part, token = attention_mgpu.ROWS * d * 4, group * d * 2
+        box = attention_mgpu._box_tokens(group, d, 2)
+        return all(
+            base * token % 1024 == 0 and c * part <= base * token and (base + box) * token <= (c + 1) * part
+            for c, base in enumerate(bases)
+        )
+
+    fits = 0
+    for d in (64, 128):
+        for group in range(1, 65):
+            try:
+                bases, total = attention_mgpu.out_in_fold_layout(group, d, 2)
+            except ValueError as e:
+                assert "out_in_fold" in str(e) and f"{group} heads" in str(e)
+                continue
+            fits += 1
+            assert inside(bases, group, d), (group, d)
+            assert total == bases[-1] + attention_mgpu._box_tokens(group, d, 2)
+    assert fits > 40
+    for group, d in ((4, 128), (7, 128), (8, 128), (3, 64), (1, 64)):  # bijax's presets' shapes fit
+        attention_mgpu.out_in_fold_layout(group, d, 2)
+    assert not inside((0, attention_mgpu._box_tokens(7, 128, 2)), 7, 128)  # control
+    # 28 / 4 at D 128: k_ahead fits only with the output in the fold
+    shape = dict(consumers=2, fold_in_smem=True, out_buffer=True, qo_rows=12 * 7, k_ahead=True)
+    with pytest.raises(ValueError, match="shared memory"):
+        attention_mgpu._stages(64, 128, 2, 3, **shape)
+    assert attention_mgpu._stages(64, 128, 2, 3, **shape, out_in_fold=True) >= 2
+
+
 @pytest.mark.parametrize(
     "pv,rounding,overlap,launch",
     [
@@ -133,6 +172,18 @@ def test_segments_are_each_tiles_sequences_ascending():
             "two",
             True,
             {**dict(attention_triton.MGPU_PREFILL_LAUNCH), "k_ahead": True, "defer_pv": True},
+        ),
+        # ... with the output staged in the fold's SMEM (one ``RefUnion``: no interpret mode's form)
+        (
+            "into",
+            "two",
+            True,
+            {
+                **dict(attention_triton.MGPU_PREFILL_LAUNCH),
+                "k_ahead": True,
+                "defer_pv": True,
+                "out_in_fold": True,
+            },
         ),
         ("into", "two", False, {**dict(attention_triton.MGPU_PREFILL_LAUNCH), "pingpong": True}),
         (
@@ -367,6 +418,9 @@ def test_launch_choices_keep_the_bits():
         # each consumer's next q @ k.T issued before this tile's softmax, from a K ring one
         # slot longer than the V ring (``k_ahead``)
         {**_DIRECT, "persistent": 3, "token_walk": True, "overlap": True, "k_ahead": True},
+        # ... and each consumer's output staged in its own fold rows (a ``RefUnion``), one
+        # program running every item: the store of an item's output and the next item's fold
+        {**_DIRECT, "persistent": 1, "token_walk": True, "out_in_fold": True},
         # ... and the consumers taking turns to issue their dots (FlashAttention-3's ping-pong),
         # with the next tile's scores issued with this tile's p @ v, or in turns of their own
         {**_DIRECT, "persistent": 3, "overlap": True, "one_drain": True, "pingpong": True},
@@ -384,6 +438,15 @@ def test_launch_choices_keep_the_bits():
     )  # fmt: skip
     assert not get_races().races_found
     np.testing.assert_array_equal(bits(out)[: len(tokens)], base)
+    # control for the race check: without the wait for an item's output store before the next
+    # item's walk writes the fold it lies in, the detector sees the two overlap
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(attention_mgpu, "_wait_box_stored", lambda: None)
+        tiles_mgpu(
+            q, paged.kc, paged.vc, index, spec=spec, pv="add", rounding="compiler", interpret=mode,
+            **{**_DIRECT, "persistent": 1, "out_in_fold": True},
+        )  # fmt: skip
+        assert get_races().races_found, "no race without the wait: the race check cannot fail"
     control = run(spec=AttentionSpec.create(64, sliding_window=90, split_size=128), consumers=2)
     assert not np.array_equal(control, base), "split size changed nothing: the check cannot fail"
     # the timing probe that skips the masked tiles' work does change values (it is no launch)
