@@ -117,21 +117,6 @@ SWITCHES = {
             # ... and the masked tiles' lean key mask, the row sums' columns apart (the
             # engine's, session 57)
             ("lean-wide", {**TOKEN_WALK, "bare_full": True, "lean_mask": True, "wide_sum": True}),
-            # ... with FlashAttention-3's schedule: overlapped scores from a K ring a slot longer,
-            # p @ v waited for at the next tile (session 58; refused where K ahead does not
-            # fit, e.g. 28 / 4 heads at D 128)
-            (
-                "deferred-pv",
-                {
-                    **TOKEN_WALK,
-                    "bare_full": True,
-                    "lean_mask": True,
-                    "wide_sum": True,
-                    "overlap": True,
-                    "k_ahead": True,
-                    "defer_pv": True,
-                },
-            ),
         )
     },
     "decode-splits": {

@@ -91,20 +91,11 @@ _WIDE = _launches(_LEAN_NAME, f"{_LEAN_NAME}, wide sum", f"{_LEAN_NAME}, wide su
 _KA = f"{_LEAN_NAME}, wide sum"
 _KAHEAD_TIMING = _launches(_KA, f"{_KA}, K ahead, overlapped", f"{_KA}, K ahead, overlapped, ping-pong")
 _KAHEAD_BITS = _launches(f"{_KA}, K ahead, overlapped")
-# ... and FlashAttention-3's schedule on top (p @ v waited for at the next tile: ``defer_pv``)
-_DEFER = _launches(_KA, f"{_KA}, K ahead, overlapped", f"{_KA}, K ahead, overlapped, deferred p @ v")
-_DEFER_ONLY = _launches(f"{_KA}, K ahead, overlapped, deferred p @ v")
+# (sessions 57-59: FlashAttention-3's schedule on top, ``defer_pv`` - slower, removed)
 # ... and (session 59) each consumer's output in its own fold rows (``out_in_fold``: room for K
-# ahead at 28 / 4), alone and under the deferred p @ v
-_FOLD_OUT = _launches(
-    _KA,
-    f"{_KA}, output in fold",
-    f"{_KA}, K ahead, overlapped, deferred p @ v",
-    f"{_KA}, K ahead, overlapped, deferred p @ v, output in fold",
-)
-_FOLD_OUT_BITS = _launches(
-    f"{_KA}, output in fold", f"{_KA}, K ahead, overlapped, deferred p @ v, output in fold"
-)
+# ahead at 28 / 4, 3 V slots there)
+_FOLD_OUT = _launches(_KA, f"{_KA}, output in fold")
+_FOLD_OUT_BITS = _launches(f"{_KA}, output in fold")
 _TOKEN_WALK = (
     "'BIJAX_MGPU_LAUNCHES="
     + "|".join("=" + n for n in (_S51[1], f"{_S51[1]}, token walk", f"{_S51[1]}, overlapped"))
@@ -301,7 +292,6 @@ STEPS = {
             "pair-all-dense-fold-persistent-prefetch-q",
             "direct-io",
             "token-walk",
-            "deferred-pv",
         )
     },
     "mgpu-bits": (_py("attention_mgpu.py", "--child", "bits"), 270, "Mosaic attention == Triton bits"),
@@ -377,35 +367,11 @@ STEPS = {
         "overlapped scores from a K ring a slot longer (K ahead), and with ping-pong (bits: the first alone)",
         bits_env=_KAHEAD_BITS,
     ),
-    "mgpu-s57d-ptxas": _ptxas(
-        _DEFER_ONLY,
-        120,
-        "the deferred p @ v launch (FlashAttention-3's schedule): registers, spills; PTX under $OUT/ptxas/ (SASS off the device)",
-    ),
-    **_launch_steps(
-        "s57d",
-        _DEFER,
-        (200, 200),
-        "overlapped scores (K ahead) and the deferred p @ v on top (bits: the deferred alone; its 28/4 checks are refused: K ahead does not fit)",
-        bits_env=_DEFER_ONLY,
-    ),
-    "mgpu-s58-ptxas": _ptxas(
-        _DEFER_ONLY,
-        120,
-        "the deferred p @ v launch, every wgmma group waited for at the rescale (session 57's form: serialized by ptxas, C7514): registers, spills, serialized notes",
-    ),
-    **_launch_steps(
-        "s58",
-        _DEFER,
-        (240, 200),
-        "overlapped scores (K ahead) and the deferred p @ v on top, every group waited for at the rescale (bits: the deferred alone; 28/4 refused: K ahead does not fit)",
-        bits_env=_DEFER_ONLY,
-    ),
     **_launch_steps(
         "s59",
         _FOLD_OUT,
         (300, 240),
-        "the output staged in the fold's SMEM, alone and under the deferred p @ v (there the only way K ahead fits at 28/4)",
+        "the output staged in the fold's SMEM (3 V slots at 28/4; room for K ahead there)",
         bits_env=_FOLD_OUT_BITS,
     ),
     "attention-trace-kahead": _parts_trace(

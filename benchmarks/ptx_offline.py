@@ -6,7 +6,7 @@ a target description (an H100 80GB's; sm_90a, as the H200's) takes ``jit(...).lo
 device, and with ``MOSAIC_GPU_DUMP_TO`` set writes the PTX and ptxas's report. This prints, per
 launch, what the device's ``mgpu-*-ptxas`` steps print - registers, spills, ptxas's "wgmma
 serialized" notes (C7514 / C7515) - in seconds and without device time (session 58: the same
-report as the device's for both forms of ``defer_pv``, the serialized one and the mended one).
+report as the device's for both forms of the deferred p @ v launch, since removed).
 
 Set-up, once (~150 MB): ``make ptx-tools`` - this jax version's jax-cuda13 plugin and PJRT
 wheels unpacked into ``.ptx-tools/site``, and ptxas 13.0 (the device's CUDA) from the

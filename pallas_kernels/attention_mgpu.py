@@ -368,7 +368,7 @@ def _kernel(
     direct: tuple[int, int] | None, probe_unmasked: bool, inline_ex2: bool, probe_exact_exp: bool, probe_log2_scores: bool,
     trace: str | None = None, pingpong: bool = False, bare_full: bool = False,
     lean_mask: bool = False, wide_sum: bool = False, k_stages: int | None = None,
-    defer_pv: bool = False, probe_skip: tuple[str, ...] = (), out_bases: tuple[int, ...] | None = None,
+    probe_skip: tuple[str, ...] = (), out_bases: tuple[int, ...] | None = None,
 ):  # fmt: skip
     item_scope, tile_scope, part_scope = _scopes(trace)
     # ``k_ahead``: the K ring's slots (the V ring has ``stages``); tile c is in K slot
@@ -482,18 +482,14 @@ def _kernel(
         ``after_walk()``, if given, runs once the walk's last wgmma is done, before the fold's
         accumulator is read back and normalized.
         ``prefetch(pf, c)`` (the single-warpgroup kernel's own loads; ``pf`` its cursor, () if
-        none) runs at the start of tile c; ``tile_done(c, ring)`` once tile c's wgmmas are
-        done with its slots (ring "kv"; ``defer_pv``: "k" after its q @ k.T, "v" after its
-        p @ v); ``zero_v_sync(zero)`` runs the zeroing of a slot's unseen V rows.
+        none) runs at the start of tile c; ``tile_done(c)`` once tile c's wgmmas are done with
+        its slots; ``zero_v_sync(zero)`` runs the zeroing of a slot's unseen V rows.
         ``fold_smem``: an fp32 [ROWS, D] SMEM buffer that holds the split fold's accumulator
         between folds (None: it stays in registers, 64 a thread live through every tile).
         ``turns`` (``pingpong``): (wait for this warpgroup's turn, give the other its turn),
         around the issue of a tile's p @ ones and p @ v (with ``overlap`` also the next tile's
         q @ k.T; without, q @ k.T takes a turn of its own)."""
         nseg = walk.nseg
-        # (``defer_pv``) the split's register accumulator, held across its tiles, and how the
-        # current tile frees the V slot of the tile before it (set while the walk is traced)
-        deferred = {}
 
         def fold_split(fold, state, use):
             """``fold_step`` with the fold's accumulator in registers or in ``fold_smem`` (each
@@ -558,24 +554,18 @@ def _kernel(
                     new = tile_math(slot, s, state, ok, zero_v)
                 else:  # issued with this tile's p @ v, in this warpgroup's turn
                     new = tile_math(slot, s, state, ok, zero_v, issue_next)
-                if defer_pv:  # (this tile's p @ v, the newest group, may still run)
-                    return new, plgpu.wgmma_accumulator_load(next_ref, wait_n=1)
                 return new, next_ref[...]
 
             new, s = pl.run_scoped(scope, plgpu.ACC((ROWS, tile), jnp.float32))
-            tile_done(c, "k" if defer_pv else "kv")  # (``defer_pv``: V once p @ v is done)
+            tile_done(c)
             return new, s
 
         def tile_math(slot, s, state, ok, zero_v, issue_next=None):
-            def v_ready():
-                with part_scope("wait_v"):
-                    plgpu.barrier_wait(v_bar.at[slot])
-                if zero_v is not None:
-                    with part_scope("zero_v"):
-                        zero_v(slot)
-
-            if not defer_pv:
-                v_ready()
+            with part_scope("wait_v"):
+                plgpu.barrier_wait(v_bar.at[slot])
+            if zero_v is not None:
+                with part_scope("zero_v"):
+                    zero_v(slot)
 
             def operand(p):
                 if not a_in_smem:
@@ -621,37 +611,9 @@ def _kernel(
                     issue_next()
                 give_turn()
 
-            def sum_and_update_deferred(acc, alpha, p):
-                """``defer_pv``: wait for the tile before's p @ v, free its V slot, rescale acc
-                in its register accumulator, and issue this tile's p @ ones and p @ v; wait for
-                p @ ones only. The same operations as ``sum_and_update``'s "into" form, in the
-                same order: p @ v accumulates into acc * alpha."""
-                del acc  # (held in the split's accumulator across its tiles)
-                acc_ref, release_before = deferred["acc"], deferred["release"]
-                alpha = lax.broadcast_in_dim(alpha, (ROWS, d), (0,))
-                p = operand(p)
-                # Every group waited for, the next tile's q @ k.T too (issued before this
-                # tile's softmax, so done by now): with a group in flight at each of a tile's
-                # waits, ptxas serializes every wgmma of the kernel (its note C7514; 1.10x
-                # slower on the H100, session 58). Only p @ v stays in flight across tiles.
-                before = plgpu.wgmma_accumulator_load(acc_ref, wait_n=0)
-                release_before()
-                acc_ref[...] = rescale(before, alpha)
-                v_ready()
-
-                def dots(sum_ref):
-                    plgpu.wgmma(sum_ref, p, ones_smem)
-                    plgpu.wgmma(acc_ref, p, v_smem.at[slot])
-                    return plgpu.wgmma_accumulator_load(sum_ref, wait_n=1)
-
-                with part_scope("dots"):
-                    return pl.run_scoped(dots, plgpu.ACC((ROWS, _SUM_N), jnp.float32)), None
-
             def sum_and_update(acc, alpha, p):
                 """p @ ones and the new acc with one wait for both wgmmas (``one_drain``; with
                 ``pingpong`` in this warpgroup's turn, with the next tile's q @ k.T)."""
-                if defer_pv:
-                    return sum_and_update_deferred(acc, alpha, p)
                 alpha = lax.broadcast_in_dim(alpha, acc.shape, (0,))
                 p = operand(p)
                 if pv == "into":
@@ -732,8 +694,6 @@ def _kernel(
                     state, pf, c, s = x
                     pf = prefetch(pf, c + stages - 1)
                     tile_start = start + t * tile
-                    if defer_pv:  # (the split's first tile has no tile before it in flight)
-                        deferred["release"] = lambda: pl.when(t > first)(lambda: tile_done(c - 1, "v"))
                     if masked and lean_mask:  # each row's key range: one compare a key and side
                         col = plgpu.broadcasted_iota(jnp.int32, (ROWS, tile), 1, layout=wgmma_layout)
                         ok = col <= rows2(last_key - tile_start, tile)
@@ -781,20 +741,7 @@ def _kernel(
                     x = lax.fori_loop(a, b, functools.partial(tile_step, False), x)
                     return lax.fori_loop(b, num_tiles, functools.partial(tile_step, masked), x)
 
-                x = (empty_state(wide_sum), pf, c, s)
-                if defer_pv:  # the split's accumulator in registers across its tiles
-
-                    def scoped(acc_ref):
-                        acc_ref[...] = x[0][2]
-                        deferred["acc"] = acc_ref
-                        (m, l, _), *rest = tiles(((x[0][0], x[0][1], None), *x[1:]))
-                        acc = acc_ref[...]  # (the last tile's p @ v waited for: its V is free)
-                        pl.when(num_tiles > first)(lambda: tile_done(rest[1] - 1, "v"))
-                        return ((m, l, acc), *rest)
-
-                    x = pl.run_scoped(scoped, plgpu.ACC((ROWS, d), jnp.float32))
-                else:
-                    x = tiles(x)
+                x = tiles((empty_state(wide_sum), pf, c, s))
                 with tile_scope("fold"):
                     state = x[0]
                     if wide_sum:  # the row sums' columns are the same values: any is the max
@@ -870,7 +817,7 @@ def _kernel(
             pf = prefetch(pf, jnp.int32(c))
         out, _ = consume(
             walk, q, rpos, rseq, k_smem, v_smem, ones_smem, k_bar, v_bar, a_smem,
-            prefetch, pf, lambda c, ring="kv": None, lambda zero: zero(), fold_smem,
+            prefetch, pf, lambda c: None, lambda zero: zero(), fold_smem,
         )  # fmt: skip
         o_smem = k_smem.at[0, pl.ds(0, ROWS)]  # every load has been consumed: slot 0 is free
         o_smem[...] = out
@@ -1018,12 +965,11 @@ def _kernel(
                 plgpu.barrier_arrive(zero_bar)
                 plgpu.barrier_wait(zero_bar)
 
-            def tile_done(c, ring="kv"):
-                """Tile c's slots in ``ring`` ("kv", or with ``k_ahead`` "k" / "v" alone) are
-                free for the producer (this consumer's part)."""
-                if ring != "k":
-                    plgpu.barrier_arrive(consumed_bar.at[lax.rem(c, stages)])
-                if k_stages != stages and ring != "v":
+            def tile_done(c):
+                """Tile c's K and V slots are free for the producer (this consumer's part; with
+                ``k_ahead`` the K ring's own barrier too)."""
+                plgpu.barrier_arrive(consumed_bar.at[lax.rem(c, stages)])
+                if k_stages != stages:
                     plgpu.barrier_arrive(consumed_k_bar.at[lax.rem(c, k_stages)])
 
             def load_q(ik, hk):
@@ -1282,7 +1228,6 @@ def tiles_mgpu(
     lean_mask: bool = False,
     wide_sum: bool = False,
     k_ahead: bool = False,
-    defer_pv: bool = False,
     out_in_fold: bool = False,
     probe_skip: tuple[str, ...] = (),
     probe_exact_exp: bool = False,
@@ -1388,17 +1333,12 @@ def tiles_mgpu(
     ``k_ahead`` does not fit otherwise (236 KB against 226). Only where the output waits
     changes. Where the rows do not go straight to the output (no ``direct``), it has no effect.
 
-    ``defer_pv`` (with ``overlap``, ``one_drain``, ``k_ahead`` and ``pv="into"``):
-    FlashAttention-3's schedule - a tile's p @ v is not waited for at its end but at the next
-    tile's rescale, after that tile's scores, max and exponentials: the accumulator stays in
-    registers across a split's tiles (a wgmma accumulator scoped around them, rescaled in
-    place), a tile's V slot is freed only once its p @ v is done, and V is waited for just
-    before the dots. The same operations in the same order (p @ v accumulates into
-    acc * alpha): the same values. The rescale waits for every wgmma group (p @ v stays in flight
-    only from a tile's end through the next tile's softmax): with a group in flight at each of a
-    tile's waits ptxas serialized every wgmma of the kernel (note C7514, session 58). No
-    interpret mode (its interpreter has no accumulator store, and runs a wgmma when it is
-    issued).
+    (``defer_pv``, FlashAttention-3's schedule - a tile's p @ v waited for only at the next
+    tile's rescale, the accumulator in registers across a split's tiles - was measured in
+    sessions 58-59 and removed: ptxas serialized every wgmma while a group stayed in flight at
+    each wait (C7514); with every group waited for at the rescale it was 1.06-1.10x slower than
+    the engine's launch on the H100, and with ``out_in_fold`` one bit check (a 300-key window)
+    failed. RESULTS.md session 59.)
 
     ``probe_exact_exp`` is a measurement probe, not a launch choice: 2**y as the exact ``exp`` of
     y * ln 2 (libdevice's ``expf``, the exponential of NUMERICS_VERSION 5, with two multiplies
@@ -1463,11 +1403,6 @@ def tiles_mgpu(
         raise ValueError("attention (Mosaic GPU tiles): k_ahead needs consumers=2 (a producer's rings)")
     if out_in_fold and not direct_io:
         raise ValueError("attention (Mosaic GPU tiles): out_in_fold needs direct_io (its output boxes)")
-    if defer_pv and not (overlap and one_drain and k_ahead and pv == "into" and not pingpong):
-        raise ValueError(
-            "attention (Mosaic GPU tiles): defer_pv needs overlap, one_drain, k_ahead and "
-            'pv="into", without pingpong'
-        )
     if not set(probe_skip) <= {"exp", "rescale"}:
         raise ValueError(
             f"attention (Mosaic GPU tiles): probe_skip takes 'exp' and 'rescale', got {probe_skip!r}"
@@ -1565,7 +1500,6 @@ def tiles_mgpu(
         lean_mask=bool(lean_mask),
         wide_sum=bool(wide_sum),
         k_stages=stages + bool(k_ahead),
-        defer_pv=bool(defer_pv),
         probe_skip=tuple(probe_skip),
         out_bases=out_bases,
     )

@@ -166,24 +166,13 @@ def test_out_in_fold_keeps_each_consumers_bytes_apart():
         ("into", "two", False, {**dict(attention_triton.MGPU_PREFILL_LAUNCH), "persistent": 5}),
         ("into", "two", True, dict(attention_triton.MGPU_PREFILL_LAUNCH)),  # ... overlapped scores
         ("into", "two", True, {**dict(attention_triton.MGPU_PREFILL_LAUNCH), "pingpong": True}),  # ... turns
-        # ... FlashAttention-3's schedule: p @ v waited for at the next tile (no interpret mode)
+        # ... with a K ring a slot longer and the output staged in the fold's SMEM (one
+        # ``RefUnion``; interpret mode has a union a consumer: this form only lowers here)
         (
             "into",
             "two",
             True,
-            {**dict(attention_triton.MGPU_PREFILL_LAUNCH), "k_ahead": True, "defer_pv": True},
-        ),
-        # ... with the output staged in the fold's SMEM (one ``RefUnion``: no interpret mode's form)
-        (
-            "into",
-            "two",
-            True,
-            {
-                **dict(attention_triton.MGPU_PREFILL_LAUNCH),
-                "k_ahead": True,
-                "defer_pv": True,
-                "out_in_fold": True,
-            },
+            {**dict(attention_triton.MGPU_PREFILL_LAUNCH), "k_ahead": True, "out_in_fold": True},
         ),
         ("into", "two", False, {**dict(attention_triton.MGPU_PREFILL_LAUNCH), "pingpong": True}),
         (
@@ -219,9 +208,9 @@ def test_cuda_lowering_is_one_mosaic_gpu_kernel(pv, rounding, overlap, launch):
     # the one exponential of every GPU kernel (the Triton kernels' inline assembly): ex2.approx.ftz,
     # and no math-dialect exp / exp2 (what a missed exp2 hook would lower to)
     assert EX2_PTX in text and "math.exp" not in text
-    # ``defer_pv`` waits for all but the newest wgmma group (a tile's p @ v stays in flight);
-    # every other launch waits for all of them
-    assert ("wgmma.wait_group.sync.aligned 1;" in text) == bool(launch.get("defer_pv")), launch
+    # every wait for a wgmma waits for all of them (with a group in flight at each wait ptxas
+    # serialized every wgmma of the kernel: its note C7514, session 58)
+    assert "wgmma.wait_group.sync.aligned 1;" not in text, launch
     if launch.get("pingpong"):  # the turns reach the kernel: another module than without them
         plain = cuda_export(
             lambda q, k, v, idx: tiles_mgpu(
@@ -313,8 +302,8 @@ def test_unsupported_calls_are_refused_by_name():
     for launch in ({}, {"one_drain": True}, {"consumers": 2, "overlap": True}):
         with pytest.raises(ValueError, match="pingpong needs consumers=2 and one_drain"):
             tiles_mgpu(q, kc, kc, idx, spec=spec, pingpong=True, **launch)
-    with pytest.raises(ValueError, match="defer_pv needs overlap, one_drain, k_ahead"):
-        tiles_mgpu(q, kc, kc, idx, spec=spec, consumers=2, overlap=True, one_drain=True, defer_pv=True)
+    with pytest.raises(ValueError, match="out_in_fold needs direct_io"):
+        tiles_mgpu(q, kc, kc, idx, spec=spec, consumers=2, out_in_fold=True)
     with pytest.raises(ValueError, match="k_ahead needs consumers=2"):
         tiles_mgpu(q, kc, kc, idx, spec=spec, k_ahead=True)
     with pytest.raises(ValueError, match="wide_sum needs one_drain"):
