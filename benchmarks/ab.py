@@ -117,6 +117,11 @@ SWITCHES = {
             # ... and the masked tiles' lean key mask, the row sums' columns apart (the
             # engine's, session 57)
             ("lean-wide", {**TOKEN_WALK, "bare_full": True, "lean_mask": True, "wide_sum": True}),
+            # ... with each item's order entry and walk length read an item ahead (session 59)
+            (
+                "early-reads",
+                {**TOKEN_WALK, "bare_full": True, "lean_mask": True, "wide_sum": True, "early_reads": True},
+            ),
         )
     },
     "decode-splits": {

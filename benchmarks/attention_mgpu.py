@@ -345,6 +345,9 @@ LAUNCHES = {
             # (``out_in_fold``: 2 x 21 KB less SMEM at 28 / 4 - 3 V slots there instead of 2,
             # and room for ``k_ahead``; 0.99-1.01x on the H100)
             (", wide sum, output in fold", {"wide_sum": True, "out_in_fold": True}),
+            # ... and each item's launch-order entry and walk length read from GMEM an item
+            # ahead (``early_reads``: no scalar load waited for between items)
+            (", wide sum, early reads", {"wide_sum": True, "early_reads": True}),
         )
     },
 }

@@ -96,6 +96,9 @@ _KAHEAD_BITS = _launches(f"{_KA}, K ahead, overlapped")
 # ahead at 28 / 4, 3 V slots there)
 _FOLD_OUT = _launches(_KA, f"{_KA}, output in fold")
 _FOLD_OUT_BITS = _launches(f"{_KA}, output in fold")
+# ... and each item's launch-order entry and walk length read an item ahead (``early_reads``)
+_EARLY = _launches(_KA, f"{_KA}, early reads")
+_EARLY_BITS = _launches(f"{_KA}, early reads")
 _TOKEN_WALK = (
     "'BIJAX_MGPU_LAUNCHES="
     + "|".join("=" + n for n in (_S51[1], f"{_S51[1]}, token walk", f"{_S51[1]}, overlapped"))
@@ -292,6 +295,7 @@ STEPS = {
             "pair-all-dense-fold-persistent-prefetch-q",
             "direct-io",
             "token-walk",
+            "early-reads",
         )
     },
     "mgpu-bits": (_py("attention_mgpu.py", "--child", "bits"), 270, "Mosaic attention == Triton bits"),
@@ -373,6 +377,13 @@ STEPS = {
         (300, 240),
         "the output staged in the fold's SMEM (3 V slots at 28/4; room for K ahead there)",
         bits_env=_FOLD_OUT_BITS,
+    ),
+    **_launch_steps(
+        "s59b",
+        _EARLY,
+        (240, 160),
+        "each item's launch-order entry and walk length read from GMEM an item ahead (early reads)",
+        bits_env=_EARLY_BITS,
     ),
     "attention-trace-kahead": _parts_trace(
         "k_ahead=True,overlap=True", "the engine's launch with overlapped scores from a K ring a slot longer"

@@ -369,6 +369,7 @@ def _kernel(
     trace: str | None = None, pingpong: bool = False, bare_full: bool = False,
     lean_mask: bool = False, wide_sum: bool = False, k_stages: int | None = None,
     probe_skip: tuple[str, ...] = (), out_bases: tuple[int, ...] | None = None,
+    early_reads: bool = False,
 ):  # fmt: skip
     item_scope, tile_scope, part_scope = _scopes(trace)
     # ``k_ahead``: the K ring's slots (the V ring has ``stages``); tile c is in K slot
@@ -855,9 +856,12 @@ def _kernel(
             in_last = jnp.where(full % 2 == 0, pid < rest, pid >= programs - rest)
             count = full + in_last.astype(jnp.int32)
 
-        def items(run, c):
+        def items(run, c, early=False):
             """``run(k, i, h, b, c) -> c`` for each of this program's items k (b: its segments'
-            buffer; c: the ring's tile count)."""
+            buffer; c: the ring's tile count). ``early`` (``early_reads``): ``run(k, i, h, b, c,
+            nseg, nxt)`` with item k's walk length and item k + 1's (tile pair, KV head) read
+            from GMEM while the item before ran (and item k + 2's while this one runs): no read
+            waited for between items."""
             if work is None:
                 return run(0, i, h, 0, c)
 
@@ -865,7 +869,23 @@ def _kernel(
                 ik, hk = item_of(k)
                 return run(k, ik, hk, lax.rem(k, nbuf), c)
 
-            return lax.fori_loop(0, count, one, c)
+            if not early:
+                return lax.fori_loop(0, count, one, c)
+
+            def ahead(k, nik, nhk):
+                """Item k + 1's (pair, head, walk length), item k + 2's (pair, head): the reads
+                start now, their values are used by the next item (the last items read the
+                program's last item again: nothing past it)."""
+                return (nik, nhk, nseg_ref[nik], *item_of(jnp.minimum(k + 2, count - 1)))
+
+            def one_early(k, carry):
+                c, (ik, hk, nseg, nik, nhk) = carry
+                nxt = ahead(k, nik, nhk)
+                return run(k, ik, hk, lax.rem(k, nbuf), c, nseg, (nik, nhk)), nxt
+
+            ik0, hk0 = item_of(0)
+            first = (ik0, hk0, nseg_ref[ik0], *item_of(jnp.minimum(1, count - 1)))
+            return lax.fori_loop(0, count, one_early, (c, first))[0]
 
         def item_of(k):
             """(tile pair, KV head) of this program's item k: round k's items in snake order
@@ -991,9 +1011,10 @@ def _kernel(
                 if work is not None:
                     plgpu.barrier_arrive(segs_free.at[b])
 
-            def begin(k, ik, hk, b):
+            def begin(k, ik, hk, b, nxt=None):
                 """Item k's q (wgmma's A operand) and row positions / sequences, once its q, rows
-                and segments are in (and the next item's q loads started, ``prefetch_q``)."""
+                and segments are in (and the next item's q loads started, ``prefetch_q``; ``nxt``:
+                its (tile pair, KV head) if already read)."""
                 if not prefetch_q:  # (else the item before loaded it, or the loop's start)
                     load_q(ik, hk)
                 with part_scope("q_wait"):
@@ -1016,7 +1037,7 @@ def _kernel(
                 if prefetch_q:  # q and the rows are in registers: the next item's load them now
                     with part_scope("next_q"):
                         plgpu.commit_smem()  # (every thread's reads done: a warpgroup barrier)
-                        pl.when(k + 1 < count)(lambda: load_q(*item_of(k + 1)))
+                        pl.when(k + 1 < count)(lambda: load_q(*(item_of(k + 1) if nxt is None else nxt)))
                 with part_scope("segs_wait"):
                     plgpu.barrier_wait(setup_bar.at[b])  # the walk (segments)
                 if work is None:  # and, before the first item, the ones matrix (after q's loads)
@@ -1050,11 +1071,11 @@ def _kernel(
                 plgpu.copy_smem_to_gmem(q_smem, o_ref.at[row_tile, hk])
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # q_smem is free again
 
-            def run(k, ik, hk, b, c):
+            def run(k, ik, hk, b, c, nseg=None, nxt=None):
                 row_tile = consumers * ik + wg
                 with item_scope("begin"):
-                    q, rpos, rseq = begin(k, ik, hk, b)
-                walk = _Walk(segs_smem.at[b], nseg_ref[ik], spec, tile, max_segs)
+                    q, rpos, rseq = begin(k, ik, hk, b, nxt)
+                walk = _Walk(segs_smem.at[b], nseg_ref[ik] if nseg is None else nseg, spec, tile, max_segs)
                 if out_bases is not None:
                     _wait_box_stored()
                 out, c = consume(
@@ -1076,7 +1097,7 @@ def _kernel(
                 pl.when(wg == 1)(turns[1])  # consumer 0 has the first turn ...
             if prefetch_q:
                 pl.when(count > 0)(lambda: load_q(*item_of(0)))
-            items(run, jnp.int32(0))
+            items(run, jnp.int32(0), early_reads)
             if pingpong:  # ... and is given one more than it takes: take it (none left over)
                 pl.when(wg == 0)(turns[0])
             plgpu.wait_smem_to_gmem(0)
@@ -1229,6 +1250,7 @@ def tiles_mgpu(
     wide_sum: bool = False,
     k_ahead: bool = False,
     out_in_fold: bool = False,
+    early_reads: bool = False,
     probe_skip: tuple[str, ...] = (),
     probe_exact_exp: bool = False,
     probe_unmasked: bool = False,
@@ -1333,6 +1355,12 @@ def tiles_mgpu(
     ``k_ahead`` does not fit otherwise (236 KB against 226). Only where the output waits
     changes. Where the rows do not go straight to the output (no ``direct``), it has no effect.
 
+    ``early_reads`` (with ``persistent``): a consumer reads each item's launch-order entry and
+    walk length from GMEM an item ahead (carried in the items loop), not when the item starts -
+    three scalar loads a consumer and item, each waited for at once before (up to ~600 cycles
+    each against an item of ~25,000 at 8 x 1024 tokens; session 54's trace: ~1,100 cycles
+    between an item's ranges). Only when a value is read changes.
+
     (``defer_pv``, FlashAttention-3's schedule - a tile's p @ v waited for only at the next
     tile's rescale, the accumulator in registers across a split's tiles - was measured in
     sessions 58-59 and removed: ptxas serialized every wgmma while a group stayed in flight at
@@ -1403,6 +1431,8 @@ def tiles_mgpu(
         raise ValueError("attention (Mosaic GPU tiles): k_ahead needs consumers=2 (a producer's rings)")
     if out_in_fold and not direct_io:
         raise ValueError("attention (Mosaic GPU tiles): out_in_fold needs direct_io (its output boxes)")
+    if early_reads and persistent is False:
+        raise ValueError("attention (Mosaic GPU tiles): early_reads needs persistent programs (items)")
     if not set(probe_skip) <= {"exp", "rescale"}:
         raise ValueError(
             f"attention (Mosaic GPU tiles): probe_skip takes 'exp' and 'rescale', got {probe_skip!r}"
@@ -1502,6 +1532,7 @@ def tiles_mgpu(
         k_stages=stages + bool(k_ahead),
         probe_skip=tuple(probe_skip),
         out_bases=out_bases,
+        early_reads=bool(early_reads),
     )
     args = [segs, nseg, program_order, rpos, rseq, block_tables, q if direct is None else qg]
     if program_order is None:  # the program index is the tile's

@@ -172,7 +172,12 @@ def test_out_in_fold_keeps_each_consumers_bytes_apart():
             "into",
             "two",
             True,
-            {**dict(attention_triton.MGPU_PREFILL_LAUNCH), "k_ahead": True, "out_in_fold": True},
+            {
+                **dict(attention_triton.MGPU_PREFILL_LAUNCH),
+                "k_ahead": True,
+                "out_in_fold": True,
+                "early_reads": True,
+            },
         ),
         ("into", "two", False, {**dict(attention_triton.MGPU_PREFILL_LAUNCH), "pingpong": True}),
         (
@@ -302,6 +307,8 @@ def test_unsupported_calls_are_refused_by_name():
     for launch in ({}, {"one_drain": True}, {"consumers": 2, "overlap": True}):
         with pytest.raises(ValueError, match="pingpong needs consumers=2 and one_drain"):
             tiles_mgpu(q, kc, kc, idx, spec=spec, pingpong=True, **launch)
+    with pytest.raises(ValueError, match="early_reads needs persistent programs"):
+        tiles_mgpu(q, kc, kc, idx, spec=spec, consumers=2, early_reads=True)
     with pytest.raises(ValueError, match="out_in_fold needs direct_io"):
         tiles_mgpu(q, kc, kc, idx, spec=spec, consumers=2, out_in_fold=True)
     with pytest.raises(ValueError, match="k_ahead needs consumers=2"):
@@ -408,8 +415,9 @@ def test_launch_choices_keep_the_bits():
         # slot longer than the V ring (``k_ahead``)
         {**_DIRECT, "persistent": 3, "token_walk": True, "overlap": True, "k_ahead": True},
         # ... and each consumer's output staged in its own fold rows (a ``RefUnion``), one
-        # program running every item: the store of an item's output and the next item's fold
-        {**_DIRECT, "persistent": 1, "token_walk": True, "out_in_fold": True},
+        # program running every item: the store of an item's output and the next item's fold;
+        # each item's order entry and walk length read an item ahead (``early_reads``)
+        {**_DIRECT, "persistent": 1, "token_walk": True, "out_in_fold": True, "early_reads": True},
         # ... and the consumers taking turns to issue their dots (FlashAttention-3's ping-pong),
         # with the next tile's scores issued with this tile's p @ v, or in turns of their own
         {**_DIRECT, "persistent": 3, "overlap": True, "one_drain": True, "pingpong": True},
@@ -423,7 +431,8 @@ def test_launch_choices_keep_the_bits():
     padded = (*index[:2], jnp.pad(seq, (0, pad)), jnp.pad(pos, (0, pad), constant_values=-1))
     out = tiles_mgpu(
         jnp.pad(q, ((0, pad), (0, 0), (0, 0), (0, 0))), paged.kc, paged.vc, padded, spec=spec, pv="add",
-        rounding="compiler", interpret=mode, **{**_DIRECT, "persistent": 1, "one_drain": True},
+        rounding="compiler", interpret=mode,
+        **{**_DIRECT, "persistent": 1, "one_drain": True, "early_reads": True},
     )  # fmt: skip
     assert not get_races().races_found
     np.testing.assert_array_equal(bits(out)[: len(tokens)], base)
