@@ -451,6 +451,8 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        self.engine.settle()  # (steps an interrupted release left behind)
+        self._follow_model("generate")
         self.engine.check_weights()
         if self.engine.has_unfinished_requests():  # (generate would step them, and drop their outputs)
             raise RuntimeError(
@@ -651,13 +653,32 @@ class LLM:
         before (``nnx.split`` / ``nnx.state`` share its variables: copy a reference policy's
         params, ``jax.tree.map(jnp.copy, params)``, before updating). Arrays on another device
         or sharding are moved to where the model's are. Weights holding NaN or infinity are
-        refused (ValueError: a diverged train step), and the engine keeps its own."""
+        refused (ValueError: a diverged train step), and the engine keeps its own. A change made
+        to ``llm.model`` in place (an ``nnx.Optimizer`` step on it, ``nnx.update``) is taken as
+        ``update_weights(llm.model)`` at the next generate or score."""
         with self._exclusive("update_weights"):
             self._update_weights(weights)
+
+    def _follow_model(self, what: str) -> None:
+        """``llm.model``'s weights changed in place since the engine took them (an optimizer step
+        on the model, ``nnx.update``): the engine takes them now, as ``update_weights(llm.model)``
+        would (checked, the prefix cache emptied) - so that generate, score and the trainer-side
+        logprobs of ``llm.model`` all use the same weights. Only while idle (else the call fails
+        on its own check of what is in flight)."""
+        if self.engine.has_unfinished_requests() or self.engine.runner.follows(self.model):
+            return
+        try:
+            self._update_weights(self.model)
+        except (ValueError, TypeError, RuntimeError) as e:
+            raise type(e)(
+                f"{what}: llm.model's weights changed in place since the engine took them, and the "
+                f"engine cannot take them: {e}"
+            ) from None
 
     def _update_weights(self, weights) -> None:
         if self.engine.closed:  # before the model (which other engines may share) is touched
             raise RuntimeError("update_weights: this LLM was closed (close() freed its KV cache)")
+        self.engine.settle()  # (steps an interrupted release left behind)
         # the other open LLMs on this model object follow it: all must be idle before it changes,
         # and stay so (their locks held: a generate starting meanwhile in another thread would
         # fail halfway through the swap and keep the old weights)
@@ -730,4 +751,6 @@ class LLM:
         """float32 logprob of each token at index >= prompt_len given the tokens before it;
         bit-equal to ``generate``'s logprobs for the same tokens and temperature."""
         with self._exclusive("score"):
+            self.engine.settle()
+            self._follow_model("score")
             return self.engine.score(token_ids, prompt_lens, temperature)

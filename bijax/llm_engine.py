@@ -411,8 +411,19 @@ class Engine:
         self.blocks.hit_blocks, self.scheduler.num_preemptions = hits, preemptions
         self._token = object()  # prompts checked against the whole pool are checked again
 
+    def settle(self) -> None:
+        """Reads back the enqueued steps that no request waits for any more - what an interrupt
+        inside ``release`` leaves (a second Ctrl-C while the first one's steps run): they hold
+        no request's tokens, and once they are on the host the engine is idle. Nothing happens
+        while any request, or any output kept for the next ``step()``, is here."""
+        while (
+            self._in_flight and not self._requests and not self._kept and not self.scheduler.has_unfinished()
+        ):
+            self.step(partial=False)
+
     def _require_idle(self, what: str) -> None:
         self._require_open(what)
+        self.settle()
         if self.has_unfinished_requests():
             raise RuntimeError(f"{what} runs when no generation is in flight")
 

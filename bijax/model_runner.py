@@ -292,11 +292,23 @@ class ModelRunner:
             params = jax.device_put(params, jax.devices()[0])
             nnx.update(model, params)
         with self._layout_lock:  # (a background compile's ``layout`` keeps no Layout of the old weights)
-            self.params = params
             # Flattened once (an nnx State flattens in Python: ~1 ms per step for llama3-8b's 291
-            # arrays): ``check_params`` and the warmed-up steps' flat calls use these.
+            # arrays): ``check_params`` and the warmed-up steps' flat calls use these. The state
+            # every other program takes (scoring, the chain's layout) is made from the same
+            # arrays: a state split from the model shares its variables, so an in-place change
+            # of the model (an optimizer step on it, ``nnx.update``) would reach scoring and not
+            # generation (``follows`` tells the LLM, which takes such a change as update_weights)
             self._param_leaves, self._param_tree = jax.tree_util.tree_flatten(params)
+            self.params = jax.tree_util.tree_unflatten(self._param_tree, self._param_leaves)
             self._layout = None  # made again from these weights when the chain needs it
+
+    def follows(self, model: Llama) -> bool:
+        """Whether ``model``'s weights are still the arrays this runner took (``set_model``):
+        False once they were changed in place (an optimizer step on the model, ``nnx.update``)."""
+        now = jax.tree_util.tree_leaves(nnx.split(model)[1])
+        if len(now) != len(self._param_leaves):
+            return False
+        return all(a is b for a, b in zip(now, self._param_leaves, strict=True))
 
     def _inputs(self, tree):
         """Host inputs as arrays every rank of the mesh sees whole (needed across processes);

@@ -10,6 +10,7 @@ import dataclasses
 
 import jax
 import numpy as np
+import pytest
 
 import bijax
 from bijax import SamplingParams as SP
@@ -126,6 +127,32 @@ def test_an_interrupted_read_back_loses_nothing():
     assert interrupts == 2 and not engine.has_unfinished_requests()
     assert _equal(_flat([done[f"r{i}"] for i in range(3)]), sync)
     assert engine.stats().num_kv_blocks_in_use == 0
+
+
+def test_a_second_interrupt_inside_release_leaves_the_llm_usable():
+    """Two quick Ctrl-Cs: the first ends ``generate``, whose ``release`` steps the engine to
+    free its requests; the second lands while that waits for a step's tokens. The steps left
+    queued belong to no request: the next ``generate`` reads them back first and runs as
+    before, with the same bits. Control: until then the engine counts them as unfinished."""
+    prompts, params = _workload()
+    prompts, params = prompts[4:7], [dataclasses.replace(p, stop_token_ids=[]) for p in params[4:7]]
+    llm = _llm(True)
+    ref = _flat(llm.generate(prompts, params, use_tqdm=False))
+    real, calls = llm.engine.runner.collect, []
+
+    def flaky(launched):
+        calls.append(1)
+        if len(calls) in (2, 3):  # generate's second read-back, then release's first
+            raise KeyboardInterrupt
+        return real(launched)
+
+    llm.engine.runner.collect = flaky
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, params, use_tqdm=False)
+    llm.engine.runner.collect = real
+    assert len(calls) == 3 and llm.engine.has_unfinished_requests() and not llm.engine._requests
+    assert _equal(_flat(llm.generate(prompts, params, use_tqdm=False)), ref)
+    assert not llm.engine.has_unfinished_requests() and llm.engine.stats().num_kv_blocks_in_use == 0
 
 
 def _forward_input_addresses(llm) -> dict:

@@ -73,6 +73,25 @@ def test_update_weights_changes_outputs_without_recompiling():
     assert num_compiled_steps() == compiles
 
 
+def test_an_in_place_change_of_the_model_reaches_generate_and_score():
+    """An optimizer step applied to ``llm.model`` in place (``nnx.update``, as ``nnx.Optimizer``
+    does), without ``update_weights``: the next generate takes the new weights as
+    update_weights would (its prefix cache emptied: the second prompt's cached KV came from the
+    old weights) - its logprobs equal ``score``'s and the trainer-side logprobs of
+    ``llm.model``, bit for bit. Control: they differ from the outputs before the step."""
+    llm = bijax.LLM(_fresh(), **ENGINE)
+    before = llm.generate(PROMPTS, SAMPLING, use_tqdm=False)
+    nnx.update(llm.model, nnx.state(_train_step(_fresh())))
+    after = llm.generate(PROMPTS, SAMPLING, use_tqdm=False)
+    assert not _same(after, before)
+    for prompt, out in zip(PROMPTS, after, strict=True):
+        tokens, plen = [prompt + out.token_ids], len(prompt)
+        (scored,) = llm.score(tokens, [plen], temperature=0.8)
+        trainer = bijax.logprobs(llm.model, jnp.asarray(tokens, jnp.int32), temperature=0.8)
+        assert np.array_equal(bits(scored), bits(out.logprobs))
+        assert np.array_equal(bits(np.asarray(trainer)[0, plen:]), bits(out.logprobs))
+
+
 def test_update_weights_moves_every_open_llm_on_the_same_model():
     """``LLM(llm.model)`` shares the model object, which update_weights changes in place: the
     other LLM must run the new weights too (its generate and score equal a fresh LLM's on them,
