@@ -233,3 +233,5 @@ def test_update_weights_under_tp():
         assert x.token_ids == y.token_ids and np.array_equal(bits(x.logprobs), bits(y.logprobs))
     wq = llm.model.layers[0].attn.wq[...]
     assert len(wq.sharding.device_set) == 2
+    # the model holds the engine's own (sharded) arrays: no generate takes them again
+    assert llm.engine.runner.follows(llm.model)
