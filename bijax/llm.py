@@ -664,8 +664,11 @@ class LLM:
         on the model, ``nnx.update``): the engine takes them now, as ``update_weights(llm.model)``
         would (checked, the prefix cache emptied) - so that generate, score and the trainer-side
         logprobs of ``llm.model`` all use the same weights. Only while idle (else the call fails
-        on its own check of what is in flight)."""
-        if self.engine.has_unfinished_requests() or self.engine.runner.follows(self.model):
+        on its own check of what is in flight), and only while the engine runs ``llm.model``
+        (``engine.set_weights`` with another model object: that one's weights stay)."""
+        if self.engine._model is not self.model or self.engine.has_unfinished_requests():
+            return
+        if self.engine.runner.follows(self.model):
             return
         try:
             self._update_weights(self.model)
