@@ -668,7 +668,7 @@ class LLM:
         (``engine.set_weights`` with another model object: that one's weights stay)."""
         if self.engine._model is not self.model or self.engine.has_unfinished_requests():
             return
-        if self.engine.runner.follows(self.model):
+        if self.engine.runner.follows():
             return
         try:
             self._update_weights(self.model)

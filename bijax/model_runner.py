@@ -282,6 +282,7 @@ class ModelRunner:
             self._generation += 1
         self.graphdef = graphdef
         self.k_shards, self.tp_parts = model.k_shards, model.tp_parts
+        model_state = params  # (split from the model: its variables)
         if self.mesh is not None:
             params = sharding.shard_state(params, self.mesh)
             nnx.update(model, params)  # the model keeps the shards, not a second whole copy
@@ -301,14 +302,17 @@ class ModelRunner:
             self._param_leaves, self._param_tree = jax.tree_util.tree_flatten(params)
             self.params = jax.tree_util.tree_unflatten(self._param_tree, self._param_leaves)
             self._layout = None  # made again from these weights when the chain needs it
+            # the model's variables and the arrays they hold now (``follows``)
+            if model_state is not params:  # (the model took new arrays: its variables again)
+                model_state = nnx.split(model)[1]
+            self._watched = [(var, var.get_value()) for _, var in nnx.to_flat_state(model_state)]
 
-    def follows(self, model: Llama) -> bool:
-        """Whether ``model``'s weights are still the arrays this runner took (``set_model``):
-        False once they were changed in place (an optimizer step on the model, ``nnx.update``)."""
-        now = jax.tree_util.tree_leaves(nnx.split(model)[1])
-        if len(now) != len(self._param_leaves):
-            return False
-        return all(a is b for a, b in zip(now, self._param_leaves, strict=True))
+    def follows(self) -> bool:
+        """Whether the model this runner took (``set_model``) still holds the arrays it took:
+        False once they were changed in place (an optimizer step on it, ``nnx.update``). Reads
+        each variable the model had then (~0.8 ms for 273, where splitting the model again took
+        ~8 ms); a variable object replaced by another is not seen."""
+        return all(var.get_value() is value for var, value in self._watched)
 
     def _inputs(self, tree):
         """Host inputs as arrays every rank of the mesh sees whole (needed across processes);
