@@ -406,6 +406,8 @@ def _kernel(
     fused_mul_add = {"compiler": None, "fma": _fma, "two": _mul_rn_add}[rounding]  # None: a * b + c
     fold_mul = _mul_rn if rounding == "two" else None  # the fold's a * b + c * d: both products rounded
     exp2 = _ex2 if inline_ex2 else jnp.exp2  # (the interpreter runs no PTX)
+    # (``out_in_fold``) a consumer's output box: its tokens (``out_bases``: where each begins)
+    out_box_tokens = None if out_bases is None else _box_tokens(direct[1], d, dtype.itemsize)
     if probe_exact_exp:
         exp2 = lambda x: jnp.exp(x * math.log(2.0))  # noqa: E731 - timing only, other bits
     # (the base-2 probe: log2 e in the logit scale - timing only, other bits)
@@ -1111,9 +1113,8 @@ def _kernel(
             )
         elif not a_in_smem:  # (``out_in_fold``) one union: consumer c's box at token out_bases[c]
             fold_all, out_all = fold_smem
-            box = _box_tokens(direct[1], d, dtype.itemsize)
             pl.when(wg < consumers)(
-                lambda: _consumer(fold_all.at[wg], out_all.at[pl.ds(out_bases[1] * wg, box)])
+                lambda: _consumer(fold_all.at[wg], out_all.at[pl.ds(out_bases[1] * wg, out_box_tokens)])
             )
         else:  # interpret mode: a union a consumer, each its own code (see ``_fold_buffers``)
             for c, union in enumerate(fold_smem):
@@ -1156,7 +1157,7 @@ def _kernel(
         fold = plgpu.SMEM((consumers, ROWS, d), jnp.float32) if fold_in_smem else None
         if out_bases is None:
             return fold, qo_buffer if prefetch_q else None
-        box = _box_tokens(direct[1], d, dtype.itemsize)
+        box = out_box_tokens
         if a_in_smem:
             one = plgpu.SMEM((ROWS, d), jnp.float32)
             return tuple(
