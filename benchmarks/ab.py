@@ -114,10 +114,10 @@ SWITCHES = {
             ("token-walk", TOKEN_WALK),
             # ... and the full tiles without selects (session 56)
             ("bare-full", {**TOKEN_WALK, "bare_full": True}),
-            # ... and the masked tiles' lean key mask, the row sums' columns apart (the
-            # engine's, session 57)
+            # ... and the masked tiles' lean key mask, the row sums' columns apart (session 57)
             ("lean-wide", {**TOKEN_WALK, "bare_full": True, "lean_mask": True, "wide_sum": True}),
-            # ... with each item's order entry and walk length read an item ahead (session 59)
+            # ... with each item's order entry and walk length read an item ahead (written in
+            # session 59; the engine's since session 60)
             (
                 "early-reads",
                 {**TOKEN_WALK, "bare_full": True, "lean_mask": True, "wide_sum": True, "early_reads": True},

@@ -18,6 +18,8 @@ import threading
 import jax
 
 DEFAULT_DIR = os.path.join(os.path.expanduser("~"), ".cache", "bijax", "jax")
+# Programs that compile faster than this are not written to the cache (they compile again).
+MIN_COMPILE_SECONDS = 0.1
 # The cache's size bound (least recently used entries go first): BIJAX_CACHE_MAX_GB, default 16.
 MAX_BYTES = int(float(os.environ.get("BIJAX_CACHE_MAX_GB", "16")) * 2**30)
 
@@ -40,7 +42,7 @@ def enable(path: str | os.PathLike | None = None) -> str | None:
     # Cache every step program and kernel that took noticeable time to compile - the small
     # sampling programs too (~0.3 s on a 2-core CPU: loading them is faster) - but not the
     # many tiny eager-op programs.
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
     if jax.config.jax_compilation_cache_max_size == -1:
         # A bound makes JAX's cache an LRU under a file lock (the `filelock` package). Without
         # it, reads and writes are unlocked, and a process can load an entry that another

@@ -108,7 +108,12 @@ PREFILL_KERNEL = "tiles_mgpu"
 # 0.93x the launch before on the four cases (each step timed against the one before in one
 # run; 1.38x / 1.44x / 1.71x / 1.44x cuDNN); both PASS the ten bit checks and the engine's
 # digests with them equal the records (RESULTS.md, session 57; not yet run on an H200). The
-# A/B switch's side before: bare-full.
+# A/B switch's side before: bare-full. Since session 60 each item's launch-order entry and walk
+# length are read from GMEM an item ahead (``early_reads``): on an H100, two runs, 0.993 /
+# 0.994-0.999 / 0.988-0.990 / 1.004-1.007x the launch before on the four cases (1.41x / 1.45x /
+# 1.69x / 1.45x cuDNN); its ten bit checks PASS and the engine's four digests with it equal the
+# records (RESULTS.md, session 60; not yet run on an H200). The A/B switch's side before:
+# lean-wide.
 MGPU_PREFILL_LAUNCH = (
     ("stages", 3),
     ("consumers", 2),
@@ -123,6 +128,7 @@ MGPU_PREFILL_LAUNCH = (
     ("bare_full", True),
     ("lean_mask", True),
     ("wide_sum", True),
+    ("early_reads", True),
 )
 # The decode kernel stores, and its combine folds, only the splits a token uses (same bits:
 # the others leave the fold unchanged). False: every split of the grid, as before 2026-12-02

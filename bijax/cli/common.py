@@ -179,4 +179,7 @@ def warmup(llm, args, logprobs: bool, max_step_tokens: int | None = None, step_t
             f"         ({r.compiling_in_background} faster whole-forward programs compile in the background)"
         )
     if where and r.compiled:
-        info(f"         (compiled steps are cached in {where}: the next start loads them)")
+        info(
+            f"         (steps that took over {compile_cache.MIN_COMPILE_SECONDS:g} s to compile are cached "
+            f"in {where}: the next start loads them)"
+        )
