@@ -666,9 +666,7 @@ class LLM:
         logprobs of ``llm.model`` all use the same weights. Only while idle (else the call fails
         on its own check of what is in flight), and only while the engine runs ``llm.model``
         (``engine.set_weights`` with another model object: that one's weights stay)."""
-        if self.engine._model is not self.model or self.engine.has_unfinished_requests():
-            return
-        if self.engine.runner.follows():
+        if self.engine.has_unfinished_requests() or not self.engine.changed_in_place(self.model):
             return
         try:
             self._update_weights(self.model)

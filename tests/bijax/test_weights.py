@@ -81,11 +81,11 @@ def test_an_in_place_change_of_the_model_reaches_generate_and_score():
     ``llm.model``, bit for bit. Control: they differ from the outputs before the step."""
     llm = bijax.LLM(_fresh(), **ENGINE)
     before = llm.generate(PROMPTS, SAMPLING, use_tqdm=False)
-    assert llm.engine.runner.follows()  # (no change: nothing is taken again)
+    assert not llm.engine.changed_in_place(llm.model)  # (no change: nothing is taken again)
     nnx.update(llm.model, nnx.state(_train_step(_fresh())))
-    assert not llm.engine.runner.follows()
+    assert llm.engine.changed_in_place(llm.model)
     after = llm.generate(PROMPTS, SAMPLING, use_tqdm=False)
-    assert llm.engine.runner.follows() and not _same(after, before)
+    assert not llm.engine.changed_in_place(llm.model) and not _same(after, before)
     for prompt, out in zip(PROMPTS, after, strict=True):
         tokens, plen = [prompt + out.token_ids], len(prompt)
         (scored,) = llm.score(tokens, [plen], temperature=0.8)
