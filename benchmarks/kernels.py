@@ -456,6 +456,138 @@ def mid_tiles():
         del ws
 
 
+# ``mid_rows``: the rows of a 32- and 64-sequence decode step. The shared q, k, v launch's
+# (tile_m, q's tile_n, k's and v's tile_n, warps, stages) besides its default ...
+MID_ROWS_SHARED = [
+    (tm, tq, tkv, w, st)
+    for tm in ("m", "half")
+    for tq, tkv in ((32, 32), (64, 64), (64, 128), (128, 128))
+    for w, st in ((2, 4), (4, 3), (4, 5), (8, 4))
+]
+# ... and o's and down's Mosaic GPU launches (M = 64 runs them by default) and Triton launches.
+MID_ROWS_MOSAIC = [
+    dict(tile_m=64, tile_n=64, wgs=1, stages=8),
+    dict(tile_m=64, tile_n=64, wgs=1, stages=8, step_k=128),
+    dict(tile_m=64, tile_n=64, wgs=1, stages=4, step_k=256),
+    dict(tile_m=64, tile_n=128, wgs=1, stages=6),
+    dict(tile_m=64, tile_n=128, wgs=1, stages=4, step_k=128),
+    dict(tile_m=64, tile_n=64, wgs=2, stages=6),
+    dict(tile_m=64, tile_n=32, wgs=1, stages=8, step_k=128),
+]
+MID_ROWS_TRITON = [
+    (tm, tn, w, st)
+    for tm in ("m", "half")
+    for tn, w, st in ((32, 2, 4), (64, 4, 3), (64, 4, 5), (128, 4, 4), (128, 8, 3))
+]
+
+
+def mid_rows():
+    """Launch shapes at the rows of a 32- and 64-sequence decode step (llama3-8b): the shared
+    q, k, v launch (``matmul_triton.SHARED_TILES``) and o's and down's launches (Mosaic GPU,
+    Triton), each checked bit for bit against the default launch, CUPTI kernel time next to XLA
+    and the weights' HBM read time at the card's measured copy bandwidth; weights rotated past L2."""
+    mt = importlib.import_module("pallas_kernels.matmul_triton")
+    mg = importlib.import_module("pallas_kernels.matmul_mgpu")
+    # the card's HBM copy bandwidth (read + write of 1 GiB), for the weights' floor
+    a = jnp.ones((1 << 29,), jnp.bfloat16)
+    t_copy = kernel_us(jax.jit(lambda a: a + 1), a)
+    bw = 2 * a.size * 2 / t_copy / 1e6  # TB/s
+    del a
+    print(f"MIDROWS HBM copy bandwidth {bw:.2f} TB/s", flush=True)
+    rows = []
+    shapes = [(4096, 4096), (4096, 1024), (4096, 1024)]
+    nbytes = sum(k * n * 2 for k, n in shapes)
+    sets = [
+        [rand(161 + 7 * i + j, (k, n), jnp.bfloat16, 1 / math.sqrt(k)) for j, (k, n) in enumerate(shapes)]
+        for i in range(copies_for(nbytes))
+    ]
+    try:
+        for m in (32, 64):
+            x = rand(160, (m, 4096), jnp.bfloat16)
+            mt.SHARED_TILES = None
+            jax.clear_caches()
+            want = [bits(y) for y in jax.jit(pk.matmul_shared)(x, sets[0])]
+            t_xla = group_us(lambda x, ws: [x @ w for w in ws], x, sets)
+            t_def = group_us(lambda x, ws: pk.matmul_shared(x, ws), x, sets)
+            best = (t_def, "default")
+            for tm, tq, tkv, w, st in MID_ROWS_SHARED:
+                tile_m = m if tm == "m" else m // 2
+                mt.SHARED_TILES = (T(tile_m, tq, w, st), (tq, tkv, tkv))
+                label = f"tile_m {tile_m} tile_n q {tq} kv {tkv} warps {w} stages {st}"
+                jax.clear_caches()
+                try:
+                    same = all(
+                        np.array_equal(bits(y), b)
+                        for y, b in zip(jax.jit(pk.matmul_shared)(x, sets[0]), want, strict=True)
+                    )
+                    t = group_us(lambda x, ws: pk.matmul_shared(x, ws), x, sets)
+                except Exception as e:  # noqa: BLE001 - a launch that does not compile is a finding
+                    print(f"INFO mid rows qkv M={m} {label}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+                    continue
+                check(f"mid rows qkv M={m} {label} == default launch", same)
+                print(
+                    f"MIDROWS qkv M={m} {label}: {t:.1f} us (default {t_def:.1f}, XLA {t_xla:.1f})",
+                    flush=True,
+                )
+                best = min(best, (t, label))
+            rows.append(("qkv (shared)", m, nbytes / bw / 1e6, t_xla, t_def, *best))
+    finally:
+        mt.SHARED_TILES = None
+        jax.clear_caches()
+    del sets
+    for name in ("o", "down"):
+        k, n = LLAMA3_8B[name]
+        plan = mm_mod.plan_matmul(k, n, jnp.bfloat16)
+        ws = [rand(181 + i, (k, n), jnp.bfloat16, 1 / math.sqrt(k)) for i in range(copies_for(k * n * 2))]
+        for m in (32, 64):
+            x = rand(180, (m, k), jnp.bfloat16)
+            want = bits(jax.jit(pk.matmul)(x, ws[0]))
+            t_xla = rotated_us(lambda x, w: x @ w, x, ws)
+            t_def = rotated_us(lambda x, w: pk.matmul(x, w), x, ws)
+            best = (t_def, "default")
+            variants = [
+                (
+                    f"mosaic {kw}",
+                    functools.partial(
+                        mg.mgpu_partial,
+                        plan=plan,
+                        num_shards=1,
+                        out_dtype=jnp.bfloat16,
+                        tiles=mg.MgpuTiles(**kw),
+                    ),
+                )
+                for kw in MID_ROWS_MOSAIC
+            ]
+            for tm, tn, w, st in MID_ROWS_TRITON:
+                tiles = T(m if tm == "m" else m // 2, tn, w, st)
+                variants.append((f"triton {tiles}", lambda x, w, tiles=tiles: pk.matmul(x, w, tiles=tiles)))
+            for label, op in variants:
+                try:
+                    same = np.array_equal(bits(jax.jit(op)(x, ws[0])), want)
+                    t = rotated_us(op, x, ws)
+                except Exception as e:  # noqa: BLE001 - a launch that does not compile is a finding
+                    print(
+                        f"INFO mid rows {name} M={m} {label}: {type(e).__name__}: {str(e)[:160]}", flush=True
+                    )
+                    continue
+                check(f"mid rows {name} M={m} {label} == default launch", same)
+                print(
+                    f"MIDROWS {name} M={m} {label}: {t:.1f} us (default {t_def:.1f}, XLA {t_xla:.1f})",
+                    flush=True,
+                )
+                best = min(best, (t, label))
+            rows.append((name, m, k * n * 2 / bw / 1e6, t_xla, t_def, *best))
+        del ws
+    print(f"\nweights' HBM read time at the copy bandwidth ({bw:.2f} TB/s) as the floor")
+    print("| weight | M | floor us | XLA us | default us (/ floor) | best us (/ floor) | best launch |")
+    print("|---|---|---|---|---|---|---|")
+    for name, m, floor, t_xla, t_def, t_best, label in rows:
+        print(
+            f"| {name} | {m} | {floor:.1f} | {t_xla:.1f} | {t_def:.1f} ({t_def / floor:.2f}) "
+            f"| {t_best:.1f} ({t_best / floor:.2f}) | {label} |"
+        )
+
+
 SWEEP_GROUPS = [  # (K, weights' N, col_blocks, tensor-parallel ranks the weights are a shard of)
     (4096, (4096, 1024, 1024), 1, 1),  # llama3-8b q, k, v
     (4096, (2048, 512, 512), 8, 2),  # a TP 2 rank's shard of them, k_shards 8
@@ -832,6 +964,9 @@ def main():
     ap.add_argument("--mid-m", action="store_true", help="only 64 < M < 512: Triton vs Mosaic GPU vs XLA")
     ap.add_argument("--mid-tiles", action="store_true", help="only Mosaic GPU launches at M 256 and 384")
     ap.add_argument(
+        "--mid-rows", action="store_true", help="only launch shapes at 32 and 64 rows: bits, time"
+    )
+    ap.add_argument(
         "--bits-sweep", action="store_true", help="only bits: shared launch, Mosaic vs Triton rows"
     )
     ap.add_argument(
@@ -850,6 +985,7 @@ def main():
         args.shared
         or args.mid_m
         or args.mid_tiles
+        or args.mid_rows
         or args.bits_sweep
         or args.fusions
         or args.qkv
@@ -865,6 +1001,8 @@ def main():
             bits_sweep()
         if args.mid_tiles:
             mid_tiles()
+        if args.mid_rows:
+            mid_rows()
         if args.shared:
             shared_launch()
         if args.mid_m:

@@ -316,6 +316,9 @@ def gpu_shared(x, ws, *, out_dtype, cols, backend, interpret, combine: bool = Tr
         tiles = matmul_triton.shared_tiles(plans, m)
     else:
         tiles = None
+    tile_ns = None
+    if matmul_triton.SHARED_TILES is not None and not interpret:  # a launch sweep's choice
+        tiles, tile_ns = matmul_triton.SHARED_TILES
     if tiles is None:  # launch shapes that do not agree: a launch each (the same bits)
         outs = tuple(
             _gpu_partial(
@@ -342,6 +345,7 @@ def gpu_shared(x, ws, *, out_dtype, cols, backend, interpret, combine: bool = Tr
                 tiles=tiles,
                 interpret=interpret,
                 combine=combine,
+                tile_ns=tile_ns,
             )
         )
     return outs, plans

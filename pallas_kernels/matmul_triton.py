@@ -42,6 +42,11 @@ SHARED_OVER_MGPU_ROWS = 64
 # both took 68 us against 62 us for a launch each (H200, llama3-8b; sessions 33 and 47), at
 # M = 32 58 us against 62, at M = 64 59 against 66 (Mosaic each). Read by models.llama.
 GATE_UP_SHARED_MIN_ROWS = 17
+# The shared launch's shape where set, for launch sweeps (benchmarks/kernels.py --mid-rows):
+# (GpuTiles for the row tile, warps and stages; each weight's column tile, or None for its own
+# launch's). A launch choice, never the bits; read when a program is traced (clear jit's caches
+# after setting it).
+SHARED_TILES: tuple[GpuTiles, tuple[int, ...] | None] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -326,25 +331,41 @@ def _shared_kernel(*refs, specs, num_x: int, tile_k: int, tile_m: int):
         pl.when((pid >= start) & (pid < start + leaves * rt * ct))(run)
 
 
-def shared_partial(x, ws, *, plans, num_shards, out_dtype, tiles: GpuTiles, interpret, combine: bool = True):
+def shared_partial(
+    x,
+    ws,
+    *,
+    plans,
+    num_shards,
+    out_dtype,
+    tiles: GpuTiles,
+    interpret,
+    combine: bool = True,
+    tile_ns: tuple[int, ...] | None = None,
+):
     """``[triton_partial(x, w, plan=p, ...) for w, p in zip(ws, plans)]`` in one launch with
     ``tiles``' row tile, warps and stages: each weight keeps the column tile its own launch
-    would take (``gpu_tiles``, or in interpret mode its plan's), so its programs are its own
-    launch's programs and its bits that launch's. ``combine`` False: the kernel's own outputs
-    (as ``triton_partial``'s)."""
+    would take (``gpu_tiles``, or in interpret mode its plan's; ``tile_ns``: one given per
+    weight), so its programs are its own launch's programs and its bits that launch's.
+    ``combine`` False: the kernel's own outputs (as ``triton_partial``'s)."""
     m = x.shape[0]
     tm = tiles.tile_m
     mp = -(-m // tm) * tm
     rt = mp // tm
     layouts, xls, specs, wls, out_shapes = {}, [], [], [], []
     start = 0
-    for w, plan in zip(ws, plans, strict=True):
+    if tile_ns is not None and len(tile_ns) != len(ws):
+        raise ValueError(f"shared_partial: {len(tile_ns)} column tiles for {len(ws)} weights")
+    for i, (w, plan) in enumerate(zip(ws, plans, strict=True)):
         key = (plan.k_shards, plan.split_k, plan.leaf_k, plan.shard_k)
         if key not in layouts:
             xl = to_leaves(x, plan, num_shards, axis=1)
             layouts[key] = len(xls)
             xls.append(jnp.pad(xl, ((0, mp - m), (0, 0))) if mp != m else xl)
-        tn = plan.tile_n if interpret else gpu_tiles(plan, m).tile_n
+        if tile_ns is not None:
+            tn = tile_ns[i]
+        else:
+            tn = plan.tile_n if interpret else gpu_tiles(plan, m).tile_n
         n = w.shape[1]
         np_ = -(-n // tn) * tn
         wl = to_leaves(w, plan, num_shards, axis=0)
