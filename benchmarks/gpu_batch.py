@@ -454,7 +454,7 @@ STEPS = {
     ),
     "qkv-fusion": (_py("kernels.py", "--qkv"), 200, "qkv_rope_write_kv: bits and time vs unfused"),
     "kernels-mid-tiles": (_py("kernels.py", "--mid-tiles"), 200, "Mosaic GPU launches at M 256, 384"),
-    "mid-rows": (_py("kernels.py", "--mid-rows"), 300, "matmul launches at 32 / 64 rows: bits, time, floor"),
+    "mid-rows": (_py("kernels.py", "--mid-rows"), 420, "matmul launches at 32 / 64 rows: bits, time, floor"),
     "kernels-shared": (
         _py("kernels.py", "--shared", "--mid-m"),
         200,

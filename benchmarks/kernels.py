@@ -459,10 +459,14 @@ def mid_tiles():
 # ``mid_rows``: the rows of a 32- and 64-sequence decode step. The shared q, k, v launch's
 # (tile_m, q's tile_n, k's and v's tile_n, warps, stages) besides its default ...
 MID_ROWS_SHARED = [
-    (tm, tq, tkv, w, st)
-    for tm in ("m", "half")
-    for tq, tkv in ((32, 32), (64, 64), (64, 128), (128, 128))
-    for w, st in ((2, 4), (4, 3), (4, 5), (8, 4))
+    *(
+        ("m", tq, tkv, w, st)
+        for tq, tkv in ((32, 32), (64, 64), (64, 128), (128, 128))
+        for w, st in ((2, 4), (4, 3), (4, 5), (8, 4))
+    ),
+    ("half", 64, 64, 4, 3),
+    ("half", 64, 128, 4, 4),
+    ("half", 128, 128, 4, 4),
 ]
 # ... and o's and down's Mosaic GPU launches (M = 64 runs them by default) and Triton launches.
 MID_ROWS_MOSAIC = [
@@ -475,9 +479,9 @@ MID_ROWS_MOSAIC = [
     dict(tile_m=64, tile_n=32, wgs=1, stages=8, step_k=128),
 ]
 MID_ROWS_TRITON = [
-    (tm, tn, w, st)
-    for tm in ("m", "half")
-    for tn, w, st in ((32, 2, 4), (64, 4, 3), (64, 4, 5), (128, 4, 4), (128, 8, 3))
+    *(("m", tn, w, st) for tn, w, st in ((32, 2, 4), (64, 4, 3), (64, 4, 5), (128, 4, 4), (128, 8, 3))),
+    ("half", 64, 4, 4),
+    ("half", 128, 4, 4),
 ]
 
 
