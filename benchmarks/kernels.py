@@ -468,6 +468,16 @@ MID_ROWS_SHARED = [
     ("half", 64, 128, 4, 4),
     ("half", 128, 128, 4, 4),
 ]
+# At 16 rows (a single stream's decode bucket; default 16 x 64, 4 warps, 8 stages for each weight):
+# k's and v's 4 leaves against q's 2 make their programs half as long as q's at one tile width.
+DECODE_ROWS_SHARED = [
+    ("m", 64, 128, 4, 8),
+    ("m", 64, 128, 4, 6),
+    ("m", 64, 128, 8, 8),
+    ("m", 32, 64, 4, 8),
+    ("m", 32, 64, 2, 8),
+    ("m", 128, 128, 8, 6),
+]
 # ... and o's and down's Mosaic GPU launches (M = 64 runs them by default) and Triton launches.
 MID_ROWS_MOSAIC = [
     dict(tile_m=64, tile_n=64, wgs=1, stages=8),
@@ -487,7 +497,7 @@ MID_ROWS_TRITON = [
 
 def mid_rows():
     """Launch shapes at the rows of a 32- and 64-sequence decode step (llama3-8b): the shared
-    q, k, v launch (``matmul_triton.SHARED_TILES``) and o's and down's launches (Mosaic GPU,
+    q, k, v launch (``matmul_triton.SHARED_TILES``; at 16 rows too) and o's and down's launches (Mosaic GPU,
     Triton), each checked bit for bit against the default launch, CUPTI kernel time next to XLA
     and the weights' HBM read time at the card's measured copy bandwidth; weights rotated past L2."""
     mt = importlib.import_module("pallas_kernels.matmul_triton")
@@ -506,7 +516,7 @@ def mid_rows():
         for i in range(copies_for(nbytes))
     ]
     try:
-        for m in (32, 64):
+        for m in (16, 32, 64):
             x = rand(160, (m, 4096), jnp.bfloat16)
             mt.SHARED_TILES = None
             jax.clear_caches()
@@ -514,7 +524,7 @@ def mid_rows():
             t_xla = group_us(lambda x, ws: [x @ w for w in ws], x, sets)
             t_def = group_us(lambda x, ws: pk.matmul_shared(x, ws), x, sets)
             best = (t_def, "default")
-            for tm, tq, tkv, w, st in MID_ROWS_SHARED:
+            for tm, tq, tkv, w, st in MID_ROWS_SHARED if m > 16 else DECODE_ROWS_SHARED:
                 tile_m = m if tm == "m" else m // 2
                 mt.SHARED_TILES = (T(tile_m, tq, w, st), (tq, tkv, tkv))
                 label = f"tile_m {tile_m} tile_n q {tq} kv {tkv} warps {w} stages {st}"
