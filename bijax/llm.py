@@ -27,9 +27,16 @@ from bijax.step_programs import staged_inputs
 from models.checkpoint import check_same_layout, non_finite
 from models.configs import PRESETS
 from models.llama import Llama, param_state
-from models.loading import DEFAULT_MODEL, embedded_model_path, is_embedded, is_preset, load_model
+from models.loading import (
+    DEFAULT_MODEL,
+    embedded_model_path,
+    is_embedded,
+    is_gguf_file,
+    is_preset,
+    load_model,
+)
 from models.sharding import check_tensor_parallel
-from models.tokenizer import Tokenizer, load_tokenizer
+from models.tokenizer import Tokenizer, UnsupportedTokenizer, load_tokenizer
 from pallas_kernels.checks import check_positive_int
 
 _CPU_KV_BYTES = 1 << 30  # the KV pool on CPU when num_kv_blocks is not given
@@ -180,7 +187,17 @@ def _checkpoint_tokenizer(model):
     if isinstance(model, Llama) or is_preset(model):
         return None
     path = embedded_model_path(model) if is_embedded(model) else os.fspath(model)
-    if path.endswith(".gguf") or os.path.isfile(os.path.join(path, "tokenizer.json")):
+    if path.endswith(".gguf") or is_gguf_file(path):  # (a GGUF file by its header, as load_model)
+        try:
+            return load_tokenizer(path)
+        except UnsupportedTokenizer as e:  # the model runs on token ids, as one without a tokenizer
+            warnings.warn(
+                f"{path}: no tokenizer loaded ({e}); give prompts as token ids, or pass "
+                "tokenizer=<a HF directory with tokenizer.json>",
+                stacklevel=3,
+            )
+            return None
+    if os.path.isfile(os.path.join(path, "tokenizer.json")):
         return load_tokenizer(path)
     return None
 

@@ -343,7 +343,7 @@ def load_model(
     if is_embedded(name_or_path):
         name_or_path = embedded_model_path(name_or_path)
     path = os.fspath(name_or_path)
-    if path.endswith(".gguf") or (os.path.isfile(path) and _is_gguf(path)):
+    if path.endswith(".gguf") or is_gguf_file(path):
         from models.gguf import load_gguf
 
         return load_gguf(
@@ -371,6 +371,9 @@ def load_model(
     )
 
 
-def _is_gguf(path: str) -> bool:
+def is_gguf_file(path: str) -> bool:
+    """Whether ``path`` is a file that starts as a GGUF file does (whatever its name)."""
+    if not os.path.isfile(path):
+        return False
     with open(path, "rb") as f:
         return f.read(4) == b"GGUF"

@@ -39,6 +39,11 @@ GGUF_SPLITS = {
 GGUF_BYTE_LEVEL = ("default", "gpt2", "gpt-2", "smollm", "starcoder")
 
 
+class UnsupportedTokenizer(ValueError):
+    """A checkpoint's tokenizer that bijax cannot build (a GGUF's SentencePiece vocabulary, or
+    one without tokenizer metadata): the model itself loads and runs on token ids."""
+
+
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character map (the byte-level BPE alphabet)."""
     bs = (
@@ -270,14 +275,18 @@ class Tokenizer:
 
         md = reader.metadata
         kind = md.get("tokenizer.ggml.model")
+        if kind is None:
+            raise UnsupportedTokenizer("the GGUF file has no tokenizer metadata (tokenizer.ggml.model)")
         if kind != "gpt2":
-            raise ValueError(
+            raise UnsupportedTokenizer(
                 f"unsupported GGUF tokenizer model {kind!r}: bijax builds byte-level BPE ('gpt2') tokenizers"
             )
         tokens = md.get("tokenizer.ggml.tokens")
         merges = md.get("tokenizer.ggml.merges")
         if not tokens or merges is None:
-            raise ValueError("GGUF tokenizer metadata lacks tokenizer.ggml.tokens or tokenizer.ggml.merges")
+            raise UnsupportedTokenizer(
+                "GGUF tokenizer metadata lacks tokenizer.ggml.tokens or tokenizer.ggml.merges"
+            )
         types = md.get("tokenizer.ggml.token_type") or [1] * len(tokens)
         pre = md.get("tokenizer.ggml.pre", "default")
         if pre not in GGUF_SPLITS and pre not in GGUF_BYTE_LEVEL:
@@ -381,6 +390,7 @@ def message_text(message: dict, name: str) -> str | None:
 def _compile_template(source: str):
     """A sandboxed jinja2 template with the helpers HF chat templates use."""
     import jinja2
+    import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message):
@@ -391,8 +401,22 @@ def _compile_template(source: str):
             x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
         )
 
+    class Generation(jinja2.ext.Extension):
+        """``{% generation %}...{% endgeneration %}`` (transformers' marker of the assistant's
+        tokens, for its assistant mask): the body rendered as it is, as transformers renders it."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
     env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", Generation]
     )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception

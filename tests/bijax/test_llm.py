@@ -270,6 +270,32 @@ def test_unknown_model_name_or_path():
         bijax.LLM("tiny", tensor_parallel_size=2)
 
 
+def test_a_gguf_file_brings_its_tokenizer_whatever_its_name(tmp_path):
+    """A GGUF file is one by its header (as ``load_model`` reads it), so a copy named smol.bin
+    brings its tokenizer too (it was dropped: text prompts refused); a GGUF whose tokenizer
+    bijax cannot build (none, or SentencePiece) loads without one, as a HF directory without
+    tokenizer.json does, and says why (it refused the whole model)."""
+    import bijax
+    from models.loading import embedded_model_path
+    from models.tokenizer import load_tokenizer
+    from tests.models.test_gguf import write_gguf
+
+    kw = dict(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32, num_kv_blocks=8)
+    link = tmp_path / "smol.bin"
+    link.symlink_to(embedded_model_path("smollm2-135m"))
+    llm = bijax.LLM(str(link), **kw)
+    want = load_tokenizer(embedded_model_path("smollm2-135m"))
+    assert llm.tokenizer is not None and llm.tokenizer.encode("Hello there") == want.encode("Hello there")
+    llm.close()
+    write_gguf(tmp_path / "bare.gguf")  # (no tokenizer metadata)
+    with pytest.warns(UserWarning, match="no tokenizer loaded.*no tokenizer metadata.*token ids"):
+        bare = bijax.LLM(str(tmp_path / "bare.gguf"), **kw)
+    assert bare.tokenizer is None
+    with pytest.raises(ValueError, match="no tokenizer"):
+        bare.generate("text", SP(max_tokens=1), use_tqdm=False)
+    bare.close()
+
+
 def test_engine_public_door(llm):
     """validate -> ValidPrompt -> add_request (no second check), on_output streaming, stats,
     and the idle-only operations refused mid-flight."""

@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from models.loading import embedded_model_path
-from models.tokenizer import Tokenizer, load_tokenizer
+from models.tokenizer import Tokenizer, UnsupportedTokenizer, load_tokenizer
 
 FIX = os.path.join(os.path.dirname(__file__), "fixtures", "smollm2_gguf")
 REF = json.load(open(os.path.join(FIX, "tokenizer.json"), encoding="utf-8"))
@@ -139,11 +139,27 @@ def test_unsupported_gguf_tokenizer_named():
             "tokenizer.ggml.merges": [],
         }
 
-    with pytest.raises(ValueError, match="'llama'"):
+    with pytest.raises(UnsupportedTokenizer, match="'llama'"):  # (a ValueError: the model loads without)
         Tokenizer.from_gguf(Fake())
     Fake.metadata = dict(Fake.metadata, **{"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "mystery"})
     with pytest.raises(ValueError, match="'mystery'"):
         Tokenizer.from_gguf(Fake())
+
+
+def test_generation_blocks_render_their_body(gguf_tok):
+    """transformers' ``{% generation %}`` marker (its assistant mask) renders its body as it is;
+    an unclosed one is named."""
+    marked = "{% for m in messages %}<{{ m['role'] }}>{% generation %}{{ m['content'] }}{% endgeneration %}{% endfor %}"
+    plain = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    a, b = (
+        Tokenizer(gguf_tok._tok, bos_token=None, eos_token=None, chat_template=t).apply_chat_template(msgs)
+        for t in (marked, plain)
+    )
+    assert a == b == "<user>hi<assistant>yo"
+    unclosed = Tokenizer(gguf_tok._tok, bos_token=None, eos_token=None, chat_template="{% generation %}x")
+    with pytest.raises(ValueError, match="does not parse"):
+        unclosed.apply_chat_template(msgs)
 
 
 def test_hf_directory_files_as_transformers_reads_them(hf_dir, tmp_path):
