@@ -590,8 +590,54 @@ def time_decode_latency():
     table(rows)
 
 
+# ``time_decode_warps``: (stages, warps) launches of the tokens kernel besides the default.
+DECODE_WARPS = [(5, 4), (5, 8), (6, 4), (4, 8), (8, 4)]
+
+
+def time_decode_warps():
+    """The tokens kernel's warps at few tokens (a single stream's decode is a chain of KV tiles
+    per split: more warps split each tile's dots and loads) and on two bandwidth-bound batches:
+    each launch of ``DECODE_WARPS`` checked bit for bit against the default launch, CUPTI time
+    (tokens + combine) next to cuDNN's."""
+    rows = []
+    for n, ctx, hq, hkv, d in (
+        (1, 1024, 32, 8, 128),
+        (1, 4096, 32, 8, 128),
+        (4, 2048, 32, 8, 128),
+        (32, 3000, 28, 4, 128),
+        (64, 1024, 32, 8, 128),
+    ):
+        c, qg, idx, kv_bytes, name, cud = decode_case(n, ctx, hq, hkv, d)
+        spec = AttentionSpec.create(d)
+        want = None
+        for st, w in [(None, None), *DECODE_WARPS]:
+
+            def fn(q, k, v, st=st, w=w, idx=idx, spec=spec):
+                return attention_triton.attend(
+                    q, k, v, idx, spec=spec, interpret=False, kernel="tokens", num_stages=st, num_warps=w
+                )
+
+            try:
+                got = bits(jax.jit(fn)(qg, c.kc, c.vc))
+            except Exception as e:  # noqa: BLE001 - a launch that does not compile is a finding
+                print(f"INFO {name}: {w} warps {st} stages: {type(e).__name__}: {str(e)[:160]}", flush=True)
+                continue
+            label = "default launch" if want is None else f"tokens {w} warps {st} stages"
+            if want is None:
+                want = got
+            else:
+                check(f"{name}: {label} == default launch (bits)", np.array_equal(got, want))
+            us = kernel_us(fn, qg, c.kc, c.vc)
+            rows.append((name, label, us, cud, f"{kv_bytes / us / 1e6:.2f} TB/s"))
+            print(rows[-1], flush=True)
+    table(rows)
+
+
 def main():
     print(f"# {datetime.date.today()} {jax.devices()[0].device_kind} jax {jax.__version__}", flush=True)
+    if "--decode-warps" in sys.argv:  # the tokens kernel's warps: bits and time
+        time_decode_warps()
+        sys.exit(1 if FAILURES else 0)
     if "--decode-latency" in sys.argv:  # single-stream decode: stages / warps launch variants
         time_decode_latency()
         sys.exit(1 if FAILURES else 0)

@@ -444,6 +444,11 @@ STEPS = {
         240,
         "single-stream decode attention: tokens kernel stages 2-5 / warps (bits vs default, time vs cuDNN)",
     ),
+    "decode-warps": (
+        _py("attention.py", "--decode-warps"),
+        180,
+        "decode attention: the tokens kernel's warps at 1-64 tokens (bits vs default, time vs cuDNN)",
+    ),
     "kernels": (_py("kernels.py", "--skip-checks"), 200, "matmul / rows kernel time vs XLA"),
     "decode-sweep": (_py("kernels.py", "--decode-sweep"), 150, "decode-row matmul launches"),
     "bits-sweep": (_py("kernels.py", "--bits-sweep"), 300, "bits: shared launch, Mosaic vs Triton rows"),
