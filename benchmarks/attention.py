@@ -532,15 +532,16 @@ def time_decode_rows():
         print(f"| {name} | {label.split('combine, ')[1]} | {us:.1f} | {rate} |")
 
 
-def time_decode_latency():
+def time_decode_latency(cases=None, launches=None):
     """Single-stream decode (few programs: latency-bound) under the tokens kernel's launch
     choices - pipeline stages 2-5 (tiles loaded ahead of the compute), warps and the number of
     lanes (``DECODE_PROGRAMS``: ~512 / 1024 / 2048 programs in all) - and two
     bandwidth-bound batches (whether one stage count can serve every step), each
     compared bit for bit with the default launch, and timed next to cuDNN (CUPTI). Stages 2/3
-    and warps 2/4/8 were proven equal on a 700-token chunk (2026-12-01); 4 and 5 are new."""
+    and warps 2/4/8 were proven equal on a 700-token chunk (2026-12-01); 4 and 5 are new.
+    ``cases`` / ``launches`` ((stages, warps, programs) besides the default): others."""
     rows = []
-    for n, ctx, hq, hkv, d in (
+    for n, ctx, hq, hkv, d in cases or (
         (1, 1024, 32, 8, 128),
         (1, 4096, 32, 8, 128),
         (1, 8192, 32, 8, 128),
@@ -553,9 +554,10 @@ def time_decode_latency():
         c, qg, idx, kv_bytes, name, cud = decode_case(n, ctx, hq, hkv, d)
         spec = AttentionSpec.create(d)
         want, default_programs = None, attention_triton.DECODE_PROGRAMS
-        launches = [(None, None, default_programs), (3, 2, None), (4, 2, None), (5, 2, None), (4, 4, None)]
-        launches += [(None, None, 512), (None, None, 2048), (4, 2, 512)]  # fewer / more lanes
-        for st, w, programs in launches:
+        these = launches or [(3, 2, None), (4, 2, None), (5, 2, None), (4, 4, None)]
+        if launches is None:
+            these += [(None, None, 512), (None, None, 2048), (4, 2, 512)]  # fewer / more lanes
+        for st, w, programs in [(None, None, default_programs), *these]:
             attention_triton.DECODE_PROGRAMS = programs or default_programs  # read when traced
 
             def fn(q, k, v, st=st, w=w, idx=idx, spec=spec):
@@ -563,7 +565,11 @@ def time_decode_latency():
                     q, k, v, idx, spec=spec, interpret=False, kernel="tokens", num_stages=st, num_warps=w
                 )
 
-            got = bits(jax.jit(fn)(qg, c.kc, c.vc))
+            try:
+                got = bits(jax.jit(fn)(qg, c.kc, c.vc))
+            except Exception as e:  # noqa: BLE001 - a launch that does not compile is a finding
+                print(f"INFO {name}: {w} warps {st} stages: {type(e).__name__}: {str(e)[:160]}", flush=True)
+                continue
             label = "default launch" if want is None else f"tokens {w or 2} warps {st or 2} stages"
             if programs and want is not None:
                 label += f", ~{programs} programs"
@@ -590,53 +596,23 @@ def time_decode_latency():
     table(rows)
 
 
-# ``time_decode_warps``: (stages, warps) launches of the tokens kernel besides the default.
+# ``--decode-warps``: the tokens kernel's warps at few tokens (a single stream's decode is a chain
+# of KV tiles a split: more warps split each tile's dots and loads) and on two bandwidth-bound
+# batches - (stages, warps) launches besides the default.
+DECODE_WARPS_CASES = (
+    (1, 1024, 32, 8, 128),
+    (1, 4096, 32, 8, 128),
+    (4, 2048, 32, 8, 128),
+    (32, 3000, 28, 4, 128),
+    (64, 1024, 32, 8, 128),
+)
 DECODE_WARPS = [(5, 4), (5, 8), (6, 4), (4, 8), (8, 4)]
-
-
-def time_decode_warps():
-    """The tokens kernel's warps at few tokens (a single stream's decode is a chain of KV tiles
-    per split: more warps split each tile's dots and loads) and on two bandwidth-bound batches:
-    each launch of ``DECODE_WARPS`` checked bit for bit against the default launch, CUPTI time
-    (tokens + combine) next to cuDNN's."""
-    rows = []
-    for n, ctx, hq, hkv, d in (
-        (1, 1024, 32, 8, 128),
-        (1, 4096, 32, 8, 128),
-        (4, 2048, 32, 8, 128),
-        (32, 3000, 28, 4, 128),
-        (64, 1024, 32, 8, 128),
-    ):
-        c, qg, idx, kv_bytes, name, cud = decode_case(n, ctx, hq, hkv, d)
-        spec = AttentionSpec.create(d)
-        want = None
-        for st, w in [(None, None), *DECODE_WARPS]:
-
-            def fn(q, k, v, st=st, w=w, idx=idx, spec=spec):
-                return attention_triton.attend(
-                    q, k, v, idx, spec=spec, interpret=False, kernel="tokens", num_stages=st, num_warps=w
-                )
-
-            try:
-                got = bits(jax.jit(fn)(qg, c.kc, c.vc))
-            except Exception as e:  # noqa: BLE001 - a launch that does not compile is a finding
-                print(f"INFO {name}: {w} warps {st} stages: {type(e).__name__}: {str(e)[:160]}", flush=True)
-                continue
-            label = "default launch" if want is None else f"tokens {w} warps {st} stages"
-            if want is None:
-                want = got
-            else:
-                check(f"{name}: {label} == default launch (bits)", np.array_equal(got, want))
-            us = kernel_us(fn, qg, c.kc, c.vc)
-            rows.append((name, label, us, cud, f"{kv_bytes / us / 1e6:.2f} TB/s"))
-            print(rows[-1], flush=True)
-    table(rows)
 
 
 def main():
     print(f"# {datetime.date.today()} {jax.devices()[0].device_kind} jax {jax.__version__}", flush=True)
     if "--decode-warps" in sys.argv:  # the tokens kernel's warps: bits and time
-        time_decode_warps()
+        time_decode_latency(DECODE_WARPS_CASES, [(st, w, None) for st, w in DECODE_WARPS])
         sys.exit(1 if FAILURES else 0)
     if "--decode-latency" in sys.argv:  # single-stream decode: stages / warps launch variants
         time_decode_latency()

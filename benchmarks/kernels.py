@@ -495,6 +495,19 @@ MID_ROWS_TRITON = [
 ]
 
 
+def _mid_rows_launch(label: str, run, t_def: float, t_xla: float, best):
+    """One launch of ``mid_rows``: ``run()`` -> (bits equal to the default launch's, us); its
+    check and line; the faster of it and ``best`` ((us, label))."""
+    try:
+        same, t = run()
+    except Exception as e:  # noqa: BLE001 - a launch that does not compile is a finding
+        print(f"INFO mid rows {label}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+        return best
+    check(f"mid rows {label} == default launch", same)
+    print(f"MIDROWS {label}: {t:.1f} us (default {t_def:.1f}, XLA {t_xla:.1f})", flush=True)
+    return min(best, (t, label.split(" ", 2)[2]))
+
+
 def mid_rows():
     """Launch shapes at the rows of a 32- and 64-sequence decode step (llama3-8b): the shared
     q, k, v launch (``matmul_triton.SHARED_TILES``; at 16 rows too) and o's and down's launches (Mosaic GPU,
@@ -529,21 +542,13 @@ def mid_rows():
                 mt.SHARED_TILES = (T(tile_m, tq, w, st), (tq, tkv, tkv))
                 label = f"tile_m {tile_m} tile_n q {tq} kv {tkv} warps {w} stages {st}"
                 jax.clear_caches()
-                try:
-                    same = all(
-                        np.array_equal(bits(y), b)
-                        for y, b in zip(jax.jit(pk.matmul_shared)(x, sets[0]), want, strict=True)
-                    )
-                    t = group_us(lambda x, ws: pk.matmul_shared(x, ws), x, sets)
-                except Exception as e:  # noqa: BLE001 - a launch that does not compile is a finding
-                    print(f"INFO mid rows qkv M={m} {label}: {type(e).__name__}: {str(e)[:160]}", flush=True)
-                    continue
-                check(f"mid rows qkv M={m} {label} == default launch", same)
-                print(
-                    f"MIDROWS qkv M={m} {label}: {t:.1f} us (default {t_def:.1f}, XLA {t_xla:.1f})",
-                    flush=True,
-                )
-                best = min(best, (t, label))
+
+                def run(x=x, want=want, sets=sets):
+                    got = jax.jit(pk.matmul_shared)(x, sets[0])
+                    same = all(np.array_equal(bits(y), b) for y, b in zip(got, want, strict=True))
+                    return same, group_us(lambda x, ws: pk.matmul_shared(x, ws), x, sets)
+
+                best = _mid_rows_launch(f"qkv M={m} {label}", run, t_def, t_xla, best)
             rows.append(("qkv (shared)", m, nbytes / bw / 1e6, t_xla, t_def, *best))
     finally:
         mt.SHARED_TILES = None
@@ -576,20 +581,11 @@ def mid_rows():
                 tiles = T(m if tm == "m" else m // 2, tn, w, st)
                 variants.append((f"triton {tiles}", lambda x, w, tiles=tiles: pk.matmul(x, w, tiles=tiles)))
             for label, op in variants:
-                try:
-                    same = np.array_equal(bits(jax.jit(op)(x, ws[0])), want)
-                    t = rotated_us(op, x, ws)
-                except Exception as e:  # noqa: BLE001 - a launch that does not compile is a finding
-                    print(
-                        f"INFO mid rows {name} M={m} {label}: {type(e).__name__}: {str(e)[:160]}", flush=True
-                    )
-                    continue
-                check(f"mid rows {name} M={m} {label} == default launch", same)
-                print(
-                    f"MIDROWS {name} M={m} {label}: {t:.1f} us (default {t_def:.1f}, XLA {t_xla:.1f})",
-                    flush=True,
-                )
-                best = min(best, (t, label))
+
+                def run(op=op, x=x, want=want, ws=ws):
+                    return np.array_equal(bits(jax.jit(op)(x, ws[0])), want), rotated_us(op, x, ws)
+
+                best = _mid_rows_launch(f"{name} M={m} {label}", run, t_def, t_xla, best)
             rows.append((name, m, k * n * 2 / bw / 1e6, t_xla, t_def, *best))
         del ws
     print(f"\nweights' HBM read time at the copy bandwidth ({bw:.2f} TB/s) as the floor")
