@@ -181,6 +181,10 @@ def _fillers(suite: _Suite, n: int, seed: int):
     )
 
 
+# (a note's end that makes a dimension N/A: with max_num_seqs 1 no step holds two sequences)
+_ONE_AT_A_TIME = " - none happened (max_num_seqs 1: one sequence at a time)"
+
+
 def _dimensions(
     suite: _Suite, *, invariant: bool, first_diff: bool = False
 ) -> list[tuple[str, tuple[int, int, int], str]]:
@@ -202,7 +206,10 @@ def _dimensions(
         mix = fill[:slot] + [reqs[idx]] + fill[slot:]
         arrivals = [0] * slot + [2] + [3] * (len(fill) - slot)
         got = _run(eng, mix, arrivals)[slot]
-        return [("needle in a batch", _compare([solo[idx]], [got]), "joins mid-flight among other requests")]
+        note = "joins mid-flight among other requests"
+        if cfg.max_num_seqs < 2:
+            note += _ONE_AT_A_TIME
+        return [("needle in a batch", _compare([solo[idx]], [got]), note)]
 
     def prefill_vs_decode():
         suite.tick("prefill vs decode")
@@ -223,7 +230,8 @@ def _dimensions(
         caching = invariant and cfg.enable_prefix_caching
         e = suite.engine(invariant=invariant, enable_prefix_caching=caching)
         batched = _run(e, reqs)  # a fresh cache: every prefix misses
-        out = [("batch 1 vs N", _compare(solo, batched), f"{len(reqs)} requests in one batch")]
+        note = f"{len(reqs)} requests in one batch" + (_ONE_AT_A_TIME if cfg.max_num_seqs < 2 else "")
+        out = [("batch 1 vs N", _compare(solo, batched), note)]
         if invariant and not cfg.enable_prefix_caching:
             out.append(("prefix cache hit/miss", (0, 0, 0), _SKIPPED + "prefix caching is off"))
         if caching:
@@ -239,12 +247,15 @@ def _dimensions(
 
     def chunks():
         suite.tick("chunk sizes")
-        chunk = min(16, cfg.max_num_batched_tokens)
+        # 16-token chunks, or half the engine's where it takes 16 or fewer a step
+        chunk = 16 if cfg.max_num_batched_tokens > 16 else max(1, cfg.max_num_batched_tokens // 2)
         got = _run(
             suite.engine(**base, max_num_batched_tokens=chunk, max_num_seqs=min(cfg.max_num_seqs, chunk)),
             reqs,
         )
         note = f"prefill in chunks of {chunk} vs {cfg.max_num_batched_tokens}"
+        if chunk == cfg.max_num_batched_tokens or all(len(ids) <= chunk for ids, _ in reqs):
+            note += " - none happened (the same chunks both ways)"
         return [("chunk sizes", _compare(solo, got), note)]
 
     def preemption():

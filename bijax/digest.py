@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import sys
 
 import numpy as np
@@ -54,14 +55,26 @@ def suite_requests():
     return prompts, params
 
 
+def suite_keys() -> list[tuple[int, int]]:
+    """The suite's completions as (request, sample), in the order the digest takes them."""
+    return [(i, j) for i, sp in enumerate(suite_requests()[1]) for j in range(sp.n)]
+
+
+def _sha256(completions) -> str:
+    """The digest's formula: SHA-256 of each (token ids, float32 logprob bits) in order, the ids
+    as int64 and the bits as uint32."""
+    h = hashlib.sha256()
+    for ids, bits in completions:
+        h.update(np.asarray(ids, np.int64).tobytes())
+        h.update(np.asarray(bits, np.uint32).tobytes())
+    return h.hexdigest()
+
+
 def digest(outputs) -> str:
     """SHA-256 of every completion's token ids (int64) and float32 logprob bits, in order."""
-    h = hashlib.sha256()
-    for o in outputs:
-        for c in o.outputs:
-            h.update(np.asarray(c.token_ids, np.int64).tobytes())
-            h.update(np.asarray(c.logprobs, np.float32).view(np.uint32).tobytes())
-    return h.hexdigest()
+    return _sha256(
+        (c.token_ids, np.asarray(c.logprobs, np.float32).view(np.uint32)) for o in outputs for c in o.outputs
+    )
 
 
 def run_suite(llm):
@@ -236,7 +249,47 @@ def load_record(path: str | os.PathLike) -> dict:
     need = ("format", "suite", "numerics_version", "digest", "model", "fingerprint", "completions")
     if not isinstance(record, dict) or record.get("format") != FORMAT or any(k not in record for k in need):
         raise IncompatibleRecord(f"{path}: not a bijax digest record (expected format {FORMAT!r})")
+    _check_completions(record, path)
     return record
+
+
+_HEX32 = re.compile(r"[0-9a-f]{8}")
+
+
+def _check_completions(record: dict, path) -> None:
+    """IncompatibleRecord unless the record's completions are well formed, are the suite's (when
+    it is this install's suite) and give the record's own digest: a record cut short, edited
+    or with another digest is refused, never compared as far as it goes."""
+
+    def bad(why):
+        return IncompatibleRecord(f"{path}: not a bijax digest record ({why})")
+
+    rows = record["completions"]
+    if not isinstance(rows, list):
+        raise bad("its completions are not a list")
+    for i, r in enumerate(rows):
+        if not isinstance(r, dict) or any(
+            k not in r for k in ("request", "sample", "token_ids", "logprobs_f32")
+        ):
+            raise bad(f"completion {i} lacks request, sample, token_ids or logprobs_f32")
+        ids, lps = r["token_ids"], r["logprobs_f32"]
+        if not isinstance(ids, list) or not all(type(t) is int for t in ids):
+            raise bad(f"completion {i}'s token_ids are not a list of ints")
+        if (
+            not isinstance(lps, list)
+            or len(lps) != len(ids)
+            or not all(isinstance(x, str) and _HEX32.fullmatch(x) for x in lps)
+        ):
+            raise bad(f"completion {i}'s logprobs_f32 are not one 8-digit hex string per token")
+    keys = [(r["request"], r["sample"]) for r in rows]
+    if record["suite"] == SUITE and keys != suite_keys():
+        raise bad(f"it holds {len(rows)} completions {keys}, the suite makes {suite_keys()}")
+    mine = _sha256((r["token_ids"], [int(x, 16) for x in r["logprobs_f32"]]) for r in rows)
+    if mine != record["digest"]:
+        raise IncompatibleRecord(
+            f"{path}: its digest {str(record['digest'])[:16]}... is not the one of its completions "
+            f"({mine[:16]}...): the file was edited or cut; record it again"
+        )
 
 
 def check_compatible(record: dict, llm, path: str = "the record") -> None:

@@ -57,8 +57,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-request-seqs must be >= 1, got {args.max_request_seqs}")
     if args.max_request_bytes < 1:
         raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
-    if args.port:  # a port in use fails now, not after the model has loaded and compiled
-        _check_port(args.host, args.port)
+    # a port in use or a host with no such address fails now, not after the model has loaded
+    # and compiled (port 0 too: the host is checked with an ephemeral port)
+    _check_port(args.host, args.port)
     t0 = time.perf_counter()
     s, t = sizes(args, 16)
     llm = make_llm(args, max_num_seqs=s, max_num_batched_tokens=t)

@@ -6,6 +6,7 @@ Engine flags match `tests.bijax.test_engine._llm` so the compiled steps are shar
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import io
 import json
 import os
@@ -249,6 +250,23 @@ def test_check_with_prefix_caching_off_skips_that_dimension_by_name():
             run_check(_llm("tiny").model, max_tokens=bad, progress=False)
 
 
+def test_check_says_na_where_its_settings_exercise_nothing():
+    """With one sequence a step no batch forms, so "needle in a batch" and "batch 1 vs N" are N/A
+    (they said PASS); at 16 tokens a step the chunk row prefills in chunks of 8 - a real
+    comparison (it compared 16 with 16: PASS for nothing)."""
+    from bijax.check import run_check
+
+    report = run_check(
+        _llm("tiny").model, num_requests=2, max_tokens=2, max_num_seqs=1, max_num_batched_tokens=16,
+        max_model_len=64, control=False, progress=False,
+    )  # fmt: skip
+    rows = {r.dimension: r for r in report.rows}
+    assert rows["needle in a batch"].status == rows["batch 1 vs N"].status == "N/A", report.table()
+    assert "one sequence at a time" in rows["batch 1 vs N"].detail
+    assert rows["chunk sizes"].status == "PASS" and "chunks of 8 vs 16" in rows["chunk sizes"].detail
+    assert report.ok
+
+
 TINY_DIGEST = [
     "--model", "tiny", "--dtype", "float32", "--max-num-seqs", "2", "--max-num-batched-tokens", "32",
     "--max-model-len", "128",
@@ -259,6 +277,16 @@ def _against(path, capsys, *extra):
     rc = cli.main(["check", *TINY_DIGEST, *extra, "--against", str(path)])
     out = capsys.readouterr()
     return rc, out.out, out.err
+
+
+def _resealed(record: dict) -> dict:
+    """``record`` with its digest recomputed from its completions (as a machine whose bits
+    differ would have written it): SHA-256 of each completion's int64 ids and uint32 bits."""
+    h = hashlib.sha256()
+    for c in record["completions"]:
+        h.update(np.asarray(c["token_ids"], np.int64).tobytes())
+        h.update(np.asarray([int(x, 16) for x in c["logprobs_f32"]], np.uint32).tobytes())
+    return record | {"digest": h.hexdigest()}
 
 
 def test_check_record_and_against(tmp_path, capsys):
@@ -287,7 +315,7 @@ def test_check_record_and_against(tmp_path, capsys):
     flipped = json.loads(rec.read_text())
     c = flipped["completions"][2]
     c["logprobs_f32"][4] = f"{int(c['logprobs_f32'][4], 16) ^ 1:08x}"  # one ulp
-    (tmp_path / "flip.json").write_text(json.dumps(flipped))
+    (tmp_path / "flip.json").write_text(json.dumps(_resealed(flipped)))
     rc, out, _ = _against(tmp_path / "flip.json", capsys)
     assert rc == 1 and "MISMATCH: 1 of 5" in out, out
     line = next(x for x in out.splitlines() if x.strip().startswith("request 2 sample 0"))
@@ -295,7 +323,7 @@ def test_check_record_and_against(tmp_path, capsys):
 
     changed = json.loads(rec.read_text())
     changed["completions"][4]["token_ids"][3] += 1
-    (tmp_path / "tok.json").write_text(json.dumps(changed))
+    (tmp_path / "tok.json").write_text(json.dumps(_resealed(changed)))
     rc, out, _ = _against(tmp_path / "tok.json", capsys)
     assert rc == 1 and "request 3 sample 1: first differing token 3" in out, out
 
@@ -308,6 +336,25 @@ def test_check_record_and_against(tmp_path, capsys):
     ):
         rc, _, err = _against(path, capsys, *extra)
         assert rc == 2 and message in err, err
+    # a record cut short, edited without its digest, or malformed: refused, never a MATCH
+    # "as far as it goes" (an empty or cut record said MATCH; a missing key was a traceback)
+    whole = json.loads(rec.read_text())
+    cut = _resealed(whole | {"completions": whole["completions"][:3]})
+    zeroed = whole | {"digest": "0" * 64}
+    no_ids = whole | {"completions": [{"request": 0, "sample": 0, "logprobs_f32": []}]}
+    bad_hex = json.loads(rec.read_text())
+    bad_hex["completions"][0]["logprobs_f32"][0] = "zzzz"
+    for name, bad, message in (
+        ("empty", _resealed(whole | {"completions": []}), "it holds 0 completions"),
+        ("cut", cut, "it holds 3 completions"),
+        ("zeroed", zeroed, "is not the one of its completions"),
+        ("edited", flipped, "the file was edited or cut"),
+        ("no_ids", no_ids, "lacks request, sample, token_ids"),
+        ("bad_hex", bad_hex, "one 8-digit hex string per token"),
+    ):
+        (tmp_path / f"{name}.json").write_text(json.dumps(bad))
+        rc, out, err = _against(tmp_path / f"{name}.json", capsys)
+        assert rc == 2 and message in err and f"{name}.json" in err and "MATCH" not in out, (name, err)
     (tmp_path / "junk.json").write_text("[1, 2]")
     rc, _, err = _against(tmp_path / "junk.json", capsys)
     assert rc == 2 and "not a bijax digest record" in err

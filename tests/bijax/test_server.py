@@ -642,6 +642,7 @@ def test_a_disconnect_aborts_and_frees_blocks(smol):
         (["--api-key", ""], "--api-key"),
         (["--max-request-seqs", "0"], "--max-request-seqs"),
         (["--port", "IN_USE"], "cannot listen there"),
+        (["--host", "nosuch.invalid", "--port", "0"], "cannot listen there"),  # (port 0: checked too)
     ],
 )
 def test_bad_serve_flags_exit_2_before_loading(capsys, argv, message):
