@@ -40,8 +40,9 @@ GGUF_BYTE_LEVEL = ("default", "gpt2", "gpt-2", "smollm", "starcoder")
 
 
 class UnsupportedTokenizer(ValueError):
-    """A checkpoint's tokenizer that bijax cannot build (a GGUF's SentencePiece vocabulary, or
-    one without tokenizer metadata): the model itself loads and runs on token ids."""
+    """A checkpoint's tokenizer that bijax cannot build (a GGUF's SentencePiece vocabulary, an
+    unknown pre-tokenizer, or no tokenizer metadata): the model itself loads and runs on token
+    ids."""
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -291,7 +292,9 @@ class Tokenizer:
         pre = md.get("tokenizer.ggml.pre", "default")
         if pre not in GGUF_SPLITS and pre not in GGUF_BYTE_LEVEL:
             known = sorted(GGUF_SPLITS) + sorted(GGUF_BYTE_LEVEL)
-            raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r} (supported: {', '.join(known)})")
+            raise UnsupportedTokenizer(
+                f"unsupported GGUF pre-tokenizer {pre!r} (supported: {', '.join(known)})"
+            )
 
         alphabet = set(_bytes_to_unicode().values())
         spell = _bytes_to_unicode()
