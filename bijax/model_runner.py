@@ -268,7 +268,10 @@ class ModelRunner:
             )
         leaves = lambda state: dict(jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(state)))  # noqa: E731
         check_same_layout(
-            leaves(self.params), leaves(nnx.split(model)[1]), what=f"{what}: the model's weights"
+            leaves(self.params),
+            leaves(nnx.split(model)[1]),
+            what=f"{what}: the new model's weights",
+            ref="the engine's",
         )
 
     def set_model(self, model: Llama) -> None:

@@ -75,27 +75,23 @@ def check_finite(model: Llama, where: str) -> None:
         )
 
 
-def check_same_layout(want: dict, got: dict, what: str = "weights") -> None:
+def check_same_layout(want: dict, got: dict, what: str = "weights", ref: str = "the model's") -> None:
     """``got``'s leaves (key path -> array) against the model's ``want``: the same key paths,
     each an array of the same shape and dtype, none deleted - ValueError / TypeError naming
-    the first that is not (``what``: how the message names ``got``)."""
+    the first that is not (``what``: how the message names ``got``, ``ref``: ``want``)."""
     name = jax.tree_util.keystr
     missing = [name(k) for k in want if k not in got]
     extra = [name(k) for k in got if k not in want]
     if missing or extra:
-        raise ValueError(
-            f"{what} do not have the model's structure: missing {missing[:3]}, unexpected {extra[:3]}"
-        )
-    for k, ref in want.items():
+        raise ValueError(f"{what} do not have {ref} structure: missing {missing[:3]}, unexpected {extra[:3]}")
+    for k, old in want.items():
         new = got[k]
         if not isinstance(new, (jax.Array, np.ndarray)):  # (a ShapeDtypeStruct has no values)
             raise TypeError(f"{what}{name(k)} must be an array, got {type(new).__name__}")
-        if tuple(new.shape) != tuple(ref.shape):
-            raise ValueError(
-                f"{what}{name(k)} has shape {tuple(new.shape)}, the model's is {tuple(ref.shape)}"
-            )
-        if new.dtype != ref.dtype:
-            raise ValueError(f"{what}{name(k)} has dtype {new.dtype}, the model's is {ref.dtype}")
+        if tuple(new.shape) != tuple(old.shape):
+            raise ValueError(f"{what}{name(k)} has shape {tuple(new.shape)}, {ref} is {tuple(old.shape)}")
+        if new.dtype != old.dtype:
+            raise ValueError(f"{what}{name(k)} has dtype {new.dtype}, {ref} is {old.dtype}")
         if isinstance(new, jax.core.Tracer):  # (called inside jax.jit / grad: no values to load)
             raise TypeError(
                 f"{what}{name(k)} is a traced value: update the weights outside jax.jit, with the "

@@ -7,7 +7,9 @@ FileNotFoundError. No pickle-based formats are read.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 from collections.abc import Iterator
 
@@ -205,19 +207,44 @@ def save_orbax(model: Llama, path: str | os.PathLike) -> None:
     if os.path.exists(path):
         raise FileExistsError(f"{path} already exists")
     os.makedirs(path)
-    meta = {"config": _config_to_json(model.config), "dtype": jnp.dtype(model.dtype).name}
+    meta = {
+        "config": _config_to_json(model.config),
+        "dtype": jnp.dtype(model.dtype).name,
+        "k_shards": int(model.k_shards),  # (part of the numerics: a round trip keeps the bits)
+    }
     with open(os.path.join(path, _META), "w") as f:
         json.dump(meta, f, indent=1)
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(os.path.join(path, "params"), nnx.state(model, nnx.Param))
 
 
+def _first_line(e: BaseException, limit: int = 200) -> str:
+    """An exception's first line, cut to ``limit`` characters (TensorStore's run to kilobytes)."""
+    line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+@contextlib.contextmanager
+def _quiet_asyncio():
+    """Orbax's failed reads also log each failing read task's traceback through asyncio's logger
+    (kilobytes of TensorStore specs); the error raised after them says what happened."""
+    logger = logging.getLogger("asyncio")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def is_orbax_dir(path: str | os.PathLike) -> bool:
     return os.path.isfile(os.path.join(os.fspath(path), _META))
 
 
-def load_orbax(path: str | os.PathLike, *, k_shards: int = 1) -> Llama:
-    """Restores a model saved by ``save_orbax``."""
+def load_orbax(path: str | os.PathLike, *, k_shards: int = 1, dtype=None) -> Llama:
+    """Restores a model saved by ``save_orbax``: its dtype (``dtype``, if given, must be it) and
+    its ``k_shards`` (saved with it since 2026-12-07, 1 before; ``k_shards`` 1 - the default -
+    takes the saved one, another value is used as asked, as for any checkpoint)."""
     import orbax.checkpoint as ocp
 
     path = os.path.abspath(os.fspath(path))
@@ -228,18 +255,31 @@ def load_orbax(path: str | os.PathLike, *, k_shards: int = 1) -> Llama:
         try:
             meta = json.load(f)
             config = _config_from_json(meta["config"])
-            dtype = jnp.dtype(meta["dtype"])
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            saved_dtype = jnp.dtype(meta["dtype"])
+            saved_shards = meta.get("k_shards", 1)
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"{meta_path} is corrupt ({e!r})") from None
-    model = abstract_model(config, dtype, k_shards)
+    if type(saved_shards) is not int or saved_shards not in (1, 2, 4, 8):
+        raise ValueError(f"{meta_path} is corrupt (k_shards {saved_shards!r})")
+    if dtype is not None and jnp.dtype(dtype) != saved_dtype:
+        raise ValueError(
+            f"dtype cannot be changed when restoring an orbax checkpoint ({path} holds {saved_dtype.name}, "
+            f"{jnp.dtype(dtype).name} was asked)"
+        )
+    model = abstract_model(config, saved_dtype, saved_shards if k_shards == 1 else k_shards)
     target = nnx.state(model, nnx.Param)
-    with ocp.StandardCheckpointer() as ckpt:
+    with ocp.StandardCheckpointer() as ckpt, _quiet_asyncio():
         try:
             restored = ckpt.restore(os.path.join(path, "params"), target)
         except FileNotFoundError:
             raise FileNotFoundError(f"{path}: orbax parameter directory 'params' is missing") from None
         except (ValueError, KeyError) as e:
             raise ValueError(f"{path}: orbax checkpoint does not match the model: {e}") from None
+        except Exception as e:  # noqa: BLE001 - orbax / TensorStore raise a bare Exception on a bad read
+            raise ValueError(
+                f"{path}: the orbax checkpoint could not be read - a file under 'params' is corrupt or "
+                f"truncated ({_first_line(e)})"
+            ) from None
     nnx.update(model, restored)
     check_finite(model, path)
     return model
@@ -350,9 +390,7 @@ def load_model(
             path, dtype=jnp.float32 if dtype is None else dtype, k_shards=k_shards, progress=progress
         )
     if is_orbax_dir(path):
-        if dtype is not None:
-            raise ValueError("dtype cannot be changed when restoring an orbax checkpoint")
-        return load_orbax(path, k_shards=k_shards)
+        return load_orbax(path, k_shards=k_shards, dtype=dtype)
     if os.path.isdir(path):
         return load_hf(path, dtype=dtype, k_shards=k_shards)
     known = sorted(PRESETS) + sorted(EMBEDDED)

@@ -417,7 +417,7 @@ def test_set_weights_checks_and_a_swap_holds_the_other_llms(monkeypatch):
     sp = SP(temperature=0.8, seed=4, max_tokens=4, ignore_eos=True)
     before = a.generate([[5, 6, 7]], sp, use_tqdm=False)
     tiny = preset("tiny")
-    with pytest.raises(ValueError, match=r"the model's weights\['embed'\] has shape \(300, "):
+    with pytest.raises(ValueError, match=r"the new model's weights\['embed'\] has shape \(300, "):
         a.engine.set_weights(Llama(dataclasses.replace(tiny, vocab_size=300), dtype=jnp.float32))
     with pytest.raises(
         ValueError, match=r"attention heads .* \(8, 4, 128\) differ from the engine's \(16, 8, 64\)"
@@ -426,7 +426,7 @@ def test_set_weights_checks_and_a_swap_holds_the_other_llms(monkeypatch):
         a.engine.set_weights(
             Llama(dataclasses.replace(tiny, num_heads=8, num_kv_heads=4, head_dim=128), dtype=jnp.float32)
         )
-    with pytest.raises(ValueError, match="has dtype bfloat16, the model's is float32"):
+    with pytest.raises(ValueError, match="has dtype bfloat16, the engine's is float32"):
         a.engine.set_weights(Llama(tiny, dtype=jnp.bfloat16))
     with pytest.raises(TypeError, match="model must be a models.Llama"):
         a.engine.set_weights(param_state(a.model))

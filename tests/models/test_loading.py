@@ -196,10 +196,31 @@ def test_orbax_round_trip(tmp_path):
 
 
 def test_orbax_round_trip_preset_bf16(tmp_path):
-    model = Llama(preset("tiny"), dtype=jnp.bfloat16, seed=5)
+    """A round trip keeps the dtype and k_shards (k_shards was not saved: a k_shards=8 model came
+    back at 1, with other bits); the saved dtype may be named, another is refused."""
+    model = Llama(preset("tiny"), dtype=jnp.bfloat16, seed=5, k_shards=8)
     save_orbax(model, tmp_path / "tiny")
     back = load_orbax(tmp_path / "tiny")
-    assert back.dtype == jnp.bfloat16 and _same_params(back, model)
+    assert back.dtype == jnp.bfloat16 and back.k_shards == 8 and _same_params(back, model)
+    ids = jnp.asarray(np.arange(12, dtype=np.int32)[None])
+    np.testing.assert_array_equal(bits(_FWD(back, ids)), bits(_FWD(model, ids)))
+    assert load_model(str(tmp_path / "tiny"), dtype="bfloat16").k_shards == 8
+    assert load_model(str(tmp_path / "tiny"), k_shards=2).k_shards == 2  # (asked: used)
+    with pytest.raises(ValueError, match="holds bfloat16, float32 was asked"):
+        load_model(str(tmp_path / "tiny"), dtype="float32")
+
+
+def test_orbax_truncated_file_is_named_not_a_raw_orbax_error(tmp_path, capfd):
+    """A data file cut short (an interrupted copy): one ValueError saying so - it was orbax's bare
+    Exception with a TensorStore dump, and asyncio's tracebacks on stderr."""
+    save_orbax(Llama(preset("tiny"), dtype=jnp.float32), tmp_path / "ckpt")
+    files = [f for f in (tmp_path / "ckpt" / "params").rglob("*") if f.is_file()]
+    big = max(files, key=lambda f: f.stat().st_size)
+    big.write_bytes(big.read_bytes()[: big.stat().st_size // 2])
+    capfd.readouterr()
+    with pytest.raises(ValueError, match="could not be read - a file under 'params' is corrupt or truncated"):
+        load_orbax(tmp_path / "ckpt")
+    assert "Traceback" not in capfd.readouterr().err
 
 
 def test_orbax_mismatched_checkpoint(tmp_path):
