@@ -31,7 +31,7 @@ from models.loading import (
     DEFAULT_MODEL,
     embedded_model_path,
     is_embedded,
-    is_gguf_file,
+    is_gguf,
     is_preset,
     load_model,
 )
@@ -187,7 +187,7 @@ def _checkpoint_tokenizer(model):
     if isinstance(model, Llama) or is_preset(model):
         return None
     path = embedded_model_path(model) if is_embedded(model) else os.fspath(model)
-    if path.endswith(".gguf") or is_gguf_file(path):  # (a GGUF file by its header, as load_model)
+    if is_gguf(path):  # (load_model's rule)
         try:
             return load_tokenizer(path)
         except UnsupportedTokenizer as e:  # the model runs on token ids, as one without a tokenizer

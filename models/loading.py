@@ -383,7 +383,7 @@ def load_model(
     if is_embedded(name_or_path):
         name_or_path = embedded_model_path(name_or_path)
     path = os.fspath(name_or_path)
-    if path.endswith(".gguf") or is_gguf_file(path):
+    if is_gguf(path):
         from models.gguf import load_gguf
 
         return load_gguf(
@@ -409,8 +409,11 @@ def load_model(
     )
 
 
-def is_gguf_file(path: str) -> bool:
-    """Whether ``path`` is a file that starts as a GGUF file does (whatever its name)."""
+def is_gguf(path: str) -> bool:
+    """Whether ``path`` is taken as a GGUF file: named ``*.gguf``, or a file that starts as a
+    GGUF file does (whatever its name). The one rule for the model and its tokenizer."""
+    if path.endswith(".gguf"):
+        return True
     if not os.path.isfile(path):
         return False
     with open(path, "rb") as f:
