@@ -635,7 +635,8 @@ class ModelRunner:
         for key in keys:  # compiled as the engine compiles them (its XLA options included)
             fn, args, kw, _, _ = self._spec(key)
             options = self._compiler_options(key)
-            lowered = fn.lower(*args, **kw)
+            with pk.runtime.pinned_config():
+                lowered = fn.lower(*args, **kw)
             texts.append((lowered.compile(options) if options else lowered.compile()).as_text())
         return "\n".join(texts)
 

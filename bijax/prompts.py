@@ -21,6 +21,38 @@ class ValidPrompt:
     checked_by: object  # the validating engine's token (an object, so no id() can be reused)
 
 
+def refuse_traced(value, method: str) -> None:
+    """TypeError when ``value`` (prompts, a prompt, token ids: nested lists, tuples, dicts or
+    arrays) holds a value traced by ``jax.jit``, ``grad`` or ``vmap``: ``method`` runs its own
+    compiled programs on concrete values (inside a transformation it failed with errors about
+    lists or ``__array__``)."""
+    import jax
+
+    def traced(v) -> bool:
+        if isinstance(v, jax.core.Tracer):
+            return True
+        if isinstance(v, (list, tuple)):
+            return any(map(traced, v))
+        return isinstance(v, dict) and any(map(traced, v.values()))
+
+    if traced(value):
+        raise TypeError(
+            f"{method} cannot run inside jax.jit, grad or vmap (it got a traced value): it runs its own "
+            "compiled programs - call it outside the transformation, or use bijax.logprobs / "
+            "forward_packed inside one"
+        )
+
+
+def _scalar_int(t) -> bool:
+    """An int token id: a Python or numpy int, or a 0-d integer array (JAX's scalars)."""
+    if isinstance(t, bool):
+        return False
+    if isinstance(t, (int, np.integer)):
+        return True
+    dtype = getattr(t, "dtype", None)
+    return getattr(t, "ndim", None) == 0 and dtype is not None and np.issubdtype(dtype, np.integer)
+
+
 def as_numpy(value):
     """``value`` as a numpy array if it is another array type (a JAX array of token ids is taken
     as numpy's); anything else - a str, dict, list, tuple or numpy array - as it is."""
@@ -73,7 +105,7 @@ def tokenize(tokenizer, prompt) -> tuple[str | None, list[int]]:
         raise TypeError(
             f"a prompt must be a str or a list of int token ids, got {type(prompt).__name__}"
         ) from None
-    if any(not isinstance(t, (int, np.integer)) or isinstance(t, bool) for t in items):
+    if not all(map(_scalar_int, items)):
         raise TypeError("prompt token ids must be ints")
     return None, ids
 

@@ -68,6 +68,7 @@ def _temperature(temperature, b: int):
     return jnp.asarray(t, jnp.float32)
 
 
+@pk.runtime.pinned
 def logprobs(
     model,
     tokens,

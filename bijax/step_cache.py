@@ -27,6 +27,7 @@ then failed with "Failed to lookup host symbol: ..._mosaic_gpu"), so ``directory
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib
@@ -38,6 +39,7 @@ import jax.extend
 from jax import export
 
 from bijax import compile_cache
+from pallas_kernels.runtime import pinned
 
 # At most this many programs are kept (the least recently used go first): each source change
 # names new ones.
@@ -267,7 +269,10 @@ class FlatStep:
         leaves, tree = jax.tree_util.tree_flatten(args) if flat is None else flat
         if tree != self.in_tree:
             raise TypeError(f"step arguments changed structure since warm-up: {tree} != {self.in_tree}")
-        out = self.compiled(*leaves)
+        # (a compiled program runs as it is under a caller's ``disable_jit``, which JAX refuses
+        # for AOT programs; the check alone when it is off, ~0.1 us: this is every step's call)
+        with jax.disable_jit(False) if jax.config.jax_disable_jit else contextlib.nullcontext():
+            out = self.compiled(*leaves)
         if self.donated_tree is None:
             return out
         out, donated = out
@@ -319,6 +324,7 @@ def _specs(leaves: list) -> list:
     ]
 
 
+@pinned
 def lower_flat(fn, args: tuple, kw: dict, *, donate: int | None) -> FlatStep:
     """``fn(*args, **kw)`` lowered as ``lower`` does, but traced here and never saved (the step
     cache off): a ``FlatStep`` all the same."""
@@ -328,6 +334,7 @@ def lower_flat(fn, args: tuple, kw: dict, *, donate: int | None) -> FlatStep:
     return FlatStep(lowered, tree, donated_tree)
 
 
+@pinned
 def lower(fn, args: tuple, kw: dict, *, donate: int | None, name: str) -> FlatStep:
     """``fn(*args, **kw)`` lowered through its exported program - ``fn`` a jitted function of
     pytree ``args`` and static ``kw`` that returns (out, new value of ``args[donate]``), which is
@@ -353,6 +360,7 @@ def lower(fn, args: tuple, kw: dict, *, donate: int | None, name: str) -> FlatSt
     return via(export_step(fn, args, kw, donate=donate, name=name))
 
 
+@pinned
 def export_step(fn, args: tuple, kw: dict, *, donate: int | None, name: str) -> export.Exported:
     """Exports ``fn(*args, **kw)`` as ``lower`` runs it (a function of the flat leaves of
     ``args``, returning the donated argument's leaves) and saves it under ``name``; returns it

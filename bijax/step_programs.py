@@ -73,6 +73,7 @@ from models.llama import (
     weight_at,
 )
 from models.paged import PagedBatch
+from pallas_kernels.runtime import pinned
 
 LAYERS, WHOLE, TIERED = "layers", "whole", "tiered"
 
@@ -305,6 +306,7 @@ def baseline_jit(fn, **jit_kw):
     }
 
     @functools.wraps(fn)
+    @pinned
     def call(*args, invariant, **kw):
         traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((args, kw)))
         return jitted[invariant or traced](*args, invariant=invariant, **kw)

@@ -130,6 +130,7 @@ def _normal_values(key, *, shape, std: float, dtype) -> jax.Array:
 _draws_seen: contextvars.ContextVar[list | None] = contextvars.ContextVar("_draws_seen", default=None)
 
 
+@pk.runtime.pinned  # (the draws are JAX's default PRNG's, whatever a caller set)
 def _normal(seed: int, name: str, shape, std: float, dtype) -> nnx.Param:
     spec = dict(shape=tuple(shape), std=float(std), dtype=jnp.dtype(dtype))
     seen = _draws_seen.get()
@@ -138,6 +139,7 @@ def _normal(seed: int, name: str, shape, std: float, dtype) -> nnx.Param:
     return nnx.Param(_normal_values(_seed_key(seed, name), **spec))
 
 
+@pk.runtime.pinned
 def compile_draws(make: Callable[[], nnx.Module], workers: int | None = None) -> int:
     """Compiles the random-weight programs that ``make()`` (a constructor of random weights)
     will run - one per (shape, scale, dtype) - ``workers`` at once (default: one per CPU core,
@@ -156,7 +158,7 @@ def compile_draws(make: Callable[[], nnx.Module], workers: int | None = None) ->
     workers = workers or min(8, os.cpu_count() or 1)
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(workers, len(seen))) as pool:
         # Tracing holds Python's lock; XLA's compiles run side by side.
-        list(pool.map(lambda spec: _normal_values.lower(key, **spec).compile(), seen))
+        list(pool.map(pk.runtime.pinned(lambda spec: _normal_values.lower(key, **spec).compile()), seen))
     return len(seen)
 
 
@@ -567,6 +569,7 @@ class Llama(nnx.Module):
         """
         return self.forward_packed(tokens, None, max_segments=1, invariant=invariant)
 
+    @pk.runtime.pinned
     def forward_packed(
         self,
         tokens: jax.Array,

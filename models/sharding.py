@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from models.configs import LlamaConfig
 from pallas_kernels.checks import check_positive_int
+from pallas_kernels.runtime import pinned
 
 AXIS = "tp"
 _COLUMN = ("wq", "wk", "wv", "w_gate", "w_up")
@@ -114,14 +115,14 @@ def shard_state(state, mesh: Mesh, axis: str = AXIS):
     return jax.tree_util.tree_map(lambda a, s: to_global(a, NamedSharding(mesh, s)), state, specs)
 
 
+@pinned
 def build_sharded(make: Callable[[], nnx.Module], mesh: Mesh, axis: str = AXIS) -> nnx.Module:
     """``make()`` (a model constructor with random weights) built directly in its shards: one
     jitted program whose outputs are laid out by ``state_specs``, so each device computes and
     holds only its shard of every weight - no whole model on one device first (a model larger
     than one device's memory can be built). JAX's partitionable random numbers make every
-    value equal to the whole build's (``jax_threefry_partitionable``, on by default)."""
-    if not jax.config.jax_threefry_partitionable:
-        raise RuntimeError("build_sharded needs jax_threefry_partitionable=True (JAX's default)")
+    value equal to the whole build's (``jax_threefry_partitionable``: JAX's default, and pinned
+    on here by ``runtime.pinned`` whatever a caller set)."""
     graphdef, abstract = nnx.split(nnx.eval_shape(make))
     shardings = jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), state_specs(abstract, axis))
     state = jax.jit(lambda: nnx.split(make())[1], out_shardings=shardings)()

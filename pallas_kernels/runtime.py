@@ -45,6 +45,50 @@ CPU_CONSISTENT_MATH = "--xla_cpu_enable_platform_dependent_math=false"
 _CPU_MATH_FLAG = CPU_CONSISTENT_MATH.split("=")[0]
 
 
+# --------------------------------------------------------------------------- JAX settings
+#
+# Some of JAX's global settings change what a traced function computes, not only how it is
+# checked: the PRNG (``jax_default_prng_impl``, ``jax_threefry_partitionable``) decides the
+# sampler's Gumbel noise and a preset's random weights; ``jax_default_matmul_precision`` an XLA
+# dot's passes on GPU; ``jax_disable_jit`` runs a program op by op, which XLA rounds otherwise
+# (unfused RoPE and log-softmax: other last bits); ``jax_numpy_rank_promotion="raise"`` and
+# ``jax_legacy_prng_key="error"`` refuse code that is correct under JAX's defaults. bijax's bits
+# are defined under JAX's defaults, so everything it traces, lowers or runs op by op does so
+# under them, whatever a caller set (found by a probe: a trainer's ``threefry_partitionable=
+# False`` gave other sampled tokens and other preset weights, silently).
+_PINNED = (
+    (jax.disable_jit, False),
+    (jax.threefry_partitionable, True),
+    (jax.default_prng_impl, "threefry2x32"),
+    (jax.legacy_prng_key, "allow"),
+    (jax.default_matmul_precision, None),
+    (jax.numpy_rank_promotion, "allow"),
+    (jax.numpy_dtype_promotion, "standard"),
+)
+
+
+@contextlib.contextmanager
+def pinned_config():
+    """JAX's default values of the settings that change what bijax's programs compute (above),
+    for this thread, inside the block. Config contexts are per thread: each thread that traces
+    enters it (``step_cache`` and the other entry points do)."""
+    with contextlib.ExitStack() as stack:
+        for setting, value in _PINNED:
+            stack.enter_context(setting(value))
+        yield
+
+
+def pinned(fn: Callable) -> Callable:
+    """``fn`` run under ``pinned_config`` (a decorator; keeps ``fn``'s name)."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with pinned_config():
+            return fn(*args, **kwargs)
+
+    return call
+
+
 # Set in the environment of a process that must run with XLA_FLAGS exactly as given (bijax's
 # lowering helpers: their program names include XLA_FLAGS, and must equal their parent's, whose
 # own requests may have been refused because its backend had started before bijax was imported).
@@ -76,6 +120,7 @@ request_xla_flag(CPU_CONSISTENT_MATH)  # cpu_math_is_consistent() tells whether 
 
 
 @functools.cache
+@pinned
 def cpu_math_is_consistent() -> bool:
     """Whether this process compiles CPU code with the consistent-math setting: a probe (rsqrt of
     4096 values, whose platform-dependent form differs from the consistent one in ~1 of 3 values
@@ -157,11 +202,17 @@ KERNEL_PREFIX = "bijax_op_"
 
 
 def kernel_op(name: str, **jit_kwargs):
-    """Decorator: ``jax.jit`` under the name ``bijax_op_<name>`` (visible in jaxprs as the pjit name)."""
+    """Decorator: ``jax.jit`` under the name ``bijax_op_<name>`` (visible in jaxprs as the pjit
+    name), under ``pinned_config``."""
 
     def wrap(fn):
         fn.__name__ = fn.__qualname__ = KERNEL_PREFIX + name
-        return jax.jit(fn, **jit_kwargs)
+        # (pinned inside, for whatever traces it, and around the call: a call under the
+        # caller's ``disable_jit`` runs the program, not its ops one by one)
+        jitted = jax.jit(pinned(fn), **jit_kwargs)
+        call = pinned(jitted)
+        call.lower = jitted.lower
+        return call
 
     return wrap
 

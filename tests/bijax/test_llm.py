@@ -3,6 +3,7 @@ and bad input rejected alone with a clear error."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -113,6 +114,24 @@ def test_bad_requests_are_rejected_alone(llm, prompt, sp, err, match):
     assert not llm.engine.has_unfinished_requests()  # nothing half-added
     ok = llm.generate([PROMPT], SP(max_tokens=2), use_tqdm=False)[0]
     assert len(ok.token_ids) == 2 or ok.finish_reason == "stop"
+
+
+def test_jax_scalar_token_ids_and_calls_inside_jit(llm):
+    """A list of JAX's 0-d int arrays is a prompt, as a list of numpy's ints is (same bits; it was
+    refused); 0-d float or bool arrays are not. Inside ``jax.jit``, generate and score say they
+    cannot run there (they failed naming lists or ``__array__``), and nothing is half-added."""
+    sp = SP(max_tokens=3, ignore_eos=True, seed=2)
+    want = llm.generate([PROMPT], sp, use_tqdm=False)[0].outputs[0]
+    got = llm.generate([[jnp.int32(t) for t in PROMPT]], sp, use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == want.token_ids and np.array_equal(bits(got.logprobs), bits(want.logprobs))
+    for bad in (jnp.float32(1.0), jnp.bool_(True)):
+        with pytest.raises(TypeError, match="must be ints"):
+            llm.generate([[bad, 2]], sp, use_tqdm=False)
+    calls = (lambda t: llm.generate([list(t)], sp, use_tqdm=False), lambda t: llm.score([list(t)], [1]))
+    for call in calls:
+        with pytest.raises(TypeError, match="cannot run inside jax.jit"):
+            jax.jit(call)(jnp.asarray(PROMPT))
+    assert not llm.engine.has_unfinished_requests()
 
 
 def test_an_empty_batch_gives_an_empty_list(llm):

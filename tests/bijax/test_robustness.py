@@ -92,6 +92,55 @@ def test_restart_gives_the_same_bits():
     )
 
 
+# JAX settings a caller may set globally that change what JAX computes (or refuse code that is
+# correct under JAX's defaults): bijax pins its own (``pallas_kernels.runtime.pinned_config``).
+_HOSTILE = (
+    ("jax_disable_jit", True),
+    ("jax_threefry_partitionable", False),
+    ("jax_default_prng_impl", "unsafe_rbg"),
+    ("jax_legacy_prng_key", "error"),
+    ("jax_default_matmul_precision", "bfloat16"),
+    ("jax_numpy_rank_promotion", "raise"),
+    ("jax_numpy_dtype_promotion", "strict"),
+)
+_NOISE = "import jax; print(jax.numpy.asarray(jax.random.uniform(jax.random.key(0), (8,))).view('uint32').tolist())"
+
+
+def test_a_callers_jax_settings_change_no_bits(tmp_path):
+    """A trainer's global JAX settings changed bijax's bits silently (``threefry_partitionable=
+    False``: other sampled tokens and other preset weights; ``disable_jit``: other logprobs, and
+    generate failed inside JAX) or broke it deep in a kernel (``numpy_rank_promotion="raise"``).
+    Under all of them at once, set before bijax is imported, a fresh process (no exported
+    programs to read back: it traces everything) gives the suite's digest of this process, and
+    ``bijax.logprobs`` equals its own generate. The control: the same settings give JAX's own
+    random numbers other bits in that process."""
+    code = "\n".join(
+        [
+            "import json, jax, numpy as np",
+            *(f"jax.config.update({k!r}, {v!r})" for k, v in _HOSTILE),
+            "from tests.bijax import golden; import bijax",
+            "llm = bijax.LLM('tiny', **golden.ENGINE)",
+            "p, s = golden._requests(); outs = llm.generate(p, s, use_tqdm=False)",
+            "o = outs[1].outputs[0]; toks = np.array([p[1] + list(o.token_ids)], np.int32)",
+            "lp = np.asarray(bijax.logprobs(llm.model, toks, temperature=0.8))[0, len(p[1]):]",
+            "same = np.array_equal(lp.view(np.uint32), np.asarray(o.logprobs, np.float32).view(np.uint32))",
+            _NOISE.replace("print(", "noise = ("),
+            "print(json.dumps([golden.digest(outs), bool(same), noise]))",
+        ]
+    )
+    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu", BIJAX_CACHE_DIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    digest, logprobs_same, noise = __import__("json").loads(out.stdout.strip().splitlines()[-1])
+    defaults = subprocess.run(
+        [sys.executable, "-c", _NOISE], capture_output=True, text=True, env=env, check=True
+    ).stdout.strip()
+    assert str(noise).replace(" ", "") != defaults.replace(" ", "")  # the control: they took effect
+    prompts, params = golden._requests()
+    assert digest == golden.digest(_llm().generate(prompts, params, use_tqdm=False))
+    assert logprobs_same
+
+
 def test_golden_bits_unchanged_unless_numerics_version_bumped():
     record = golden.load()
     assert record["numerics_version"] == bijax.NUMERICS_VERSION, (
