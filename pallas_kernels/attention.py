@@ -15,7 +15,7 @@ The reduction structure depends on the token's position and KV only:
 * masked probabilities are exactly 0 (and masked values are zeroed, so stale cache rows
   cannot leak NaN);
 * the splits are merged as a left fold in split order - also when there is only one
-  (``attention_math.fold_splits``, shared by both paths);
+  (``attention_math.fold_step``, shared by both paths);
 * a token's rows (its query heads) share a program only with rows whose arithmetic cannot touch
   theirs: a dot's rows are independent and row sums are dots (``attention_math.kv_tile_step``),
   whether the program holds one token (decode, ``tokens``) or a tile of tokens (``tiles``).
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import attention_cpu, attention_triton, runtime
-from pallas_kernels.attention_math import HEAD_DIMS, SPLIT_SIZE, AttentionSpec, fold_splits, key_mask, kv_tile
+from pallas_kernels.attention_math import HEAD_DIMS, SPLIT_SIZE, AttentionSpec, key_mask, kv_tile
 from pallas_kernels.checks import check_float_dtype
 
 __all__ = [
@@ -94,7 +94,7 @@ def _attention_impl(q, k_cache, v_cache, index, spec, run):
     qg = q.reshape(t, hkv, group, d)
 
     def cpu(*args):
-        return fold_splits(*attention_cpu.split_states(*args, spec=spec), index[3], spec).astype(q.dtype)
+        return attention_cpu.attend(*args, spec=spec).astype(q.dtype)
 
     def gpu(*args):
         return attention_triton.attend(*args, spec=spec, interpret=interpret, kernel=gpu_kernel)

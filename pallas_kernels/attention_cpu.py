@@ -3,7 +3,7 @@
 Each split is one fixed-shape block of ``split_size`` keys; tokens go through in fixed tiles
 of ``CPU_TILE_T`` (XLA's CPU einsum may change a row's bits with the row count, so the row
 count never varies). A tile's splits run in a loop that stops after the last split any of its
-tokens reaches.
+tokens reaches, each folded into the tile's carry as it is computed.
 """
 
 from __future__ import annotations
@@ -11,14 +11,30 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.attention_math import AttentionSpec, exp, key_mask, scores
+from pallas_kernels.attention_math import (
+    AttentionSpec,
+    exp,
+    fold_finish,
+    fold_step,
+    key_mask,
+    scores,
+    split_used,
+)
 
 CPU_TILE_T = 8
 
 
-def split_states(q, k_cache, v_cache, index, *, spec: AttentionSpec):
-    """q [T, Hkv, R, D] -> per-split states m, l [T, Hkv, S, R], acc [T, Hkv, S, R, D].
-    ``index``: (block_tables, context_lens, token_seq, token_pos)."""
+def attend(q, k_cache, v_cache, index, *, spec: AttentionSpec):
+    """q [T, Hkv, R, D] -> the folded fp32 output [T, Hkv, R, D] (zeros for padding tokens).
+    ``index``: (block_tables, context_lens, token_seq, token_pos).
+
+    Each split's state is folded into its tile's carry as soon as it is computed
+    (``attention_math.fold_step``, the one definition of the fold, in split order over the
+    splits each token uses): nothing is stored per split, and a tile runs only the splits its
+    tokens reach. (Until 2026-12-07 every split's state was stored, [T, Hkv, S, R, D] with S the
+    block table's splits, then folded over all S: memory T x S - 7 GB for a 16k-token
+    ``bijax.logprobs`` row - and a decode step's time grew with max_model_len. The same bits:
+    the same operations in the same order.)"""
     block_tables, context_lens, token_seq, token_pos = index
     t, hkv, rows, d = q.shape
     block_size = k_cache.shape[1]
@@ -52,24 +68,24 @@ def split_states(q, k_cache, v_cache, index, *, spec: AttentionSpec):
     def tile(args):
         qt, seq, pos = args
         ctx = context_lens[seq]
-        states = (  # a split no token of the tile reaches keeps these (an empty split's state)
-            jnp.full((CPU_TILE_T, hkv, splits, rows), -jnp.inf, jnp.float32),
-            jnp.zeros((CPU_TILE_T, hkv, splits, rows), jnp.float32),
-            jnp.zeros((CPU_TILE_T, hkv, splits, rows, d), jnp.float32),
+        shape = (CPU_TILE_T, hkv, rows)
+        carry = (  # (a row that uses no split never reads these: ``fold_finish`` gives zeros)
+            jnp.full(shape, -jnp.inf, jnp.float32),
+            jnp.zeros(shape, jnp.float32),
+            jnp.zeros(shape + (d,), jnp.float32),
+            jnp.zeros(shape, bool),
         )
 
-        def split_step(split, states):
-            new = one_split(qt, seq, pos, ctx, split)
-            return tuple(
-                lax.dynamic_update_index_in_dim(a, x, split, 2) for a, x in zip(states, new, strict=True)
-            )
+        def split_step(split, carry):
+            use = jnp.broadcast_to(split_used(split, pos, spec)[:, None, None], shape)
+            return fold_step(carry, one_split(qt, seq, pos, ctx, split), use, exp2=jnp.exp2)
 
         # a loop up to the last split a token of the tile reaches: one compiled split for every
         # context length (a Python loop over the splits compiled one copy a split: 8 s for a
-        # 32k-token table at 64 tokens a step, 2 s at 1k)
+        # 32k-token table at 64 tokens a step, 2 s at 1k; unrolled, XLA also fused the fold
+        # differently for each split count - NUMERICS_VERSION 7)
         reached = jnp.clip(jnp.max(pos) // split_size + 1, 0, splits)
-        return lax.fori_loop(0, reached, split_step, states)
+        return fold_finish(lax.fori_loop(0, reached, split_step, carry))
 
-    m, l, acc = lax.map(tile, xs) if tp > CPU_TILE_T else (x[None] for x in tile(tuple(x[0] for x in xs)))
-    unt = lambda a: a.reshape((tp,) + a.shape[2:])[:t]
-    return unt(m), unt(l), unt(acc)
+    out = lax.map(tile, xs) if tp > CPU_TILE_T else tile(tuple(x[0] for x in xs))[None]
+    return out.reshape((tp,) + out.shape[2:])[:t]

@@ -294,8 +294,8 @@ def fold_step(carry, state, use, mul_add=None, mul=None, *, exp2):
     """The left fold of split states, one split: ``carry`` = (m, l, acc, started) with m, l,
     started [...] and acc [..., D]; ``state`` = the split's (m, l, acc); ``use`` [...] bool:
     whether each row uses this split. A row's first used split starts its fold as it is; a
-    later one is merged by the usual rescale. The one definition of the fold: the XLA fold
-    (``fold_splits``), the GPU split combiner and the GPU tile kernel all call it.
+    later one is merged by the usual rescale. The one definition of the fold: the CPU path
+    (``attention_cpu.attend``), the GPU split combiner and the GPU tile kernel all call it.
 
     Hooks (the Mosaic GPU kernel's roundings): the merge ``x * a + y * b`` is computed as
     ``mul_add(x, a, mul(y, b))`` when ``mul_add`` is given (``mul`` defaults to ``*``); without
@@ -327,30 +327,6 @@ def fold_finish(carry):
     """The folded output: acc / l for rows that used any split, zeros otherwise (padding)."""
     _, fl, facc, started = carry
     return jnp.where(expand(started, facc), facc / expand(jnp.where(started, fl, 1.0), facc), 0.0)
-
-
-def fold_splits(m, l, acc, pos, spec: AttentionSpec):
-    """Left fold of the per-split fp32 states m, l [T, Hkv, S, R], acc [T, Hkv, S, R, D] in
-    split order, over the splits each token uses (``fold_step``).
-
-    Which splits are used follows from the position alone (not from the values, so a NaN
-    in the data propagates instead of being dropped). Returns the normalised output
-    [T, Hkv, R, D] (zeros for padding tokens).
-    """
-    shape = m.shape[:2] + m.shape[3:]
-    carry = (m[:, :, 0], l[:, :, 0], acc[:, :, 0], jnp.zeros(shape, bool))
-
-    def step(carry, split):  # one compiled step for every split count (NUMERICS_VERSION 7)
-        s, state = split[0], split[1:]
-        use = jnp.broadcast_to(split_used(s, pos, spec)[:, None, None], shape)
-        return fold_step(carry, state, use, exp2=jnp.exp2), None
-
-    # A scan, not a Python loop: unrolled, XLA's CPU fusion of the fold (and so which multiply
-    # adds it contracts) changed with the split count S - the block-table width - so a token
-    # past the first split got other bits at another max_model_len or trainer row length.
-    splits = (jnp.arange(m.shape[2]), jnp.moveaxis(m, 2, 0), jnp.moveaxis(l, 2, 0), jnp.moveaxis(acc, 2, 0))
-    carry, _ = lax.scan(step, carry, splits)
-    return fold_finish(carry)
 
 
 PACKINGS = ("pow2", "dense")  # how a tile's rows hold tokens x query heads (``row_tiles``)
