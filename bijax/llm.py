@@ -20,7 +20,7 @@ from flax import nnx
 from bijax.config import EngineConfig, check_max_model_len
 from bijax.llm_engine import Engine
 from bijax.outputs import RequestOutput
-from bijax.prompts import as_numpy, refuse_traced
+from bijax.prompts import as_numpy
 from bijax.sampling_params import MAX_SEED, SamplingParams
 from bijax.speculative import SpeculativeConfig
 from bijax.step_programs import staged_inputs
@@ -437,7 +437,6 @@ class LLM:
             raise TypeError(
                 f"on_output must be a callable fn(i, out) or None, got {type(on_output).__name__}"
             )
-        refuse_traced(prompts, "generate")
         prompts = as_numpy(prompts)
         if isinstance(prompts, np.ndarray):  # token ids: 1-D one prompt, 2-D one per row
             if prompts.ndim not in (1, 2):
@@ -769,7 +768,6 @@ class LLM:
     def score(self, token_ids, prompt_lens, temperature: float = 1.0) -> list[np.ndarray]:
         """float32 logprob of each token at index >= prompt_len given the tokens before it;
         bit-equal to ``generate``'s logprobs for the same tokens and temperature."""
-        refuse_traced((token_ids, prompt_lens, temperature), "score")
         with self._exclusive("score"):
             self.engine.settle()
             self._follow_model("score")

@@ -20,7 +20,7 @@ from bijax.config import EngineConfig, bucket
 from bijax.detokenize import current_text, partial_text
 from bijax.model_runner import Chunk, Launched, ModelRunner, num_compiled_steps
 from bijax.outputs import CompletionOutput, RequestOutput, SpeculativeMetrics
-from bijax.prompts import ValidPrompt, refuse_traced
+from bijax.prompts import ValidPrompt
 from bijax.sampling_params import MAX_LOGPROBS, SamplingParams, check_temperature
 from bijax.scheduler import Scheduler
 from bijax.sequence import Sequence, Status
@@ -161,7 +161,6 @@ class Engine:
         max_model_len, KV pool);
         ValueError / TypeError naming the problem. The result goes to ``add_request`` as is."""
         self._require_open("validate")
-        refuse_traced(prompt, "validate")
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -781,7 +780,6 @@ class Engine:
     def score(self, token_ids, prompt_lens, temperature: float = 1.0) -> list[np.ndarray]:
         """float32 logprob of each token at index >= prompt_len given the tokens before it,
         under log_softmax(logits / T) (raw for T = 0) - bit-equal to generate's logprobs."""
-        refuse_traced((token_ids, prompt_lens, temperature), "score")
         self._require_idle("score")
         self.check_weights()
         check_temperature(temperature, scalar=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 
 from bijax.config import EngineConfig
@@ -21,26 +22,13 @@ class ValidPrompt:
     checked_by: object  # the validating engine's token (an object, so no id() can be reused)
 
 
-def refuse_traced(value, method: str) -> None:
-    """TypeError when ``value`` (prompts, a prompt, token ids: nested lists, tuples, dicts or
-    arrays) holds a value traced by ``jax.jit``, ``grad`` or ``vmap``: ``method`` runs its own
-    compiled programs on concrete values (inside a transformation it failed with errors about
-    lists or ``__array__``)."""
-    import jax
-
-    def traced(v) -> bool:
-        if isinstance(v, jax.core.Tracer):
-            return True
-        if isinstance(v, (list, tuple)):
-            return any(map(traced, v))
-        return isinstance(v, dict) and any(map(traced, v.values()))
-
-    if traced(value):
-        raise TypeError(
-            f"{method} cannot run inside jax.jit, grad or vmap (it got a traced value): it runs its own "
-            "compiled programs - call it outside the transformation, or use bijax.logprobs / "
-            "forward_packed inside one"
-        )
+# A prompt traced by a caller's ``jax.jit`` / ``grad`` / ``vmap`` (told apart only where a
+# conversion fails, so a concrete prompt pays nothing): it failed naming lists or ``__array__``.
+TRACED = (
+    "a prompt or its token ids are values traced by jax.jit, grad or vmap: generate and score run their "
+    "own compiled programs on concrete values - call them outside the transformation, or use "
+    "bijax.logprobs / forward_packed inside one"
+)
 
 
 def _scalar_int(t) -> bool:
@@ -57,6 +45,8 @@ def as_numpy(value):
     """``value`` as a numpy array if it is another array type (a JAX array of token ids is taken
     as numpy's); anything else - a str, dict, list, tuple or numpy array - as it is."""
     if not isinstance(value, (str, bytes, dict, list, tuple, np.ndarray)) and hasattr(value, "__array__"):
+        if isinstance(value, jax.core.Tracer):
+            raise TypeError(TRACED)
         return np.asarray(value)
     return value
 
@@ -98,10 +88,13 @@ def tokenize(tokenizer, prompt) -> tuple[str | None, list[int]]:
                 f"a prompt array must be 1-D int token ids, got shape {prompt.shape} dtype {prompt.dtype}"
             )
         return None, prompt.tolist()
+    items = None
     try:
         items = list(prompt)  # (once: an iterator is read a single time)
         ids = [int(t) for t in items]
     except (TypeError, ValueError):
+        if items is not None and any(isinstance(t, jax.core.Tracer) for t in items):
+            raise TypeError(TRACED) from None
         raise TypeError(
             f"a prompt must be a str or a list of int token ids, got {type(prompt).__name__}"
         ) from None

@@ -207,9 +207,9 @@ def kernel_op(name: str, **jit_kwargs):
 
     def wrap(fn):
         fn.__name__ = fn.__qualname__ = KERNEL_PREFIX + name
-        # (pinned inside, for whatever traces it, and around the call: a call under the
-        # caller's ``disable_jit`` runs the program, not its ops one by one)
-        jitted = jax.jit(pinned(fn), **jit_kwargs)
+        # (pinned around the call, which traces it: under a caller's ``disable_jit`` it runs
+        # the program, not its ops one by one)
+        jitted = jax.jit(fn, **jit_kwargs)
         call = pinned(jitted)
         call.lower = jitted.lower
         return call
